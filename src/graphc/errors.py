@@ -1,0 +1,18 @@
+"""The one exception type graphc raises for bad input.
+
+The CLI turns a `GraphcError` into a one-line message and exit status 2; anything else is a bug
+and keeps its traceback.
+"""
+
+
+class GraphcError(Exception):
+    """Bad input from the user: a config value, a checkpoint, an artifact. The message names the
+    offending field or value and says what is allowed."""
+
+
+class ConfigError(GraphcError):
+    """A `model.yaml` problem; the message starts with the key path."""
+
+
+class CheckpointError(GraphcError):
+    """A checkpoint problem: missing dir, unsupported architecture, missing or mis-shaped tensor."""

@@ -1,0 +1,162 @@
+"""Load HF-layout DeepSeek-V3 checkpoints (`config.json` + safetensors) into `DeepseekV3`.
+
+The on-disk names are the HF / DeepSeek ones. graphc's module uses the same names except the routed
+experts, which it stacks: `model.layers.{i}.mlp.experts.{e}.gate_proj.weight` for e in 0..E-1
+becomes `model.layers.{i}.mlp.experts.gate_proj` [E, I, D].
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from graphc.errors import CheckpointError
+from graphc.models.args import ModelArgs, model_args_from_hf_config, read_hf_config
+from graphc.models.deepseek_v3 import ROUTER_FP32_SUFFIXES, DeepseekV3
+
+STACKED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def load_model_args(checkpoint_dir: Path) -> ModelArgs:
+    return model_args_from_hf_config(read_hf_config(checkpoint_dir))
+
+
+def hf_tensor_names(graphc_name: str, experts: int) -> list[str]:
+    """The checkpoint tensor(s) that make up one graphc parameter, in stacking order."""
+    stacked = STACKED_EXPERT.match(graphc_name)
+    if stacked:
+        prefix, proj = stacked.groups()
+        return [f"{prefix}.{e}.{proj}.weight" for e in range(experts)]
+    return [graphc_name]
+
+
+def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF-layout checkpoint of `args` holds for the main layers, with its shape."""
+    with torch.device("meta"):
+        model = DeepseekV3(args)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and args.tie_word_embeddings:
+            continue
+        names = hf_tensor_names(name, args.n_routed_experts)
+        shape = tuple(tensor.shape[1:]) if STACKED_EXPERT.match(name) else tuple(tensor.shape)
+        shapes.update({n: shape for n in names})
+    return shapes
+
+
+def is_multi_token_prediction(name: str, args: ModelArgs) -> bool:
+    """MTP modules are stored as layers num_hidden_layers .. num_hidden_layers + n - 1."""
+    layer = LAYER_INDEX.match(name)
+    return bool(layer) and args.num_hidden_layers <= int(layer.group(1)) < (
+        args.num_hidden_layers + args.num_nextn_predict_layers
+    )
+
+
+def _tensor_files(checkpoint_dir: Path) -> dict[str, Path]:
+    """Map each stored tensor name to its safetensors file (single file or sharded index)."""
+    index = checkpoint_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object")
+        files = {name: checkpoint_dir / shard for name, shard in weight_map.items()}
+        for path in sorted(set(files.values())):
+            if not path.is_file():
+                raise CheckpointError(f"{index}: shard {path.name!r} is missing")
+        return files
+    single = checkpoint_dir / "model.safetensors"
+    if single.is_file():
+        with safe_open(single, "pt") as f:
+            return {name: single for name in f.keys()}
+    raise CheckpointError(
+        f"checkpoint dir {str(checkpoint_dir)!r} has no model.safetensors and no model.safetensors.index.json"
+    )
+
+
+def _summarise(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(sorted(names)[:limit])
+    return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
+
+
+def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DeepseekV3:
+    """Build `DeepseekV3` from an HF-layout checkpoint.
+
+    Args:
+        checkpoint_dir: directory with config.json and model.safetensors (or a sharded index).
+        dtype: parameter dtype; the router stays fp32.
+        device: where the parameters go; every tensor is checked to be there afterwards.
+
+    Raises:
+        CheckpointError: unsupported architecture, missing/unexpected tensor, wrong shape or dtype.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    args = load_model_args(checkpoint_dir)
+    if dtype not in SUPPORTED_DTYPES:
+        raise CheckpointError(f"dtype {dtype} is not supported; supported: float32, bfloat16, float16")
+    files = _tensor_files(checkpoint_dir)
+    fp8_scales = [n for n in files if n.endswith("weight_scale_inv")]
+    if fp8_scales:
+        raise CheckpointError(
+            f"{checkpoint_dir}: FP8 block-quantised weights ({fp8_scales[0]}, ...) are not supported yet; "
+            "convert the checkpoint to bf16 first"
+        )
+    expected = expected_tensors(args)
+    stored = {n for n in files if not is_multi_token_prediction(n, args)}
+    missing = sorted(set(expected) - stored)
+    if missing:
+        raise CheckpointError(f"{checkpoint_dir}: missing tensor(s) {_summarise(missing)}")
+    unexpected = sorted(stored - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{checkpoint_dir}: unexpected tensor(s) {_summarise(unexpected)}")
+
+    with torch.device("meta"):
+        model = DeepseekV3(args)
+    state: dict[str, Tensor] = {}
+    handles: dict[Path, object] = {}
+    try:
+        for name, meta in model.state_dict().items():
+            if name == "lm_head.weight" and args.tie_word_embeddings:
+                continue
+            target = torch.float32 if name.endswith(ROUTER_FP32_SUFFIXES) else dtype
+            parts = []
+            for hf_name in hf_tensor_names(name, args.n_routed_experts):
+                path = files[hf_name]
+                handle = handles.get(path) or handles.setdefault(path, safe_open(path, "pt").__enter__())
+                tensor = handle.get_tensor(hf_name)
+                if tuple(tensor.shape) != expected[hf_name]:
+                    raise CheckpointError(
+                        f"{path.name}: tensor {hf_name} has shape {list(tensor.shape)}, "
+                        f"expected {list(expected[hf_name])} from config.json"
+                    )
+                if tensor.dtype not in SUPPORTED_DTYPES:
+                    raise CheckpointError(
+                        f"{path.name}: tensor {hf_name} has dtype {tensor.dtype}; supported: float32, bfloat16, float16"
+                    )
+                parts.append(tensor.to(device=device, dtype=target))
+            state[name] = torch.stack(parts) if STACKED_EXPERT.match(name) else parts[0]
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+    if args.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.model.rotary_emb.to(device)
+    _check_device(model, torch.device(device))
+    return model.eval()
+
+
+def _check_device(model: DeepseekV3, device: torch.device) -> None:
+    wrong = [
+        f"{name} on {t.device}"
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.device.type != device.type
+    ]
+    if wrong:
+        raise CheckpointError(f"parameters not on {device} after loading: {_summarise(wrong)}")

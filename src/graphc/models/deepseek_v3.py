@@ -1,0 +1,340 @@
+"""DeepSeek-V3 on one device, over a paged KV cache.
+
+Every forward is one *step* in a uniform layout: B rows (sequences) of Q tokens each. A prefill
+chunk is B = 1, Q = chunk; a decode step is B = batch, Q = 1. Each token carries its absolute
+position and the flat pool slot its KV goes to (`ops.PADDING_SLOT` for padding); each row carries
+the block table of its sequence. The parallel-sensitive places (KV write, attention over the
+cache, MoE dispatch/combine) are `graphc::` ops, so the module never imports `torch.distributed`.
+
+Parameter names are the HF checkpoint names, except the routed experts, which are stacked into
+[E, ...] tensors (see `checkpoint.py`).
+
+Shape letters: B rows, Q tokens per row, T = B*Q tokens, D hidden, H heads, R kv_lora_rank,
+P qk_rope_head_dim, C = R + P, E routed experts, K experts per token, I expert width, V vocab,
+L layers, N pool blocks, S block size, M blocks per row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from graphc import ops
+from graphc.models.args import ModelArgs, RopeArgs, yarn_mscale
+
+ROUTER_FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+"""Router parameters stay fp32 whatever the model dtype, as DeepSeek (and transformers) keep them."""
+
+LATENT_NORM_EPS = 1e-6
+"""The q and kv LoRA norms use a fixed eps, not `rms_norm_eps` (DeepSeek and transformers alike)."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32, cast back, then scale: the order transformers uses, so bf16 rounds alike.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inverse_frequencies(rope: RopeArgs, dim: int) -> tuple[Tensor, float]:
+    """Inverse frequencies [dim/2] and the cos/sin attention factor (YaRN when configured).
+
+    Returns:
+        inv_freq: [P/2] fp32.
+        attention_factor: multiplier of cos and sin (1 without YaRN).
+    """
+    # Built on the CPU even under a meta-device context: the loader moves it with the module.
+    base = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)  # [P/2]
+    if rope.yarn_factor is None:
+        return 1.0 / base, 1.0
+    factor = rope.yarn_factor
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.yarn_original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.yarn_beta_fast), correction_dim(rope.yarn_beta_slow)
+    if rope.yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)  # [P/2]
+    extrapolate = 1 - ramp  # 1 keeps the original frequency, 0 interpolates it fully
+    inv_freq = (1.0 / (factor * base)) * (1 - extrapolate) + (1.0 / base) * extrapolate
+    if rope.yarn_attention_factor is not None:
+        attention_factor = float(rope.yarn_attention_factor)
+    elif rope.yarn_mscale and rope.yarn_mscale_all_dim:
+        attention_factor = yarn_mscale(factor, rope.yarn_mscale) / yarn_mscale(factor, rope.yarn_mscale_all_dim)
+    else:
+        attention_factor = yarn_mscale(factor)
+    return inv_freq, attention_factor
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, rope: RopeArgs, dim: int):
+        super().__init__()
+        inv_freq, self.attention_factor = rope_inverse_frequencies(rope, dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.interleave = rope.interleave
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin [B, Q, P/2] of every position."""
+        angles = positions.float()[..., None] * self.inv_freq  # [B, Q, P/2]
+        return (angles.cos() * self.attention_factor).to(dtype), (angles.sin() * self.attention_factor).to(dtype)
+
+    def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotate x [..., P]; cos/sin broadcast against x[..., P/2].
+
+        Interleaved pairs come out de-interleaved ([rotated evens, rotated odds]); queries and keys
+        get the same permutation, so their dot products are unchanged.
+        """
+        if self.interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: the dense layers' MLP and the shared experts."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid scores, bias-corrected group-limited top-k (DeepSeek-V3's auxiliary-loss-free routing)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(args.n_routed_experts))
+        self.top_k = args.num_experts_per_tok
+        self.n_group = args.n_group
+        self.topk_group = args.topk_group
+        self.norm_topk_prob = args.norm_topk_prob
+        self.routed_scaling_factor = args.routed_scaling_factor
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Route tokens x [T, D].
+
+        Returns:
+            weights: [T, K] fp32 combine weights of the chosen experts.
+            ids: [T, K] the chosen experts.
+        """
+        tokens = x.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        # The correction bias steers *which* experts are chosen, never how much they weigh.
+        choice = scores + self.e_score_correction_bias  # [T, E]
+        grouped = choice.view(tokens, self.n_group, -1)  # [T, G, E/G]
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        top_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
+        group_mask = torch.zeros_like(group_scores).scatter(1, top_groups, 1.0).bool()  # [T, G]
+        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(tokens, -1)  # [T, E]
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices  # [T, K]
+        weights = scores.gather(1, ids)  # [T, K]
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class RoutedExperts(nn.Module):
+    """The routed experts as stacked weights, computed densely over static shapes.
+
+    Every expert runs on every token and a [T, E] combine matrix (zero off the chosen experts)
+    weighs the results: no data-dependent shapes, so one graph serves every routing. Expert
+    parallelism shards the E axis.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        experts, dim, hidden = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
+        self.gate_proj = nn.Parameter(torch.empty(experts, hidden, dim))  # [E, I, D]
+        self.up_proj = nn.Parameter(torch.empty(experts, hidden, dim))  # [E, I, D]
+        self.down_proj = nn.Parameter(torch.empty(experts, dim, hidden))  # [E, D, I]
+
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """x [T, D], weights/ids [T, K] -> [T, D]."""
+        combine = torch.zeros(x.shape[0], self.gate_proj.shape[0], dtype=weights.dtype, device=x.device)
+        combine = combine.scatter(1, ids, weights)  # [T, E]
+        gate = torch.einsum("td,eid->eti", x, self.gate_proj)  # [E, T, I]
+        up = torch.einsum("td,eid->eti", x, self.up_proj)  # [E, T, I]
+        out = torch.einsum("eti,edi->etd", F.silu(gate) * up, self.down_proj)  # [E, T, D]
+        return torch.einsum("etd,te->td", out, combine.to(out.dtype))  # [T, D]
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate = Router(args)
+        self.experts = RoutedExperts(args)
+        self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [B, Q, D] -> [B, Q, D]."""
+        tokens = x.reshape(-1, x.shape[-1])  # [T, D]
+        # Routing happens after dispatch, so every rank routes the tokens it computes on.
+        dispatched = ops.moe_dispatch(tokens, "ep")  # [T * ep, D]
+        weights, ids = self.gate(dispatched)  # [T * ep, K]
+        routed = ops.moe_combine(self.experts(dispatched, weights, ids), "ep")  # [T, D]
+        return (routed + self.shared_experts(tokens)).view_as(x)
+
+
+class Attention(nn.Module):
+    """Multi-head latent attention in DeepSeek's absorbed form over the paged latent cache.
+
+    The cache holds, per token, the normalised KV latent [R] and the roped shared key [P]. The
+    key up-projection W_uk is folded into the query and the value up-projection W_uv applied
+    after attention, so keys and values are never expanded per head.
+    """
+
+    def __init__(self, args: ModelArgs, layer: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary
+        self.num_heads = args.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.kv_lora_rank = args.kv_lora_rank
+        self.softmax_scale = args.softmax_scale
+        q_width = self.num_heads * args.qk_head_dim
+        if args.q_lora_rank is None:
+            self.q_proj = nn.Linear(args.hidden_size, q_width, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(args.hidden_size, args.q_lora_rank, bias=args.attention_bias)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(args.q_lora_rank, q_width, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(args.hidden_size, args.kv_cache_dim, bias=args.attention_bias)
+        self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(args.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, args.hidden_size, bias=args.attention_bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: "StepInputs") -> Tensor:
+        """x [B, Q, D] -> [B, Q, D]; writes this layer's KV for the step's tokens first."""
+        rows, width = x.shape[:2]
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(rows, width, self.num_heads, -1)  # [B, Q, H, nope + P]
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rope = self.rotary.apply(q_rope, cos[:, :, None], sin[:, :, None])  # [B, Q, H, P]
+
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # [B, Q, R]
+        k_rope = self.rotary.apply(k_rope, cos, sin)  # [B, Q, P]
+        ops.kv_write(step.kv_pool, self.layer, torch.cat([latent, k_rope], dim=-1), step.slot_mapping)
+
+        kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = kv_b.split([self.nope_dim, self.v_dim], dim=1)  # [H, nope, R], [H, V, R]
+        q_latent = torch.einsum("bqhn,hnr->bqhr", q_nope, w_uk)  # [B, Q, H, R]
+        out_latent, _ = ops.paged_mla_attention(
+            q_latent, q_rope, step.kv_pool, self.layer, step.block_table, step.positions, self.softmax_scale
+        )  # [B, Q, H, R]
+        out = torch.einsum("bqhr,hvr->bqhv", out_latent, w_uv)  # [B, Q, H, V]
+        return self.o_proj(out.reshape(rows, width, self.num_heads * self.v_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Attention(args, layer, rotary)
+        hidden = args.intermediate_size
+        self.mlp = MoE(args) if args.is_moe_layer(layer) else MLP(args.hidden_size, hidden)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: "StepInputs") -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class StepInputs:
+    """The host metadata of one step (a plain holder so layer signatures stay short).
+
+    Attributes:
+        positions: [B, Q] int64 absolute position of each token.
+        block_table: [B, M] int32/int64 pool blocks of each row's sequence.
+        slot_mapping: [B, Q] int64 flat pool slot per token, `ops.PADDING_SLOT` for padding.
+        kv_pool: [L, N, S, C] the paged cache, written in place.
+    """
+
+    def __init__(self, positions: Tensor, block_table: Tensor, slot_mapping: Tensor, kv_pool: Tensor):
+        self.positions = positions
+        self.block_table = block_table
+        self.slot_mapping = slot_mapping
+        self.kv_pool = kv_pool
+
+
+class Backbone(nn.Module):
+    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.rotary_emb = RotaryEmbedding(args.rope, args.qk_rope_head_dim)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, self.rotary_emb) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class DeepseekV3(nn.Module):
+    """DeepSeek-V3 causal LM over a paged KV pool; one call is one step."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_kv_pool(self, num_blocks: int, block_size: int) -> Tensor:
+        """A zeroed pool [L, N, S, C] in the model dtype."""
+        args = self.args
+        shape = (args.num_hidden_layers, num_blocks, block_size, args.kv_cache_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.model.embed_tokens.weight.device)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        block_table: Tensor,
+        slot_mapping: Tensor,
+        kv_pool: Tensor,
+        logits_index: Tensor | None = None,
+    ) -> Tensor:
+        """One step.
+
+        Args:
+            input_ids: [B, Q] token ids.
+            positions, block_table, slot_mapping, kv_pool: see `StepInputs`.
+            logits_index: [B] which token of each row to compute logits for (its last real one);
+                None computes logits for every token.
+
+        Returns:
+            [B, V] logits, or [B, Q, V] when `logits_index` is None.
+        """
+        step = StepInputs(positions, block_table, slot_mapping, kv_pool)
+        x = self.model.embed_tokens(input_ids)  # [B, Q, D]
+        cos, sin = self.model.rotary_emb(positions, x.dtype)  # [B, Q, P/2]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, step)
+        if logits_index is not None:
+            x = x.gather(1, logits_index.view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)  # [B, D]
+        return self.lm_head(self.model.norm(x))

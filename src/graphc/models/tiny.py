@@ -1,0 +1,163 @@
+"""Tiny random DeepSeek-V3 checkpoints in real HF layout, for tests, CI and the README's demo.
+
+The presets together exercise every architecture feature graphc implements: q LoRA on and off,
+group-limited routing and plain top-k, dense first layers or none, YaRN with and without an
+mscale attention factor, interleaved and half-split RoPE, normalised and raw top-k weights,
+several shared experts, and a multi-token-prediction layer stored after the main layers (as
+DeepSeek's releases do) that loaders must skip.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from graphc.errors import GraphcError
+from graphc.models.args import model_args_from_hf_config
+from graphc.models.checkpoint import expected_tensors
+
+BASE_CONFIG: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 48,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_interleave": True,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 1,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "dtype": "float32",
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # q LoRA, 4 groups choose 2, one dense layer, plain RoPE.
+    "lora-groups": {},
+    # Direct q projection, plain top-k (one group), every layer MoE, YaRN, raw top-k weights.
+    "direct-q-yarn": {
+        "q_lora_rank": None,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 0,
+        "norm_topk_prob": False,
+        "rope_scaling": {
+            "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+        },
+    },
+    # YaRN whose cos/sin factor is not 1 (mscale != mscale_all_dim), half-split RoPE, 2 shared experts.
+    "yarn-mscale": {
+        "q_lora_rank": 32,
+        "n_group": 2,
+        "topk_group": 1,
+        "n_shared_experts": 2,
+        "rope_interleave": False,
+        "rope_scaling": {
+            "type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0,
+        },
+    },
+    # 16 routed experts in 4 groups, 4 per token: enough experts for a 16-way expert-parallel run.
+    "wide-16e": {
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 0,
+    },
+}
+DEFAULT_PRESET = "lora-groups"
+
+MTP_EXTRA_TENSORS = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",
+                     "shared_head.norm.weight", "shared_head.head.weight")
+
+
+def preset_config(preset: str) -> dict[str, Any]:
+    if preset not in PRESETS:
+        raise GraphcError(f"preset {preset!r} is unknown; available: {', '.join(PRESETS)}")
+    return {**BASE_CONFIG, **PRESETS[preset]}
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    # Unit-scale activations (std 1/sqrt(fan_in) weights) keep logits spread out, so greedy
+    # decoding is decisive and reference comparisons are meaningful.
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=generator)
+    if name.endswith("e_score_correction_bias"):
+        return 0.05 * torch.randn(shape, generator=generator)
+    if name.endswith("embed_tokens.weight"):
+        return torch.randn(shape, generator=generator)
+    return torch.randn(shape, generator=generator) / math.sqrt(shape[-1])
+
+
+def tiny_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Random fp32 tensors for every name the checkpoint holds, MTP layers included."""
+    args = model_args_from_hf_config(config)
+    shapes = expected_tensors(args)
+    last = args.num_hidden_layers - 1
+    for mtp in range(args.num_nextn_predict_layers):
+        # An MTP module is a full (MoE) decoder layer plus its own projections and head.
+        layer = args.num_hidden_layers + mtp
+        prefix = f"model.layers.{layer}."
+        for name, shape in list(shapes.items()):
+            if name.startswith(f"model.layers.{last}."):
+                shapes[prefix + name.removeprefix(f"model.layers.{last}.")] = shape
+        d, v = args.hidden_size, args.vocab_size
+        extra_shapes = [(v, d), (d,), (d,), (d, 2 * d), (d,), (v, d)]
+        shapes.update({prefix + n: s for n, s in zip(MTP_EXTRA_TENSORS, extra_shapes)})
+    generator = torch.Generator().manual_seed(seed)
+    return {name: _random_tensor(name, shapes[name], generator) for name in sorted(shapes)}
+
+
+def make_tiny_checkpoint(out: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0, force: bool = False) -> Path:
+    """Write config.json + model.safetensors for `preset` into `out`, atomically.
+
+    Raises:
+        GraphcError: unknown preset, or `out` exists and `force` is not set.
+    """
+    out = Path(out)
+    config = preset_config(preset)
+    if out.exists() and not force:
+        raise GraphcError(f"output {str(out)!r} already exists; pass --force to replace it")
+    tensors = tiny_tensors(config, seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out

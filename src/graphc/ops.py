@@ -1,0 +1,181 @@
+"""graphc:: custom ops: the places where parallel execution differs from one device.
+
+Each op is a `torch.library.custom_op` with a fake kernel, so `torch.export` keeps it as one
+`call_function` node (string and int arguments intact) that topology passes can find and rewrite.
+The real kernels here are the single-device semantics; collectives carry a *semantic* group name
+("cp", "ep", "world"), never a rank list.
+
+Shape letters: B rows (sequences) of a step, Q query tokens per row, H heads, R latent width,
+P rope width, C = R + P cached width, L layers, N pool blocks, S block size, M blocks per row,
+T tokens, D hidden size, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+PADDING_SLOT = -1
+"""Slot-mapping value of a padding token: its KV is not written."""
+
+
+@torch.library.custom_op("graphc::kv_write", mutates_args=("kv_pool",))
+def kv_write(kv_pool: Tensor, layer: int, kv: Tensor, slot_mapping: Tensor) -> None:
+    """Write each token's cached vector into its slot of the paged pool.
+
+    Args:
+        kv_pool: [L, N, S, C] the whole pool; slot s of layer l is `kv_pool[l].view(-1, C)[s]`.
+        layer: which layer's cache to write.
+        kv: [B, Q, C] the tokens' latent ++ roped key.
+        slot_mapping: [B, Q] flat slot per token; `PADDING_SLOT` leaves the pool untouched.
+    """
+    flat_pool = kv_pool[layer].view(-1, kv_pool.shape[-1])  # [N*S, C], a view: writes land in the pool
+    slots = slot_mapping.reshape(-1)  # [B*Q]
+    valid = slots != PADDING_SLOT
+    flat_pool[slots[valid]] = kv.reshape(-1, kv.shape[-1])[valid].to(kv_pool.dtype)
+
+
+@kv_write.register_fake
+def _(kv_pool: Tensor, layer: int, kv: Tensor, slot_mapping: Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("graphc::paged_mla_attention", mutates_args=())
+def paged_mla_attention(
+    q_latent: Tensor,
+    q_rope: Tensor,
+    kv_pool: Tensor,
+    layer: int,
+    block_table: Tensor,
+    positions: Tensor,
+    softmax_scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Absorbed multi-head latent attention of each row's queries over that row's paged cache.
+
+    A query at position p sees the row's cached tokens at positions 0..p (causal); the cache must
+    already hold them (`kv_write` runs first). Scores and softmax are fp32.
+
+    Args:
+        q_latent: [B, Q, H, R] queries projected into the latent space (q_nope @ W_uk).
+        q_rope: [B, Q, H, P] roped query part.
+        kv_pool: [L, N, S, C] the paged pool.
+        layer: which layer's cache to read.
+        block_table: [B, M] pool block of each row's i-th S positions.
+        positions: [B, Q] absolute position of each query.
+        softmax_scale: multiplier of the scores before softmax.
+
+    Returns:
+        out: [B, Q, H, R] softmax-weighted latent, in the query dtype.
+        lse: [B, Q, H] fp32 log-sum-exp of the scaled scores, so partial attentions over disjoint
+            key sets can be combined exactly.
+    """
+    num_blocks, block_size, cached_dim = kv_pool.shape[1:]
+    latent_dim = q_latent.shape[-1]
+    rows, blocks_per_row = block_table.shape
+    cache = kv_pool[layer]  # [N, S, C]
+    keys = cache[block_table.clamp(0, num_blocks - 1)]  # [B, M, S, C]
+    keys = keys.reshape(rows, blocks_per_row * block_size, cached_dim).float()  # [B, K, C]; key k sits at position k
+    latent, k_rope = keys.split([latent_dim, cached_dim - latent_dim], dim=-1)  # [B, K, R], [B, K, P]
+    scores = torch.einsum("bqhr,bkr->bqhk", q_latent.float(), latent)  # [B, Q, H, K]
+    scores = scores + torch.einsum("bqhp,bkp->bqhk", q_rope.float(), k_rope)
+    scores = scores * softmax_scale
+    key_positions = torch.arange(keys.shape[1], device=keys.device)  # [K]
+    visible = key_positions[None, None, None, :] <= positions[:, :, None, None]  # [B, Q, 1, K]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, Q, H]
+    probs = torch.exp(scores - lse[..., None])  # [B, Q, H, K]
+    out = torch.einsum("bqhk,bkr->bqhr", probs, latent)  # [B, Q, H, R]
+    return out.to(q_latent.dtype), lse
+
+
+@paged_mla_attention.register_fake
+def _(q_latent, q_rope, kv_pool, layer, block_table, positions, softmax_scale):
+    return torch.empty_like(q_latent), q_latent.new_empty(q_latent.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("graphc::moe_dispatch", mutates_args=())
+def moe_dispatch(hidden: Tensor, group: str) -> Tensor:
+    """Bring every token of the expert-parallel `group` to this rank before routing.
+
+    On one device the group has one member and this is the identity. Topology passes lower it to
+    an all-gather over the group, or remove it where the tokens are already replicated.
+
+    Args:
+        hidden: [T, D] this rank's tokens.
+        group: semantic group name ("ep").
+
+    Returns:
+        [T * group size, D] the group's tokens, rank-major.
+    """
+    return hidden.clone()
+
+
+@moe_dispatch.register_fake
+def _(hidden, group):
+    return torch.empty_like(hidden)
+
+
+@torch.library.custom_op("graphc::moe_combine", mutates_args=())
+def moe_combine(partial: Tensor, group: str) -> Tensor:
+    """Sum the routed-expert outputs of the `group` and return this rank's tokens.
+
+    On one device the identity. Lowered to a reduce-scatter (after `moe_dispatch`), or an
+    all-reduce where the tokens were already replicated.
+
+    Args:
+        partial: [T * group size, D] this rank's experts' contribution to every dispatched token.
+        group: semantic group name ("ep").
+
+    Returns:
+        [T, D] the summed expert output for this rank's tokens.
+    """
+    return partial.clone()
+
+
+@moe_combine.register_fake
+def _(partial, group):
+    return torch.empty_like(partial)
+
+
+@torch.library.custom_op("graphc::sample", mutates_args=())
+def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor) -> Tensor:
+    """Pick one token per row: greedy where temperature is 0, else sampling with top-k / top-p.
+
+    Sampling uses the Gumbel-max trick with noise drawn from a per-row generator seeded by `seed`,
+    so the same (logits, seed) always gives the same token, whatever else is in the batch.
+
+    Args:
+        logits: [B, V].
+        temperature: [B] fp32; 0 means greedy.
+        top_k: [B] int64; 0 means no top-k limit.
+        top_p: [B] fp32 in (0, 1]; 1 means no nucleus limit.
+        seed: [B] int64 per-row noise seed (the host mixes request seed and step).
+
+    Returns:
+        [B] int64 token ids.
+    """
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    if not bool((temperature > 0).any()):
+        return greedy
+    scaled = logits / temperature.clamp_min(1e-6)[:, None]  # [B, V]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, V]
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]  # [1, V]
+    drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+    # Nucleus: keep the smallest prefix whose probability reaches top_p (the first token always stays).
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    noise = torch.stack([
+        torch.rand(logits.shape[-1], generator=torch.Generator().manual_seed(int(s)), dtype=torch.float32)
+        for s in seed.tolist()
+    ]).to(logits.device)  # [B, V]
+    gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
+    sampled = order.gather(-1, (sorted_logits + gumbel).argmax(dim=-1, keepdim=True)).squeeze(-1)
+    return torch.where(temperature > 0, sampled, greedy)
+
+
+@sample.register_fake
+def _(logits, temperature, top_k, top_p, seed):
+    return logits.new_empty(logits.shape[:-1], dtype=torch.int64)
