@@ -1,0 +1,267 @@
+"""`model.yaml`: the schema and its strict loader.
+
+The file mirrors these dataclasses section by section; every field's docstring is its
+documentation. Loading is strict: an unknown key, a wrong type or an impossible value raises
+`ConfigError` naming the key path (`buckets.prefill[2]`), the value and what is allowed.
+Relative paths resolve against the YAML file's directory.
+
+Example:
+
+    model:
+      checkpoint: ./tiny-ckpt
+      dtype: float32
+    topology: {cp: 1, ep: 1}
+    buckets:
+      prefill: [16, 64]
+      decode: [1, 4, 8]
+      prompt_as_decode: 4
+      context_limit: 256
+    kv_cache: {block_size: 16, num_blocks: 64}
+    runtime:
+      max_num_prefilling_tokens: 64
+      sampling: {temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0}
+    backend: export
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from graphc.errors import ConfigError, GraphcError
+from graphc.models.args import model_args_from_hf_config, read_hf_config
+
+DTYPES = ("float32", "bfloat16")
+BACKENDS = ("export", "inductor", "neuron")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    checkpoint: Path
+    """Directory of an HF-layout checkpoint (config.json + safetensors); relative to the YAML file."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and activation dtype; the router always runs in float32."""
+
+
+@dataclass(frozen=True)
+class TopologySection:
+    cp: int = 1
+    """Context-parallel ranks: prompt chunks replicated, KV cache sharded by sequence."""
+    ep: int = 1
+    """Expert-parallel ranks per group; must divide `cp` (the world) and the routed experts."""
+
+
+@dataclass(frozen=True)
+class BucketsSection:
+    prefill: list[int]
+    """Prefill chunk sizes in tokens: one graph each. Sorted on load; each <= `context_limit`."""
+    decode: list[int]
+    """Decode batch sizes (sequences per step): one graph each."""
+    context_limit: int
+    """Longest sequence (prompt + generated tokens) served; <= the model's max positions."""
+    prompt_as_decode: int = 0
+    """Prompts (or chunk tails) of at most this many tokens run through decode-shaped graphs;
+    0 disables the prompt-as-decode bucket."""
+
+
+@dataclass(frozen=True)
+class KVCacheSection:
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int = 256
+    """Blocks in the pool (overridable at run time by GRAPHC_NUM_KV_BLOCKS); must hold at least
+    one sequence of `buckets.context_limit` tokens."""
+
+
+@dataclass(frozen=True)
+class SamplingSection:
+    temperature: float = 0.0
+    """0 is greedy; otherwise logits are divided by it before sampling."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p; in (0, 1]."""
+    seed: int = 0
+    """Seed of the sampling noise (per request, mixed with the step)."""
+
+
+@dataclass(frozen=True)
+class RuntimeSection:
+    max_num_prefilling_tokens: int = 512
+    """Prompt tokens prefilled per step across requests (not divided by cp: chunks run
+    replicated on every CP rank)."""
+    max_new_tokens: int = 32
+    """Default cap on generated tokens per request."""
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+    """Default sampling parameters of a request."""
+
+
+@dataclass(frozen=True)
+class GraphcConfig:
+    """A whole `model.yaml`."""
+
+    model: ModelSection
+    """What to serve."""
+    buckets: BucketsSection
+    """The static shapes to compile."""
+    topology: TopologySection = field(default_factory=TopologySection)
+    """How ranks split the work."""
+    kv_cache: KVCacheSection = field(default_factory=KVCacheSection)
+    """The paged KV pool."""
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    """Scheduler and sampling defaults."""
+    backend: Literal["export", "inductor", "neuron"] = "export"
+    """How graphs are compiled: torch.export .pt2, AOTInductor packages, or Neuron NEFFs."""
+    source: Path | None = None
+    """The YAML file this was loaded from (set by the loader, not a key)."""
+
+
+def load_config(path: str | Path) -> GraphcConfig:
+    """Read, type-check and validate a `model.yaml` (including against the checkpoint's config.json)."""
+    path = Path(path)
+    if not path.is_file():
+        raise GraphcError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    config = parse_config(data, base_dir=path.parent)
+    return dataclasses.replace(config, source=path)
+
+
+def parse_config(data: Any, base_dir: Path) -> GraphcConfig:
+    config = _build(GraphcConfig, data, "", base_dir)
+    validate(config)
+    buckets = dataclasses.replace(config.buckets, prefill=sorted(config.buckets.prefill), decode=sorted(config.buckets.decode))
+    return dataclasses.replace(config, buckets=buckets)
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", Path: "a path"}.get(tp, str(tp))
+
+
+def _build(tp: Any, value: Any, path: str, base_dir: Path) -> Any:
+    """Convert YAML data to `tp`, naming `path` in every error."""
+    where = path or "<top level>"
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        hints = typing.get_type_hints(tp)
+        fields = {f.name: f for f in dataclasses.fields(tp) if f.name != "source"}
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            key = f"{path}.{unknown[0]}" if path else str(unknown[0])
+            raise ConfigError(f"{key}: unknown key; allowed here: {', '.join(fields)}")
+        kwargs = {}
+        for name, f in fields.items():
+            key = f"{path}.{name}" if path else name
+            if name in value:
+                kwargs[name] = _build(hints[name], value[name], key, base_dir)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{key}: required key is missing ({_describe(hints[name])})")
+        return tp(**kwargs)
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}: {value!r} is not allowed; expected {_describe(tp)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected {_describe(tp)}, got {value!r}")
+        return [_build(typing.get_args(tp)[0], v, f"{path}[{i}]", base_dir) for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return None if value is None else _build(inner[0], value, path, base_dir)
+    # bool is an int in Python; YAML `true` must not pass as a size.
+    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is bool and not isinstance(value, bool):
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is Path:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{where}: expected a path string, got {value!r}")
+        return (base_dir / value).resolve()
+    if tp is float:
+        return float(value)
+    return value
+
+
+def validate(config: GraphcConfig) -> None:
+    """Cross-field checks, and checks against the checkpoint's config.json."""
+    b, kv, rt, topo = config.buckets, config.kv_cache, config.runtime, config.topology
+    _positive("buckets.context_limit", b.context_limit)
+    for section, sizes in (("buckets.prefill", b.prefill), ("buckets.decode", b.decode)):
+        if not sizes:
+            raise ConfigError(f"{section}: must list at least one size")
+        for i, size in enumerate(sizes):
+            _positive(f"{section}[{i}]", size)
+        duplicates = sorted({s for s in sizes if sizes.count(s) > 1})
+        if duplicates:
+            raise ConfigError(f"{section}: size {duplicates[0]} is listed twice; sizes must be unique")
+    for i, size in enumerate(b.prefill):
+        if size > b.context_limit:
+            raise ConfigError(
+                f"buckets.prefill[{i}]: {size} is larger than buckets.context_limit ({b.context_limit}); "
+                "each prefill chunk must be <= context_limit"
+            )
+    if not 0 <= b.prompt_as_decode <= b.context_limit:
+        raise ConfigError(
+            f"buckets.prompt_as_decode: {b.prompt_as_decode} must be in 0..context_limit ({b.context_limit})"
+        )
+    _positive("kv_cache.block_size", kv.block_size)
+    _positive("kv_cache.num_blocks", kv.num_blocks)
+    if kv.num_blocks * kv.block_size < b.context_limit:
+        raise ConfigError(
+            f"kv_cache.num_blocks: {kv.num_blocks} blocks * block_size {kv.block_size} = "
+            f"{kv.num_blocks * kv.block_size} tokens cannot hold one sequence of context_limit "
+            f"{b.context_limit}; need at least {-(-b.context_limit // kv.block_size)} blocks"
+        )
+    _positive("runtime.max_num_prefilling_tokens", rt.max_num_prefilling_tokens)
+    _positive("runtime.max_new_tokens", rt.max_new_tokens)
+    s = rt.sampling
+    if s.temperature < 0:
+        raise ConfigError(f"runtime.sampling.temperature: {s.temperature} must be >= 0 (0 is greedy)")
+    if s.top_k < 0:
+        raise ConfigError(f"runtime.sampling.top_k: {s.top_k} must be >= 0 (0 keeps all tokens)")
+    if not 0 < s.top_p <= 1:
+        raise ConfigError(f"runtime.sampling.top_p: {s.top_p} must be in (0, 1]")
+    _positive("topology.cp", topo.cp)
+    _positive("topology.ep", topo.ep)
+    if topo.cp % topo.ep:
+        raise ConfigError(
+            f"topology.ep: {topo.ep} must divide the world size (cp = {topo.cp}); {topo.cp} % {topo.ep} = "
+            f"{topo.cp % topo.ep}"
+        )
+    try:
+        args = model_args_from_hf_config(read_hf_config(config.model.checkpoint))
+    except GraphcError as e:
+        raise ConfigError(f"model.checkpoint: {e}") from None
+    if args.n_routed_experts % topo.ep:
+        raise ConfigError(
+            f"topology.ep: {topo.ep} must divide the checkpoint's n_routed_experts ({args.n_routed_experts}); "
+            f"{args.n_routed_experts} % {topo.ep} = {args.n_routed_experts % topo.ep}"
+        )
+    if b.context_limit > args.max_position_embeddings:
+        raise ConfigError(
+            f"buckets.context_limit: {b.context_limit} exceeds the checkpoint's max_position_embeddings "
+            f"({args.max_position_embeddings})"
+        )
+
+
+def _positive(key: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key}: {value} must be a positive integer")

@@ -1,0 +1,93 @@
+"""Host-side bookkeeping of the paged KV pool: block allocation and per-step slot metadata.
+
+Pure Python plus small tensors, shared by the eager reference and the runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from graphc.errors import GraphcError
+from graphc.ops import PADDING_SLOT
+
+
+class OutOfBlocks(GraphcError):
+    """The pool cannot hold a request; the message says how many blocks it needs and has."""
+
+
+class BlockAllocator:
+    """A free list over the pool's `num_blocks` blocks."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise OutOfBlocks(f"KV pool exhausted: need {count} more block(s), {len(self._free)} free "
+                              f"of {self.num_blocks}; raise kv_cache.num_blocks or GRAPHC_NUM_KV_BLOCKS")
+        return [self._free.pop() for _ in range(count)]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+@dataclass
+class SequenceBlocks:
+    """The blocks one sequence owns, grown on demand as it gets longer."""
+
+    block_size: int
+    blocks: list[int] = field(default_factory=list)
+
+    def reserve(self, length: int, allocator: BlockAllocator) -> None:
+        """Make room for positions 0..length-1."""
+        needed = -(-length // self.block_size) - len(self.blocks)
+        if needed > 0:
+            self.blocks.extend(allocator.allocate(needed))
+
+    def slot(self, position: int) -> int:
+        return self.blocks[position // self.block_size] * self.block_size + position % self.block_size
+
+
+def step_metadata(
+    rows: list[tuple[SequenceBlocks, list[int], int]],
+    width: int,
+    blocks_per_row: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Pack one step's rows into the model's [B, Q] layout.
+
+    Args:
+        rows: per row (its blocks, the token ids to run, the position of the first of them).
+            Blocks must already be reserved for those positions.
+        width: Q, tokens per row; shorter rows are padded.
+        blocks_per_row: M, width of the block table.
+
+    Returns:
+        input_ids [B, Q], positions [B, Q], block_table [B, M], slot_mapping [B, Q] and
+        logits_index [B] (each row's last real token). Padding tokens repeat the row's last
+        position, so they attend only to keys that exist, and their slot is `PADDING_SLOT`.
+    """
+    count = len(rows)
+    input_ids = torch.zeros(count, width, dtype=torch.int64)
+    positions = torch.zeros(count, width, dtype=torch.int64)
+    block_table = torch.zeros(count, blocks_per_row, dtype=torch.int64)
+    slot_mapping = torch.full((count, width), PADDING_SLOT, dtype=torch.int64)
+    logits_index = torch.zeros(count, dtype=torch.int64)
+    for b, (seq, tokens, start) in enumerate(rows):
+        n = len(tokens)
+        if not 0 < n <= width:
+            raise ValueError(f"row {b} has {n} tokens; a step row holds 1..{width}")
+        input_ids[b, :n] = torch.tensor(tokens)
+        positions[b, :n] = torch.arange(start, start + n)
+        positions[b, n:] = start + n - 1
+        slot_mapping[b, :n] = torch.tensor([seq.slot(p) for p in range(start, start + n)])
+        block_table[b, : len(seq.blocks)] = torch.tensor(seq.blocks)
+        logits_index[b] = n - 1
+    return input_ids, positions, block_table, slot_mapping, logits_index

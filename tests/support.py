@@ -1,0 +1,29 @@
+"""Helpers shared by test modules (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+def load_hf(path: Path, dtype: torch.dtype = torch.float32):
+    from transformers import DeepseekV3ForCausalLM
+
+    return DeepseekV3ForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def rewrite_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' `generate`, greedy, with EOS disabled so exactly `new_tokens` come back."""
+    from transformers import GenerationConfig
+
+    # A checkpoint's generation_config.json would re-supply its EOS; override the model's copy.
+    model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=0, do_sample=False)
+    return out[0, len(prompt):].tolist()
