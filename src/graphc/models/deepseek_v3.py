@@ -175,7 +175,8 @@ class RoutedExperts(nn.Module):
         gate = torch.einsum("td,eid->eti", x, self.gate_proj)  # [E, T, I]
         up = torch.einsum("td,eid->eti", x, self.up_proj)  # [E, T, I]
         out = torch.einsum("eti,edi->etd", F.silu(gate) * up, self.down_proj)  # [E, T, D]
-        return torch.einsum("etd,te->td", out, combine.to(out.dtype))  # [T, D]
+        # Weigh and sum the experts in fp32 (the weights are fp32): one rounding, not E of them.
+        return torch.einsum("etd,te->td", out.float(), combine).to(x.dtype)  # [T, D]
 
 
 class MoE(nn.Module):
@@ -241,11 +242,13 @@ class Attention(nn.Module):
 
         kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = kv_b.split([self.nope_dim, self.v_dim], dim=1)  # [H, nope, R], [H, V, R]
-        q_latent = torch.einsum("bqhn,hnr->bqhr", q_nope, w_uk)  # [B, Q, H, R]
+        # The absorbed projections run in fp32: in bf16 they would round the latent query and the
+        # latent output, two roundings the unabsorbed form does not have.
+        q_latent = torch.einsum("bqhn,hnr->bqhr", q_nope.float(), w_uk.float())  # [B, Q, H, R]
         out_latent, _ = ops.paged_mla_attention(
             q_latent, q_rope, step.kv_pool, self.layer, step.block_table, step.positions, self.softmax_scale
-        )  # [B, Q, H, R]
-        out = torch.einsum("bqhr,hvr->bqhv", out_latent, w_uv)  # [B, Q, H, V]
+        )  # [B, Q, H, R] fp32
+        out = torch.einsum("bqhr,hvr->bqhv", out_latent, w_uv.float()).to(x.dtype)  # [B, Q, H, V]
         return self.o_proj(out.reshape(rows, width, self.num_heads * self.v_dim))
 
 
