@@ -1,0 +1,26 @@
+"""The README's commands are what CI runs and what a new user types."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bash_blocks() -> list[str]:
+    return re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    test_commands = [b for b in _bash_blocks() if "pytest" in b]
+    assert len(test_commands) == 1
+    assert test_commands[0] in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_readme_main_command_uses_the_example_config_and_the_venv():
+    main = [b for b in _bash_blocks() if "make-tiny" in b]
+    assert len(main) == 1
+    assert "python3 -m venv .venv" in main[0]
+    example = re.search(r"generate (\S+\.yaml)", main[0]).group(1)
+    assert (ROOT / example).is_file()
