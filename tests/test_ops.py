@@ -132,3 +132,25 @@ def test_moe_collectives_are_identity_on_one_device(op):
     x = torch.randn(5, 7)
     y = getattr(ops, op)(x, "ep")
     assert torch.equal(x, y) and y.data_ptr() != x.data_ptr()
+
+
+def test_real_kernels_return_the_contiguous_layout_their_fakes_promise():
+    """Compilers trust fake strides; a permuted input must not make a real output permuted."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q_latent = torch.randn(3, 2, H, R).permute(1, 0, 2, 3)  # [2, 3, H, R], non-contiguous
+    q_rope = torch.randn(2, 3, H, P)
+    hidden = torch.randn(7, 5).t()  # [5, 7], non-contiguous
+    calls = {
+        "paged_mla_attention": lambda: ops.paged_mla_attention(
+            q_latent, q_rope, _pool(), 0, torch.tensor([[0, 1], [2, 3]]), torch.tensor([[1, 2, 3]] * 2), 0.5),
+        "moe_dispatch": lambda: (ops.moe_dispatch(hidden, "ep"),),
+        "moe_combine": lambda: (ops.moe_combine(hidden, "ep"),),
+    }
+    for name, call in calls.items():
+        real = call()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake = call()
+        for r, f in zip(real, fake):
+            assert r.is_contiguous(), name
+            assert r.stride() == f.stride(), name

@@ -110,8 +110,8 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise GraphcError(f"prompt {i}: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
-    click.echo(_describe_config(config), err=True)
     model = load_model(config.model.checkpoint, dtype=getattr(torch, config.model.dtype))
+    click.echo(_describe_config(config), err=True)  # echoed once everything is known to be valid
     s = config.runtime.sampling
     outputs = run_generate(
         model, prompts, limit,

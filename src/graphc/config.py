@@ -130,7 +130,10 @@ def load_config(path: str | Path) -> GraphcConfig:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}: not valid YAML{at}: {problem}") from None
     config = parse_config(data, base_dir=path.parent)
     return dataclasses.replace(config, source=path)
 
@@ -160,7 +163,7 @@ def _build(tp: Any, value: Any, path: str, base_dir: Path) -> Any:
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         hints = typing.get_type_hints(tp)
         fields = {f.name: f for f in dataclasses.fields(tp) if f.name != "source"}
-        unknown = sorted(set(value) - set(fields))
+        unknown = sorted(set(value) - set(fields), key=str)
         if unknown:
             key = f"{path}.{unknown[0]}" if path else str(unknown[0])
             raise ConfigError(f"{key}: unknown key; allowed here: {', '.join(fields)}")
@@ -233,7 +236,7 @@ def validate(config: GraphcConfig) -> None:
     _positive("runtime.max_num_prefilling_tokens", rt.max_num_prefilling_tokens)
     _positive("runtime.max_new_tokens", rt.max_new_tokens)
     s = rt.sampling
-    if s.temperature < 0:
+    if not s.temperature >= 0:  # also catches NaN
         raise ConfigError(f"runtime.sampling.temperature: {s.temperature} must be >= 0 (0 is greedy)")
     if s.top_k < 0:
         raise ConfigError(f"runtime.sampling.top_k: {s.top_k} must be >= 0 (0 keeps all tokens)")

@@ -5,6 +5,10 @@ Each op is a `torch.library.custom_op` with a fake kernel, so `torch.export` kee
 The real kernels here are the single-device semantics; collectives carry a *semantic* group name
 ("cp", "ep", "world"), never a rank list.
 
+Every op returns contiguous tensors, from its real kernel and its fake alike: compilers trust the
+fake's strides, and a real output laid out differently is read as garbage (seen with AOTInductor
+when a fake used `empty_like` of a permuted input).
+
 Shape letters: B rows (sequences) of a step, Q query tokens per row, H heads, R latent width,
 P rope width, C = R + P cached width, L layers, N pool blocks, S block size, M blocks per row,
 T tokens, D hidden size, V vocab.
@@ -85,12 +89,12 @@ def paged_mla_attention(
     lse = torch.logsumexp(scores, dim=-1)  # [B, Q, H]
     probs = torch.exp(scores - lse[..., None])  # [B, Q, H, K]
     out = torch.einsum("bqhk,bkr->bqhr", probs, latent)  # [B, Q, H, R]
-    return out.to(q_latent.dtype), lse
+    return out.to(q_latent.dtype).contiguous(), lse.contiguous()
 
 
 @paged_mla_attention.register_fake
 def _(q_latent, q_rope, kv_pool, layer, block_table, positions, softmax_scale):
-    return torch.empty_like(q_latent), q_latent.new_empty(q_latent.shape[:-1], dtype=torch.float32)
+    return q_latent.new_empty(q_latent.shape), q_latent.new_empty(q_latent.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("graphc::moe_dispatch", mutates_args=())
@@ -107,12 +111,12 @@ def moe_dispatch(hidden: Tensor, group: str) -> Tensor:
     Returns:
         [T * group size, D] the group's tokens, rank-major.
     """
-    return hidden.clone()
+    return hidden.clone(memory_format=torch.contiguous_format)
 
 
 @moe_dispatch.register_fake
 def _(hidden, group):
-    return torch.empty_like(hidden)
+    return hidden.new_empty(hidden.shape)
 
 
 @torch.library.custom_op("graphc::moe_combine", mutates_args=())
@@ -129,12 +133,12 @@ def moe_combine(partial: Tensor, group: str) -> Tensor:
     Returns:
         [T, D] the summed expert output for this rank's tokens.
     """
-    return partial.clone()
+    return partial.clone(memory_format=torch.contiguous_format)
 
 
 @moe_combine.register_fake
 def _(partial, group):
-    return torch.empty_like(partial)
+    return partial.new_empty(partial.shape)
 
 
 @torch.library.custom_op("graphc::sample", mutates_args=())

@@ -161,14 +161,19 @@ def read_hf_config(checkpoint_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; an HF-layout checkpoint needs config.json beside its safetensors")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
 def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
     """Translate an HF DeepSeek-V3 `config.json` into `ModelArgs`, refusing other architectures."""
     architectures = config.get("architectures") or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
     model_type = config.get("model_type")
     if not any(a in SUPPORTED_ARCHITECTURES for a in architectures) and model_type not in SUPPORTED_MODEL_TYPES:
         named = ", ".join(architectures) or f"model_type {model_type!r}"

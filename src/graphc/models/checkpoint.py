@@ -7,6 +7,7 @@ becomes `model.layers.{i}.mlp.experts.gate_proj` [E, I, D].
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -59,22 +60,39 @@ def is_multi_token_prediction(name: str, args: ModelArgs) -> bool:
     )
 
 
+def _stored_names(path: Path) -> list[str]:
+    """Tensor names in one safetensors file (reads the header only)."""
+    try:
+        with safe_open(path, "pt") as f:
+            return list(f.keys())
+    except Exception as e:  # safetensors raises its own error type for corrupt headers
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
 def _tensor_files(checkpoint_dir: Path) -> dict[str, Path]:
     """Map each stored tensor name to its safetensors file (single file or sharded index)."""
     index = checkpoint_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        try:
+            index_data = json.loads(index.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+        weight_map = index_data.get("weight_map") if isinstance(index_data, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no 'weight_map' object")
         files = {name: checkpoint_dir / shard for name, shard in weight_map.items()}
         for path in sorted(set(files.values())):
             if not path.is_file():
                 raise CheckpointError(f"{index}: shard {path.name!r} is missing")
+            listed = {name for name, shard in files.items() if shard == path}
+            absent = sorted(listed - set(_stored_names(path)))
+            if absent:
+                raise CheckpointError(f"{index}: shard {path.name!r} lacks tensor(s) {_summarise(absent)} "
+                                      "that the weight_map places there")
         return files
     single = checkpoint_dir / "model.safetensors"
     if single.is_file():
-        with safe_open(single, "pt") as f:
-            return {name: single for name in f.keys()}
+        return {name: single for name in _stored_names(single)}
     raise CheckpointError(
         f"checkpoint dir {str(checkpoint_dir)!r} has no model.safetensors and no model.safetensors.index.json"
     )
@@ -98,6 +116,8 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     """
     checkpoint_dir = Path(checkpoint_dir)
     args = load_model_args(checkpoint_dir)
+    if torch.device(device).type == "meta":
+        raise CheckpointError("device 'meta' holds no data; load onto a real device (e.g. 'cpu')")
     if dtype not in SUPPORTED_DTYPES:
         raise CheckpointError(f"dtype {dtype} is not supported; supported: float32, bfloat16, float16")
     files = _tensor_files(checkpoint_dir)
@@ -112,6 +132,8 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     missing = sorted(set(expected) - stored)
     if missing:
         raise CheckpointError(f"{checkpoint_dir}: missing tensor(s) {_summarise(missing)}")
+    if args.tie_word_embeddings:
+        stored.discard("lm_head.weight")  # a tied head may be stored too; the embedding is what counts
     unexpected = sorted(stored - set(expected))
     if unexpected:
         raise CheckpointError(f"{checkpoint_dir}: unexpected tensor(s) {_summarise(unexpected)}")
@@ -119,37 +141,32 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     with torch.device("meta"):
         model = DeepseekV3(args)
     state: dict[str, Tensor] = {}
-    handles: dict[Path, object] = {}
-    try:
-        for name, meta in model.state_dict().items():
+    with contextlib.ExitStack() as stack:
+        handles = {path: stack.enter_context(safe_open(path, "pt")) for path in sorted(set(files.values()))}
+        for name in model.state_dict():
             if name == "lm_head.weight" and args.tie_word_embeddings:
                 continue
             target = torch.float32 if name.endswith(ROUTER_FP32_SUFFIXES) else dtype
-            parts = []
-            for hf_name in hf_tensor_names(name, args.n_routed_experts):
-                path = files[hf_name]
-                handle = handles.get(path) or handles.setdefault(path, safe_open(path, "pt").__enter__())
-                tensor = handle.get_tensor(hf_name)
-                if tuple(tensor.shape) != expected[hf_name]:
-                    raise CheckpointError(
-                        f"{path.name}: tensor {hf_name} has shape {list(tensor.shape)}, "
-                        f"expected {list(expected[hf_name])} from config.json"
-                    )
-                if tensor.dtype not in SUPPORTED_DTYPES:
-                    raise CheckpointError(
-                        f"{path.name}: tensor {hf_name} has dtype {tensor.dtype}; supported: float32, bfloat16, float16"
-                    )
-                parts.append(tensor.to(device=device, dtype=target))
+            parts = [_read_tensor(handles, files[n], n, expected[n]).to(device=device, dtype=target)
+                     for n in hf_tensor_names(name, args.n_routed_experts)]
             state[name] = torch.stack(parts) if STACKED_EXPERT.match(name) else parts[0]
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
     if args.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     model.model.rotary_emb.to(device)
     _check_device(model, torch.device(device))
     return model.eval()
+
+
+def _read_tensor(handles: dict, path: Path, name: str, shape: tuple[int, ...]) -> Tensor:
+    tensor = handles[path].get_tensor(name)
+    if tuple(tensor.shape) != shape:
+        raise CheckpointError(
+            f"{path.name}: tensor {name} has shape {list(tensor.shape)}, expected {list(shape)} from config.json"
+        )
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise CheckpointError(f"{path.name}: tensor {name} has dtype {tensor.dtype}; supported: float32, bfloat16, float16")
+    return tensor
 
 
 def _check_device(model: DeepseekV3, device: torch.device) -> None:

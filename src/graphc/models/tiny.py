@@ -9,6 +9,7 @@ DeepSeek's releases do) that loaders must skip.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -104,7 +105,7 @@ MTP_EXTRA_TENSORS = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_
 def preset_config(preset: str) -> dict[str, Any]:
     if preset not in PRESETS:
         raise GraphcError(f"preset {preset!r} is unknown; available: {', '.join(PRESETS)}")
-    return {**BASE_CONFIG, **PRESETS[preset]}
+    return copy.deepcopy({**BASE_CONFIG, **PRESETS[preset]})
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
