@@ -93,7 +93,8 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
     import torch
 
     from graphc.config import load_config
-    from graphc.generate import PagedKV, Sampling, generate as run_generate
+    from graphc.generate import PagedKV, generate as run_generate
+    from graphc.sampling import Sampling
     from graphc.models.checkpoint import load_model, load_model_args
 
     config = load_config(config_path)
@@ -124,6 +125,139 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
             click.echo(json.dumps({"prompt_ids": prompt, "output_ids": tokens}))
         else:
             click.echo(" ".join(map(str, tokens)))
+
+
+@cli.command("compile")
+@click.argument("config_path", metavar="MODEL_YAML", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path), help="Artifacts directory to write.")
+@click.option("--backend", type=click.Choice(["export", "inductor", "neuron"]), default=None,
+              help="Overrides model.yaml's backend.")
+@click.option("--disable-pass", "disabled", multiple=True, help="Skip a pass by name (debugging); repeatable.")
+@click.option("--dump-graphs", type=click.Path(path_type=Path), default=None,
+              help="Write each graph before and after every pass into this directory.")
+@click.option("--verify-passes", is_flag=True, help="Run the graph verifier between passes.")
+@click.option("--jobs", type=click.IntRange(min=1), default=None, help="Parallel compile processes.")
+@click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
+def compile_command(config_path, out, backend, disabled, dump_graphs, verify_passes, jobs, force) -> None:
+    """Capture, specialise and compile MODEL_YAML's model into per-rank, per-bucket graphs."""
+    from graphc.config import load_config
+    from graphc.pipeline import CompileOptions, compile
+
+    config = load_config(config_path)
+    options = CompileOptions(backend=backend, disabled_passes=frozenset(disabled), dump_graphs=dump_graphs,
+                             verify_passes=verify_passes, force=force,
+                             **({"workers": jobs} if jobs else {}))
+    click.echo(_describe_config(config) + (f"\nbackend    {backend} (from --backend)" if backend else ""), err=True)
+    manifest = compile(config, out, options)
+    graphs = {g.file for r in manifest.ranks for g in r.graphs}
+    click.echo(f"wrote {out}: {sum(len(r.graphs) for r in manifest.ranks)} graphs over {len(manifest.ranks)} "
+               f"rank(s), {len(graphs)} distinct, backend {manifest.backend}")
+
+
+def _read_prompts(prompt_ids, prompts, prompts_file, tokenizer):
+    """Each prompt as token ids, with its per-request overrides from a JSONL file."""
+    items = [({"prompt_ids": _parse_ids(p)}) for p in prompt_ids]
+    items += [{"prompt": p} for p in prompts]
+    if prompts_file is not None:
+        for number, line in enumerate(prompts_file.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise GraphcError(f"{prompts_file}:{number}: not valid JSON ({e})") from None
+            allowed = {"prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed"}
+            if not isinstance(item, dict) or not ({"prompt", "prompt_ids"} & set(item)) or set(item) - allowed:
+                raise GraphcError(f"{prompts_file}:{number}: expected an object with 'prompt' or 'prompt_ids' "
+                                  f"and optionally {', '.join(sorted(allowed - {'prompt', 'prompt_ids'}))}")
+            items.append(item)
+    if not items:
+        raise click.UsageError("give at least one prompt: --prompt-ids, --prompt or --prompts-file")
+    for item in items:
+        if "prompt" in item:
+            if tokenizer is None:
+                raise GraphcError("text prompts need a tokenizer.json in the checkpoint directory; use --prompt-ids")
+            item["prompt_ids"] = tokenizer.encode(item["prompt"]).ids
+    return items
+
+
+@cli.command()
+@click.argument("artifacts", type=click.Path(path_type=Path))
+@click.option("--prompt-ids", "prompt_ids", multiple=True, help="Comma-separated token ids; repeatable.")
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (needs the checkpoint's tokenizer.json); repeatable.")
+@click.option("--prompts-file", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="JSONL: one object per line with 'prompt' or 'prompt_ids' and optional sampling overrides.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="Default: the manifest's.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=None)
+@click.option("--top-k", type=click.IntRange(min=0), default=None)
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None)
+@click.option("--seed", type=int, default=None)
+@click.option("--ignore-eos", is_flag=True, help="Generate through EOS tokens.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
+def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed,
+        ignore_eos, as_json) -> None:
+    """Generate from precompiled ARTIFACTS (no compilation at serve time)."""
+    from graphc.runtime import Engine, Request
+    from graphc.sampling import Sampling
+
+    engine = Engine(artifacts)
+    manifest = engine.manifest
+    tokenizer = None
+    if manifest.tokenizer:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(artifacts / manifest.tokenizer))
+    items = _read_prompts(prompt_ids, prompts, prompts_file, tokenizer)
+    defaults = {**manifest.runtime["sampling"], **{k: v for k, v in
+                {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}.items() if v is not None}}
+    vocab = manifest.model["vocab_size"]
+    requests = []
+    for i, item in enumerate(items):
+        bad = [t for t in item["prompt_ids"] if not 0 <= t < vocab]
+        if bad:
+            raise GraphcError(f"prompt {i}: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+        sampling = Sampling(**{k: item.get(k, v) for k, v in defaults.items()})
+        limit = item.get("max_new_tokens") or max_new_tokens or manifest.runtime["max_new_tokens"]
+        requests.append(Request(item["prompt_ids"], limit, sampling, stop_at_eos=not ignore_eos))
+    failed = 0
+    for result in engine.generate(requests):
+        failed += result.error is not None
+        text = tokenizer.decode(result.output_ids) if tokenizer and result.error is None else None
+        if as_json:
+            record = {"prompt_ids": result.request.prompt, "output_ids": result.output_ids,
+                      "finish_reason": result.finish_reason}
+            record.update({"text": text} if text is not None else {})
+            record.update({"error": result.error} if result.error else {})
+            click.echo(json.dumps(record))
+        elif result.error:
+            click.echo(f"error: {result.error}", err=True)
+        else:
+            click.echo(" ".join(map(str, result.output_ids)) + (f"\t{text!r}" if text is not None else ""))
+    if failed:
+        raise click.exceptions.Exit(EXIT_BAD_INPUT)
+
+
+@cli.command()
+@click.argument("artifacts", type=click.Path(path_type=Path))
+def inspect(artifacts: Path) -> None:
+    """Show ARTIFACTS' buckets, graphs, sizes and op counts (verifies hashes first)."""
+    from graphc.artifact import read_manifest
+
+    m = read_manifest(artifacts)
+    click.echo(f"graphc {m.graphc_version}, torch {m.torch_version}, backend {m.backend}, "
+               f"format {m.format_version}")
+    click.echo(f"model {m.model_fingerprint[:16]} ({m.model['dtype']}); topology {m.topology}")
+    click.echo(f"buckets {m.buckets}; kv_cache {m.kv_cache}")
+    for rank in m.ranks:
+        size = (artifacts / rank.weights).stat().st_size
+        click.echo(f"rank {rank.rank}: weights {rank.weights} ({size / 1e6:.2f} MB), "
+                   f"{'samples' if rank.samples else 'no sampler'}")
+        for g in rank.graphs:
+            label = f"{g.kind}-{g.size}"
+            counts = m.extra.get("op_counts", {}).get(f"{label} rank {rank.rank}", {})
+            graphc_ops = ", ".join(f"{op} x{n}" for op, n in sorted(counts.items()) if op.startswith("graphc::"))
+            click.echo(f"  {label:12s} {g.file} ({(artifacts / g.file).stat().st_size / 1e6:.2f} MB; "
+                       f"{sum(counts.values())} ops; {graphc_ops})")
 
 
 def _describe_config(config) -> str:

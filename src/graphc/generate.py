@@ -14,16 +14,7 @@ import torch
 from graphc import ops
 from graphc.models.deepseek_v3 import DeepseekV3
 from graphc.paged import BlockAllocator, SequenceBlocks, step_metadata
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Per-request sampling parameters (see `ops.sample`)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+from graphc.sampling import Sampling, sampler_inputs
 
 
 @dataclass(frozen=True)
@@ -35,14 +26,8 @@ class PagedKV:
 
 
 def _sample_rows(logits: torch.Tensor, sampling: Sampling, steps: list[int]) -> list[int]:
-    rows = logits.shape[0]
-    return ops.sample(
-        logits,
-        torch.full((rows,), sampling.temperature),
-        torch.full((rows,), sampling.top_k, dtype=torch.int64),
-        torch.full((rows,), sampling.top_p),
-        torch.tensor([sampling.seed * 1_000_003 + s for s in steps], dtype=torch.int64),
-    ).tolist()
+    inputs = sampler_inputs([sampling] * len(steps), steps, logits.shape[0])
+    return ops.sample(logits, inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["seed"]).tolist()
 
 
 @torch.no_grad()

@@ -60,6 +60,7 @@ def step_metadata(
     rows: list[tuple[SequenceBlocks, list[int], int]],
     width: int,
     blocks_per_row: int,
+    total_rows: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Pack one step's rows into the model's [B, Q] layout.
 
@@ -68,13 +69,17 @@ def step_metadata(
             Blocks must already be reserved for those positions.
         width: Q, tokens per row; shorter rows are padded.
         blocks_per_row: M, width of the block table.
+        total_rows: B, when the step's bucket has more rows than `rows`; the extra rows are all
+            padding (position 0, nothing written, logits ignored).
 
     Returns:
         input_ids [B, Q], positions [B, Q], block_table [B, M], slot_mapping [B, Q] and
         logits_index [B] (each row's last real token). Padding tokens repeat the row's last
         position, so they attend only to keys that exist, and their slot is `PADDING_SLOT`.
     """
-    count = len(rows)
+    count = total_rows or len(rows)
+    if count < len(rows):
+        raise ValueError(f"{len(rows)} rows do not fit a step of {count} rows")
     input_ids = torch.zeros(count, width, dtype=torch.int64)
     positions = torch.zeros(count, width, dtype=torch.int64)
     block_table = torch.zeros(count, blocks_per_row, dtype=torch.int64)

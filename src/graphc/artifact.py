@@ -1,0 +1,190 @@
+"""The artifacts directory: `manifest.yaml` plus content-addressed graph and weight files.
+
+Written atomically (a staging directory renamed into place) by the compiler; verified by the
+runtime before anything is loaded: format version, graphc and torch versions, and the sha256 of
+every file. Import-light (no torch) so the runtime can use it.
+
+Layout:
+    manifest.yaml
+    graphs/<sha256>.<ext>        one file per distinct compiled graph
+    weights/<sha256>.safetensors one file per distinct per-rank weight set
+    tokenizer.json               when the checkpoint has one
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from graphc import __version__
+from graphc.errors import GraphcError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.yaml"
+
+
+class ArtifactError(GraphcError):
+    """Artifacts that cannot be served: missing, tampered with, or from another version."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: list[int]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    """One bucket's compiled graph on one rank."""
+
+    kind: str
+    """"prefill" or "decode"."""
+    size: int
+    """The bucket size (prefill tokens or decode rows)."""
+    file: str
+    """Path relative to the artifacts directory."""
+    sha256: str
+    inputs: dict[str, TensorSpec]
+    """Step inputs (not weights) by name, with the shape the graph was compiled for; a dim of -1
+    is the pool's block count, which is sized at run time."""
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    rank: int
+    weights: str
+    """Safetensors file of this rank's weights, in the order the graphs take them."""
+    weights_sha256: str
+    weight_names: list[str]
+    graphs: list[GraphEntry]
+    samples: bool
+    """Whether this rank's graphs sample (the leader) or stop at the logits (followers)."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    graphc_version: str
+    torch_version: str
+    backend: str
+    model_fingerprint: str
+    model: dict[str, Any]
+    """vocab_size, eos_token_id, num_hidden_layers, kv_cache_dim, dtype."""
+    topology: dict[str, int]
+    buckets: dict[str, Any]
+    """prefill, decode, prompt_as_decode, context_limit."""
+    kv_cache: dict[str, int]
+    """block_size, num_blocks, blocks_per_row."""
+    runtime: dict[str, Any]
+    """max_num_prefilling_tokens, max_new_tokens, sampling."""
+    ranks: list[RankEntry]
+    tokenizer: str | None = None
+    format_version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Compile-time facts kept for `graphc inspect` (op counts per graph, pass log)."""
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(asdict(self), sort_keys=False)
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Manifest:
+        ranks = [
+            RankEntry(**{**r, "graphs": [
+                GraphEntry(**{**g, "inputs": {k: TensorSpec(**v) for k, v in g["inputs"].items()}})
+                for g in r["graphs"]
+            ]})
+            for r in data["ranks"]
+        ]
+        return Manifest(**{**data, "ranks": ranks})
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@contextmanager
+def atomic_directory(out: Path, force: bool) -> Iterator[Path]:
+    """Yield a staging directory beside `out`; on success it becomes `out`, on any error it goes.
+
+    Raises:
+        ArtifactError: `out` exists and `force` is not set.
+    """
+    out = Path(out)
+    if out.exists() and not force:
+        raise ArtifactError(f"output {str(out)!r} already exists; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    try:
+        yield staging
+        if out.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, retired / "old")
+            os.rename(staging, out)
+            shutil.rmtree(retired)
+        else:
+            os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def read_manifest(artifacts: Path) -> Manifest:
+    """Load and verify a manifest: versions first, then every file's presence and hash.
+
+    Raises:
+        ArtifactError: naming what differs and what to do about it.
+    """
+    import torch  # the version check needs the runtime's torch; imported here to keep this module light
+
+    artifacts = Path(artifacts)
+    path = artifacts / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{artifacts}: no {MANIFEST}; is this a `graphc compile` output directory?")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ArtifactError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); recompile") from None
+    if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
+        found = data.get("format_version") if isinstance(data, dict) else None
+        raise ArtifactError(
+            f"{path}: format version {found!r}, this graphc reads version {FORMAT_VERSION}; "
+            f"recompile with graphc {__version__} (`graphc compile`)"
+        )
+    try:
+        manifest = Manifest.from_dict(data)
+    except (KeyError, TypeError) as e:
+        raise ArtifactError(f"{path}: malformed manifest ({e}); recompile") from None
+    for what, built, running in (("graphc", manifest.graphc_version, __version__),
+                                 ("torch", manifest.torch_version, str(torch.__version__))):
+        if built != running:
+            raise ArtifactError(
+                f"{path}: compiled with {what} {built}, running {what} {running}; "
+                f"recompile with this installation or run with {what} {built}"
+            )
+    verified: set[str] = set()  # ranks share files; hash each once
+    for rank in manifest.ranks:
+        files = [(rank.weights, rank.weights_sha256)] + [(g.file, g.sha256) for g in rank.graphs]
+        for name, expected in files:
+            if name in verified:
+                continue
+            verified.add(name)
+            file = artifacts / name
+            if not file.is_file():
+                raise ArtifactError(f"{artifacts}: {name} (rank {rank.rank}) is missing; recompile")
+            if sha256_file(file) != expected:
+                raise ArtifactError(
+                    f"{artifacts}: {name} (rank {rank.rank}) does not match its sha256 in {MANIFEST}; "
+                    "the file was modified or corrupted: recompile"
+                )
+    return manifest

@@ -1,0 +1,102 @@
+"""Capture: one `torch.export` per bucket shape, weights as graph inputs, no dynamic compute dims.
+
+The captured program is topology-agnostic: it is the single-device model plus the sampler, with
+the graphc:: ops as single nodes for the passes to specialise. Weights enter as a list input (in
+`weight_names` order) rather than as lifted parameters, so graphs of every bucket share one
+weight file per rank and identical graphs hash identically whatever the weights.
+
+The only symbolic dim is the KV pool's block count: it sizes the cache, not any computation,
+and the runtime may change it (`GRAPHC_NUM_KV_BLOCKS`) without recompiling.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.export import Dim, ExportedProgram
+
+from graphc import ops
+from graphc.buckets import Bucket
+from graphc.models.deepseek_v3 import DeepseekV3
+
+STEP_INPUTS = (
+    "input_ids", "positions", "block_table", "slot_mapping", "kv_pool",
+    "logits_index", "temperature", "top_k", "top_p", "seed",
+)
+"""Per-step graph inputs after the weights, in call order."""
+POOL_BLOCKS_DIM = 1
+"""The kv_pool dim that stays symbolic: [L, N, S, C]."""
+
+
+def weight_names(model: DeepseekV3) -> list[str]:
+    """The checkpoint-derived tensors the forward reads: parameters (tied ones once), then
+    persistent buffers. Non-persistent buffers (RoPE frequencies) are derived from the config and
+    become graph constants."""
+    persistent = set(model.state_dict())
+    return [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers() if n in persistent]
+
+
+def model_weights(model: DeepseekV3) -> dict[str, Tensor]:
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    return {name: tensors[name] for name in weight_names(model)}
+
+
+class StepGraph(torch.nn.Module):
+    """One serving step: the model over the paged cache, then the sampler.
+
+    Returns:
+        tokens: [B] the sampled next token of each row.
+        logits: [B, V] the logits it was sampled from.
+    """
+
+    def __init__(self, model: DeepseekV3):
+        super().__init__()
+        # Held in a list so nn.Module does not register it: its tensors must reach the graph as
+        # inputs, not as lifted parameters.
+        self._model = [model]
+        self.weight_names = weight_names(model)
+
+    def forward(self, weights: list[Tensor], input_ids, positions, block_table, slot_mapping, kv_pool,
+                logits_index, temperature, top_k, top_p, seed) -> tuple[Tensor, Tensor]:
+        logits = torch.func.functional_call(
+            self._model[0], dict(zip(self.weight_names, weights)),
+            (input_ids, positions, block_table, slot_mapping, kv_pool, logits_index),
+        )  # [B, V]
+        return ops.sample(logits, temperature, top_k, top_p, seed), logits
+
+
+def example_step_inputs(bucket: Bucket, blocks_per_row: int, kv_pool_shape: tuple[int, ...],
+                        dtype: torch.dtype) -> dict[str, Tensor]:
+    """Distinct example tensors of the bucket's shapes (one tensor per input: shared example
+    tensors would be captured as one aliased input)."""
+    rows, width = bucket.rows, bucket.width
+    return {
+        "input_ids": torch.zeros(rows, width, dtype=torch.int64),
+        "positions": torch.arange(width).repeat(rows, 1),
+        "block_table": torch.zeros(rows, blocks_per_row, dtype=torch.int64),
+        "slot_mapping": torch.arange(rows * width).view(rows, width),
+        "kv_pool": torch.zeros(kv_pool_shape, dtype=dtype),
+        "logits_index": torch.full((rows,), width - 1, dtype=torch.int64),
+        "temperature": torch.zeros(rows),
+        "top_k": torch.zeros(rows, dtype=torch.int64),
+        "top_p": torch.ones(rows),
+        "seed": torch.zeros(rows, dtype=torch.int64),
+    }
+
+
+def capture_bucket(model: DeepseekV3, bucket: Bucket, blocks_per_row: int, num_blocks: int,
+                   block_size: int) -> ExportedProgram:
+    """Export the step for one bucket shape."""
+    step = StepGraph(model)
+    args = model.args
+    pool_shape = (args.num_hidden_layers, num_blocks, block_size, args.kv_cache_dim)
+    inputs = example_step_inputs(bucket, blocks_per_row, pool_shape, model.dtype)
+    weights = list(model_weights(model).values())
+    dynamic = {name: None for name in STEP_INPUTS}
+    dynamic["kv_pool"] = {POOL_BLOCKS_DIM: Dim("num_blocks", min=2)}
+    with torch.no_grad():
+        return torch.export.export(
+            step, (weights, *inputs.values()),
+            dynamic_shapes={"weights": [None] * len(weights), **dynamic},
+        )

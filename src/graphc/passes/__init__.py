@@ -1,0 +1,1 @@
+"""Graph passes over captured step programs; see README.md for the invariants every pass keeps."""

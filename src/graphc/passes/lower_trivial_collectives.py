@@ -1,0 +1,22 @@
+"""Remove collectives over a group of one rank: they are identities.
+
+On a single rank (or for `ep` = 1), `graphc::moe_dispatch` and `graphc::moe_combine` move no
+data; keeping them would make every backend implement a no-op collective.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+from graphc.passes.manager import PassContext, PassResult
+from graphc.passes.verifier import COLLECTIVE_OPS, graphc_op
+
+
+def lower_trivial_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    modified = False
+    for node in list(gm.graph.nodes):
+        if graphc_op(node) in COLLECTIVE_OPS and ctx.topology.group_size(node.args[1]) == 1:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            modified = True
+    return PassResult(gm, modified)

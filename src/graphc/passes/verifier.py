@@ -1,0 +1,45 @@
+"""The graph verifier run before and after every pass (invariants in README.md)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from graphc.capture import POOL_BLOCKS_DIM, STEP_INPUTS
+from graphc.passes.manager import GraphInvariantError, PassContext
+from graphc.topology import GROUPS
+
+COLLECTIVE_OPS = ("graphc::moe_dispatch", "graphc::moe_combine")
+
+
+def graphc_op(node: torch.fx.Node) -> str | None:
+    """The `graphc::name` of a graphc custom-op node, else None."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    name = node.target.name()
+    return name if name.startswith("graphc::") else None
+
+
+def step_placeholders(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
+    """The per-step input placeholders by name (they follow the weights)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return dict(zip(STEP_INPUTS, placeholders[-len(STEP_INPUTS):]))
+
+
+def verify(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    gm.graph.lint()
+    pool = step_placeholders(gm)["kv_pool"]
+    for node in gm.graph.nodes:
+        op = graphc_op(node)
+        if op in COLLECTIVE_OPS:
+            group = node.args[1] if len(node.args) > 1 else node.kwargs.get("group")
+            if group not in GROUPS:
+                raise GraphInvariantError(f"collective group {group!r} is not one of {', '.join(GROUPS)}", node)
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        symbolic = [d for d, size in enumerate(value.shape) if not isinstance(size, int)]
+        allowed = [POOL_BLOCKS_DIM] if node is pool else []
+        if symbolic != allowed:
+            raise GraphInvariantError(f"shape {tuple(value.shape)} has symbolic dims {symbolic}; only the "
+                                      f"kv_pool block count (dim {POOL_BLOCKS_DIM}) may be symbolic", node)

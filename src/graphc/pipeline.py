@@ -1,0 +1,153 @@
+"""`compile()`: the ordered stages from model.yaml to an artifacts directory, nothing else."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from graphc import __version__
+from graphc.artifact import MANIFEST, GraphEntry, Manifest, RankEntry, TensorSpec, atomic_directory, sha256_file
+from graphc.buckets import all_buckets
+from graphc.capture import POOL_BLOCKS_DIM, STEP_INPUTS, capture_bucket, model_weights
+from graphc.config import GraphcConfig
+from graphc.emit import CompileJob, compile_all, program_key
+from graphc.models.checkpoint import load_model
+from graphc.passes.dead_code_elimination import dead_code_elimination
+from graphc.passes.lower_trivial_collectives import lower_trivial_collectives
+from graphc.passes.manager import PassContext, PassManager, op_counts
+from graphc.passes.verifier import step_placeholders, verify
+from graphc.passes.verify_bucket_shapes import verify_bucket_shapes
+from graphc.topology import Topology
+
+SPECIALISE = [
+    # First: nothing should build on a graph captured with the wrong shapes.
+    ("verify_bucket_shapes", verify_bucket_shapes),
+    # Groups of one rank move no data: backends never see a no-op collective.
+    ("lower_trivial_collectives", lower_trivial_collectives),
+    # Last: sweep what the rewrites above left unused.
+    ("dead_code_elimination", dead_code_elimination),
+]
+"""Per-rank, per-bucket specialisation, in order (see passes/README.md)."""
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    backend: str | None = None
+    """Overrides model.yaml's backend."""
+    disabled_passes: frozenset[str] = frozenset()
+    dump_graphs: Path | None = None
+    verify_passes: bool = False
+    workers: int = max(1, min(4, os.cpu_count() or 1))
+    force: bool = False
+    show_progress: bool = True
+
+
+def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOptions()) -> Manifest:
+    backend = options.backend or config.backend
+    topology = Topology(config.topology.cp, config.topology.ep)
+    b, kv = config.buckets, config.kv_cache
+    blocks_per_row = -(-b.context_limit // kv.block_size)
+    with atomic_directory(out, options.force) as staging:
+        # 1. Model: the single-device module with the checkpoint's weights.
+        model = load_model(config.model.checkpoint, dtype=getattr(torch, config.model.dtype))
+        # 2. Capture: one topology-agnostic program per bucket.
+        buckets = all_buckets(b.prefill, b.decode)
+        captured = {bucket: capture_bucket(model, bucket, blocks_per_row, kv.num_blocks, kv.block_size)
+                    for bucket in buckets}
+        # 3. Specialise each program for each rank.
+        manager = PassManager(SPECIALISE, verify, verify=options.verify_passes,
+                              disabled=options.disabled_passes, dump_dir=options.dump_graphs)
+        jobs, entries, pass_logs = [], {}, {}
+        for rank in range(topology.world):
+            for bucket, program in captured.items():
+                ctx = PassContext(topology, rank, bucket, blocks_per_row)
+                log = manager.run(program.graph_module, ctx)
+                key = program_key(program, backend)
+                jobs.append(CompileJob(f"{bucket.name} rank {rank}", key, program))
+                entries[rank, bucket] = (key, _step_specs(program), op_counts(program.graph_module))
+                pass_logs[bucket.name] = log.changes()
+        # 4. Emit: compile each distinct program once (cached), then lay out the artifacts.
+        compiled = compile_all(jobs, backend, options.workers, options.show_progress)
+        (staging / "graphs").mkdir()
+        (staging / "weights").mkdir()
+        weights_file, weights_sha, weight_names = _write_weights(model, staging / "weights")
+        ranks = []
+        for rank in range(topology.world):
+            graphs = []
+            for bucket in buckets:
+                key, inputs, _ = entries[rank, bucket]
+                name = f"graphs/{compiled[key].name}"
+                if not (staging / name).exists():
+                    shutil.copyfile(compiled[key], staging / name)
+                graphs.append(GraphEntry(bucket.kind, bucket.size, name, sha256_file(staging / name), inputs))
+            ranks.append(RankEntry(rank, weights_file, weights_sha, weight_names, graphs, samples=rank == 0))
+        tokenizer = config.model.checkpoint / "tokenizer.json"
+        if tokenizer.is_file():
+            shutil.copyfile(tokenizer, staging / "tokenizer.json")
+        manifest = Manifest(
+            graphc_version=__version__,
+            torch_version=str(torch.__version__),
+            backend=backend,
+            model_fingerprint=model_fingerprint(config.model.checkpoint),
+            model={"vocab_size": model.args.vocab_size, "eos_token_id": list(model.args.eos_token_id),
+                   "num_hidden_layers": model.args.num_hidden_layers, "kv_cache_dim": model.args.kv_cache_dim,
+                   "dtype": config.model.dtype},
+            topology={"cp": topology.cp, "ep": topology.ep, "world": topology.world},
+            buckets={"prefill": list(b.prefill), "decode": list(b.decode),
+                     "prompt_as_decode": b.prompt_as_decode, "context_limit": b.context_limit},
+            kv_cache={"block_size": kv.block_size, "num_blocks": kv.num_blocks, "blocks_per_row": blocks_per_row},
+            runtime={"max_num_prefilling_tokens": config.runtime.max_num_prefilling_tokens,
+                     "max_new_tokens": config.runtime.max_new_tokens,
+                     "sampling": asdict(config.runtime.sampling)},
+            ranks=ranks,
+            tokenizer="tokenizer.json" if tokenizer.is_file() else None,
+            extra={"op_counts": {f"{bucket.name} rank {rank}": counts
+                                 for (rank, bucket), (_, _, counts) in entries.items()},
+                   "passes": pass_logs},
+        )
+        (staging / MANIFEST).write_text(manifest.to_yaml())
+    return manifest
+
+
+def _step_specs(program) -> dict[str, TensorSpec]:
+    specs = {}
+    for name, node in step_placeholders(program.graph_module).items():
+        value = node.meta["val"]
+        shape = [-1 if (name == "kv_pool" and d == POOL_BLOCKS_DIM) else int(s) for d, s in enumerate(value.shape)]
+        specs[name] = TensorSpec(shape, str(value.dtype).removeprefix("torch."))
+    assert list(specs) == list(STEP_INPUTS)
+    return specs
+
+
+def _write_weights(model, folder: Path) -> tuple[str, str, list[str]]:
+    """Write the rank's weights once, named by content; returns (relative path, sha256, order)."""
+    tensors = {name: t.detach().contiguous() for name, t in model_weights(model).items()}
+    partial = folder / "weights.partial"
+    save_file(tensors, partial, metadata={"format": "pt"})
+    digest = sha256_file(partial)
+    final = folder / f"{digest}.safetensors"
+    partial.rename(final)
+    return f"weights/{final.name}", digest, list(tensors)
+
+
+def model_fingerprint(checkpoint: Path) -> str:
+    """sha256 of config.json and every safetensors file's header and size.
+
+    Headers hold every tensor's name, dtype, shape and offsets; hashing them (not the data) keeps
+    fingerprinting fast on multi-hundred-GB checkpoints.
+    """
+    digest = hashlib.sha256((checkpoint / "config.json").read_bytes())
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            header_length = struct.unpack("<Q", f.read(8))[0]
+            digest.update(path.name.encode())
+            digest.update(f.read(header_length))
+        digest.update(str(path.stat().st_size).encode())
+    return digest.hexdigest()

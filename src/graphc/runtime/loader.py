@@ -1,0 +1,98 @@
+"""Load a verified artifacts directory: weights and one shape-checked runner per bucket."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file
+
+import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
+from graphc.artifact import GraphEntry, Manifest, RankEntry, read_manifest
+from graphc.buckets import Bucket
+from graphc.errors import GraphcError
+
+NUM_KV_BLOCKS_ENV = "GRAPHC_NUM_KV_BLOCKS"
+
+
+def _load_export(path: Path) -> Callable:
+    return torch.export.load(str(path)).module()
+
+
+def _load_inductor(path: Path) -> Callable:
+    return torch._inductor.aoti_load_package(str(path))
+
+
+LOADERS = {"export": _load_export, "inductor": _load_inductor}
+
+
+class GraphRunner:
+    """One bucket's graph; checks every input against the compiled shapes before the call (a
+    static AOTInductor package silently accepts a wrong shape and returns garbage)."""
+
+    def __init__(self, entry: GraphEntry, call: Callable, num_blocks: int):
+        self.bucket = Bucket(entry.kind, entry.size)
+        self.call = call
+        self.shapes = {name: tuple(num_blocks if s == -1 else s for s in spec.shape)
+                       for name, spec in entry.inputs.items()}
+        self.dtypes = {name: getattr(torch, spec.dtype) for name, spec in entry.inputs.items()}
+
+    def __call__(self, weights: list[torch.Tensor], inputs: dict[str, torch.Tensor]):
+        for name, shape in self.shapes.items():
+            tensor = inputs[name]
+            if tuple(tensor.shape) != shape or tensor.dtype != self.dtypes[name]:
+                raise GraphcError(f"{self.bucket.name}: input {name} is {tuple(tensor.shape)} {tensor.dtype}, "
+                                  f"the graph was compiled for {shape} {self.dtypes[name]}")
+        return self.call(weights, *(inputs[name] for name in self.shapes))
+
+
+@dataclass
+class LoadedRank:
+    manifest: Manifest
+    rank: RankEntry
+    weights: list[torch.Tensor]
+    runners: dict[Bucket, GraphRunner]
+    num_blocks: int
+
+
+def kv_pool_blocks(manifest: Manifest) -> int:
+    """The pool size: the manifest's, unless GRAPHC_NUM_KV_BLOCKS overrides it."""
+    override = os.environ.get(NUM_KV_BLOCKS_ENV)
+    blocks = manifest.kv_cache["num_blocks"]
+    if override is not None:
+        try:
+            blocks = int(override)
+        except ValueError:
+            raise GraphcError(f"{NUM_KV_BLOCKS_ENV}={override!r} is not an integer") from None
+    needed = manifest.kv_cache["blocks_per_row"]
+    if blocks < max(needed, 2):
+        raise GraphcError(
+            f"{NUM_KV_BLOCKS_ENV if override is not None else 'kv_cache.num_blocks'}={blocks}: the pool must hold "
+            f"one sequence of context_limit {manifest.buckets['context_limit']} ({needed} blocks of "
+            f"{manifest.kv_cache['block_size']}, and at least 2)"
+        )
+    return blocks
+
+
+def load_rank(artifacts: Path, rank: int = 0) -> LoadedRank:
+    """Verify the whole directory, then load one rank's weights and graphs."""
+    artifacts = Path(artifacts)
+    manifest = read_manifest(artifacts)
+    if manifest.backend not in LOADERS:
+        raise GraphcError(f"{artifacts}: backend {manifest.backend!r} cannot run on this host; "
+                          f"runnable here: {', '.join(LOADERS)}")
+    entry = next((r for r in manifest.ranks if r.rank == rank), None)
+    if entry is None:
+        raise GraphcError(f"{artifacts}: no rank {rank} (world size {len(manifest.ranks)})")
+    num_blocks = kv_pool_blocks(manifest)
+    stored = load_file(artifacts / entry.weights)
+    weights = [stored[name] for name in entry.weight_names]
+    load = LOADERS[manifest.backend]
+    runners = {}
+    for graph in entry.graphs:
+        runner = GraphRunner(graph, load(artifacts / graph.file), num_blocks)
+        runners[runner.bucket] = runner
+    return LoadedRank(manifest, entry, weights, runners, num_blocks)
