@@ -147,7 +147,7 @@ def compile_command(config_path, out, backend, disabled, dump_graphs, verify_pas
     options = CompileOptions(backend=backend, disabled_passes=frozenset(disabled), dump_graphs=dump_graphs,
                              verify_passes=verify_passes, force=force,
                              **({"workers": jobs} if jobs else {}))
-    click.echo(_describe_config(config) + (f"\nbackend    {backend} (from --backend)" if backend else ""), err=True)
+    click.echo(_describe_config(config, backend), err=True)
     manifest = compile(config, out, options)
     graphs = {g.file for r in manifest.ranks for g in r.graphs}
     click.echo(f"wrote {out}: {sum(len(r.graphs) for r in manifest.ranks)} graphs over {len(manifest.ranks)} "
@@ -260,7 +260,7 @@ def inspect(artifacts: Path) -> None:
                        f"{sum(counts.values())} ops; {graphc_ops})")
 
 
-def _describe_config(config) -> str:
+def _describe_config(config, backend: str | None = None) -> str:
     b, t, kv = config.buckets, config.topology, config.kv_cache
     return "\n".join([
         f"model      {config.model.checkpoint} ({config.model.dtype})",
@@ -268,7 +268,7 @@ def _describe_config(config) -> str:
         f"buckets    prefill={b.prefill} decode={b.decode} prompt_as_decode={b.prompt_as_decode} "
         f"context_limit={b.context_limit}",
         f"kv_cache   {kv.num_blocks} blocks x {kv.block_size} tokens",
-        f"backend    {config.backend}",
+        f"backend    {backend or config.backend}" + (" (from --backend)" if backend else ""),
     ])
 
 

@@ -72,6 +72,8 @@ def compile_all(jobs: list[CompileJob], backend: str, workers: int, show_progres
     ) as progress:
         task = progress.add_task(backend, total=len(todo))
         programs = {}
+        # Same extension as the cache entry: AOTInductor insists on package paths ending in .pt2.
+        partials = {key: Path(scratch) / f"{key}.partial.{extension}" for key in todo}
         for key, job in todo.items():
             programs[key] = Path(scratch) / f"{key}.pt2"
             torch.export.save(job.program, str(programs[key]))
@@ -83,21 +85,19 @@ def compile_all(jobs: list[CompileJob], backend: str, workers: int, show_progres
         if backend == "export" or workers <= 1 or len(todo) == 1:
             for key in todo:
                 progress.update(task, description=f"{backend}: {', '.join(labels[key])}")
-                partial = Path(scratch) / f"{key}.out"
-                compile_program(backend, programs[key], partial)
-                compiled(key, partial)
+                compile_program(backend, programs[key], partials[key])
+                compiled(key, partials[key])
             return results
         context = multiprocessing.get_context("spawn")  # fork would inherit the parent's threads and locks
         with concurrent.futures.ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=context) as pool:
-            futures = {pool.submit(compile_program, backend, programs[key], Path(scratch) / f"{key}.out"): key
-                       for key in todo}
+            futures = {pool.submit(compile_program, backend, programs[key], partials[key]): key for key in todo}
             running = set(futures.values())
             progress.update(task, description=f"{backend}: {len(running)} graphs")
             for future in concurrent.futures.as_completed(futures):
                 key = futures[future]
                 future.result()
                 running.discard(key)
-                compiled(key, Path(scratch) / f"{key}.out")
+                compiled(key, partials[key])
                 in_flight = ", ".join(sorted(label for k in running for label in labels[k]))
                 progress.update(task, description=f"{backend}: {in_flight or 'done'}")
     return results

@@ -139,8 +139,23 @@ def tiny_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     return {name: _random_tensor(name, shapes[name], generator) for name in sorted(shapes)}
 
 
+def byte_level_tokenizer():
+    """A byte-level tokenizer whose ids are the byte values 0..255 (GPT-2's byte alphabet, no
+    merges): any text round-trips, and it fits the presets' 256-token vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    remapped = [b for b in range(256) if b not in printable]
+    alphabet = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(remapped)}
+    tokenizer = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
 def make_tiny_checkpoint(out: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0, force: bool = False) -> Path:
-    """Write config.json + model.safetensors for `preset` into `out`, atomically.
+    """Write config.json, model.safetensors and a byte-level tokenizer.json for `preset` into
+    `out`, atomically.
 
     Raises:
         GraphcError: unknown preset, or `out` exists and `force` is not set.
@@ -155,6 +170,8 @@ def make_tiny_checkpoint(out: str | Path, preset: str = DEFAULT_PRESET, seed: in
     try:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+        if config["vocab_size"] == 256:
+            byte_level_tokenizer().save(str(staging / "tokenizer.json"))
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
