@@ -22,5 +22,5 @@ def test_readme_main_command_uses_the_example_config_and_the_venv():
     main = [b for b in _bash_blocks() if "make-tiny" in b]
     assert len(main) == 1
     assert "python3 -m venv .venv" in main[0]
-    example = re.search(r"generate (\S+\.yaml)", main[0]).group(1)
+    example = re.search(r"compile (\S+\.yaml)", main[0]).group(1)
     assert (ROOT / example).is_file()

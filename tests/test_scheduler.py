@@ -281,7 +281,7 @@ def test_a_request_needing_exactly_the_whole_pool_is_served():
 
 
 def test_admission_waits_for_free_blocks_and_reuses_the_released_ones():
-    # Each request's lifetime is 6 + 10 = 16 positions = 4 blocks: the whole pool.
+    # Each request's lifetime is 6 + 10 - 1 = 15 cached positions = 4 blocks: the whole pool.
     a, b = Request(prompt(6), max_new_tokens=10), Request(prompt(6, 50), max_new_tokens=10)
     scheduler = make([a, b], num_blocks=4)
     step = scheduler.next_step()
@@ -350,7 +350,7 @@ def test_random_request_mixes_terminate_and_keep_every_invariant(shapes, prefill
     rng = random.Random(seed)
     requests = [Request([rng.randrange(3, 99) for _ in range(n)], max_new_tokens=m, stop_at_eos=stop)
                 for n, m, stop in shapes]
-    lifetimes = [-(-min(n + m, context_limit) // block_size) for n, m, _ in shapes]
+    lifetimes = [-(-(min(n + m, context_limit) - 1) // block_size) for n, m, _ in shapes]
     num_blocks = max(1, round(sum(lifetimes) * pool_fraction))
     eos_ids = [EOS, 1]
     scheduler = Scheduler(requests, prefill=prefill, decode=decode, context_limit=context_limit,

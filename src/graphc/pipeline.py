@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import shutil
@@ -66,7 +67,9 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                               disabled=options.disabled_passes, dump_dir=options.dump_graphs)
         jobs, entries, pass_logs = [], {}, {}
         for rank in range(topology.world):
-            for bucket, program in captured.items():
+            for bucket, capture in captured.items():
+                # Every rank specialises its own copy; the capture stays topology-agnostic.
+                program = copy.deepcopy(capture) if topology.world > 1 else capture
                 ctx = PassContext(topology, rank, bucket, blocks_per_row)
                 log = manager.run(program.graph_module, ctx)
                 key = program_key(program, backend)

@@ -2,7 +2,7 @@
 
 Policy, step by step:
 1. **Admission** (FIFO). A request is admitted once the pool has free blocks for its whole life:
-   min(prompt + max_new_tokens, context_limit) positions. Reserving up front means a running
+   min(prompt + max_new_tokens, context_limit) - 1 positions (the last token is never cached). Reserving up front means a running
    sequence never runs out of blocks (no preemption needed). A request that could never fit (a
    prompt of context_limit tokens or more, or more blocks than the pool holds) fails at once with
    a per-request error; the others are still served.
@@ -85,7 +85,9 @@ class Scheduler:
                 self.waiting.append((index, request))
 
     def _lifetime(self, request: Request) -> int:
-        return min(len(request.prompt) + request.max_new_tokens, self.context_limit)
+        """KV positions the request can ever write: every prompt token and every generated token
+        but the last (which is returned, never fed back)."""
+        return min(len(request.prompt) + request.max_new_tokens, self.context_limit) - 1
 
     def _never_fits(self, request: Request) -> str | None:
         if not request.prompt:
