@@ -165,13 +165,14 @@ def read_manifest(artifacts: Path) -> Manifest:
         manifest = Manifest.from_dict(data)
     except (KeyError, TypeError) as e:
         raise ArtifactError(f"{path}: malformed manifest ({e}); recompile") from None
-    for what, built, running in (("graphc", manifest.graphc_version, __version__),
-                                 ("torch", manifest.torch_version, str(torch.__version__))):
-        if built != running:
-            raise ArtifactError(
-                f"{path}: compiled with {what} {built}, running {what} {running}; "
-                f"recompile with this installation or run with {what} {built}"
-            )
+    mismatches = [(what, built, running) for what, built, running in (
+        ("graphc", manifest.graphc_version, __version__), ("torch", manifest.torch_version, str(torch.__version__)),
+    ) if built != running]
+    if mismatches:
+        compiled = " and ".join(f"{what} {built}" for what, built, _ in mismatches)
+        running = " and ".join(f"{what} {now}" for what, _, now in mismatches)
+        raise ArtifactError(f"{path}: compiled with {compiled}, running {running}; "
+                            f"recompile with this installation or run with {compiled}")
     verified: set[str] = set()  # ranks share files; hash each once
     for rank in manifest.ranks:
         files = [(rank.weights, rank.weights_sha256)] + [(g.file, g.sha256) for g in rank.graphs]

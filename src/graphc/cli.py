@@ -141,17 +141,44 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
 def compile_command(config_path, out, backend, disabled, dump_graphs, verify_passes, jobs, force) -> None:
     """Capture, specialise and compile MODEL_YAML's model into per-rank, per-bucket graphs."""
     from graphc.config import load_config
-    from graphc.pipeline import CompileOptions, compile
+    from graphc.pipeline import CompileOptions, check_options, compile
 
     config = load_config(config_path)
     options = CompileOptions(backend=backend, disabled_passes=frozenset(disabled), dump_graphs=dump_graphs,
                              verify_passes=verify_passes, force=force,
                              **({"workers": jobs} if jobs else {}))
+    check_options(out, options)
     click.echo(_describe_config(config, backend), err=True)
     manifest = compile(config, out, options)
     graphs = {g.file for r in manifest.ranks for g in r.graphs}
     click.echo(f"wrote {out}: {sum(len(r.graphs) for r in manifest.ranks)} graphs over {len(manifest.ranks)} "
                f"rank(s), {len(graphs)} distinct, backend {manifest.backend}")
+
+
+JSONL_FIELDS = {
+    "prompt": (str,), "prompt_ids": (list,), "max_new_tokens": (int,), "temperature": (int, float),
+    "top_k": (int,), "top_p": (int, float), "seed": (int,),
+}
+
+
+def _check_jsonl_item(item, where: str) -> dict:
+    """One --prompts-file line: 'prompt' or 'prompt_ids', optional per-request overrides, typed."""
+    optional = ", ".join(k for k in JSONL_FIELDS if k not in ("prompt", "prompt_ids"))
+    if not isinstance(item, dict) or not ({"prompt", "prompt_ids"} & set(item)) or set(item) - set(JSONL_FIELDS):
+        raise GraphcError(f"{where}: expected an object with 'prompt' or 'prompt_ids' and optionally {optional}")
+    for key, value in item.items():
+        # bool is an int in Python; JSON true must not pass as a count.
+        if isinstance(value, bool) or not isinstance(value, JSONL_FIELDS[key]):
+            raise GraphcError(f"{where}: {key} is {value!r}; expected {JSONL_FIELDS[key][0].__name__}")
+    ids = item.get("prompt_ids", [])
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+        raise GraphcError(f"{where}: prompt_ids must be a list of integers, got {ids!r}")
+    checks = [("max_new_tokens", lambda v: v >= 1, ">= 1"), ("temperature", lambda v: v >= 0, ">= 0"),
+              ("top_k", lambda v: v >= 0, ">= 0"), ("top_p", lambda v: 0 < v <= 1, "in (0, 1]")]
+    for key, ok, allowed in checks:
+        if key in item and not ok(item[key]):
+            raise GraphcError(f"{where}: {key} is {item[key]!r}; it must be {allowed}")
+    return item
 
 
 def _read_prompts(prompt_ids, prompts, prompts_file, tokenizer):
@@ -166,11 +193,7 @@ def _read_prompts(prompt_ids, prompts, prompts_file, tokenizer):
                 item = json.loads(line)
             except json.JSONDecodeError as e:
                 raise GraphcError(f"{prompts_file}:{number}: not valid JSON ({e})") from None
-            allowed = {"prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed"}
-            if not isinstance(item, dict) or not ({"prompt", "prompt_ids"} & set(item)) or set(item) - allowed:
-                raise GraphcError(f"{prompts_file}:{number}: expected an object with 'prompt' or 'prompt_ids' "
-                                  f"and optionally {', '.join(sorted(allowed - {'prompt', 'prompt_ids'}))}")
-            items.append(item)
+            items.append(_check_jsonl_item(item, f"{prompts_file}:{number}"))
     if not items:
         raise click.UsageError("give at least one prompt: --prompt-ids, --prompt or --prompts-file")
     for item in items:
@@ -217,7 +240,7 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
         if bad:
             raise GraphcError(f"prompt {i}: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
         sampling = Sampling(**{k: item.get(k, v) for k, v in defaults.items()})
-        limit = item.get("max_new_tokens") or max_new_tokens or manifest.runtime["max_new_tokens"]
+        limit = item.get("max_new_tokens", max_new_tokens or manifest.runtime["max_new_tokens"])
         requests.append(Request(item["prompt_ids"], limit, sampling, stop_at_eos=not ignore_eos))
     failed = 0
     for result in engine.generate(requests):

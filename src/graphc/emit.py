@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch.export import ExportedProgram
 
@@ -68,7 +69,7 @@ def compile_all(jobs: list[CompileJob], backend: str, workers: int, show_progres
         return results
     with tempfile.TemporaryDirectory(prefix="graphc-programs-") as scratch, Progress(
         TextColumn("[bold]compiling[/] {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        disable=not show_progress, transient=False,
+        console=Console(stderr=True), disable=not show_progress, transient=False,
     ) as progress:
         task = progress.add_task(backend, total=len(todo))
         programs = {}

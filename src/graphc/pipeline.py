@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import save_file
 
 from graphc import __version__
-from graphc.artifact import MANIFEST, GraphEntry, Manifest, RankEntry, TensorSpec, atomic_directory, sha256_file
+from graphc.artifact import MANIFEST, ArtifactError, GraphEntry, Manifest, RankEntry, TensorSpec, atomic_directory, sha256_file
 from graphc.buckets import all_buckets
 from graphc.capture import POOL_BLOCKS_DIM, STEP_INPUTS, capture_bucket, model_weights
 from graphc.config import GraphcConfig
+from graphc.errors import GraphcError
 from graphc.emit import CompileJob, compile_all, program_key
 from graphc.models.checkpoint import load_model
 from graphc.passes.dead_code_elimination import dead_code_elimination
@@ -50,7 +51,17 @@ class CompileOptions:
     show_progress: bool = True
 
 
+def check_options(out: Path, options: CompileOptions) -> None:
+    """Fail fast, before any work, on options that cannot succeed."""
+    unknown = sorted(options.disabled_passes - {name for name, _ in SPECIALISE})
+    if unknown:
+        raise GraphcError(f"--disable-pass {unknown[0]}: no such pass; passes: {', '.join(n for n, _ in SPECIALISE)}")
+    if Path(out).exists() and not options.force:
+        raise ArtifactError(f"output {str(out)!r} already exists; pass --force to replace it")
+
+
 def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOptions()) -> Manifest:
+    check_options(out, options)
     backend = options.backend or config.backend
     topology = Topology(config.topology.cp, config.topology.ep)
     b, kv = config.buckets, config.kv_cache
@@ -75,7 +86,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                 key = program_key(program, backend)
                 jobs.append(CompileJob(f"{bucket.name} rank {rank}", key, program))
                 entries[rank, bucket] = (key, _step_specs(program), op_counts(program.graph_module))
-                pass_logs[bucket.name] = log.changes()
+                pass_logs[f"{bucket.name} rank {rank}"] = log.changes()
         # 4. Emit: compile each distinct program once (cached), then lay out the artifacts.
         compiled = compile_all(jobs, backend, options.workers, options.show_progress)
         (staging / "graphs").mkdir()

@@ -1,7 +1,8 @@
-"""Topology: how many ranks, and which semantic group each collective runs over.
+"""Topology: ranks, their coordinates, and the semantic groups collectives run over.
 
-All ranks form one attention replica (world = cp). Expert-parallel groups are contiguous blocks
-of `ep` ranks; `ep` divides the world.
+All ranks form one attention replica (world = cp): prompt chunks run replicated on every rank and
+the KV cache is sharded across them by sequence block. Expert-parallel groups are contiguous
+blocks of `ep` ranks, each holding `n_routed_experts / ep` routed experts.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ class Topology:
     cp: int = 1
     """Context-parallel ranks (the world)."""
     ep: int = 1
-    """Expert-parallel group size."""
+    """Expert-parallel group size; divides the world."""
 
     def __post_init__(self) -> None:
         if self.cp < 1 or self.ep < 1:
@@ -36,3 +37,29 @@ class Topology:
         if group not in GROUPS:
             raise GraphcError(f"unknown group {group!r}; groups are {', '.join(GROUPS)}")
         return self.ep if group == "ep" else self.cp
+
+    def group_ranks(self, group: str, rank: int) -> list[int]:
+        """The ranks of `rank`'s group named `group`."""
+        if group == "ep":
+            first = rank - rank % self.ep
+            return list(range(first, first + self.ep))
+        self.group_size(group)
+        return list(range(self.world))
+
+    def ep_groups(self) -> list[list[int]]:
+        return [list(range(first, first + self.ep)) for first in range(0, self.world, self.ep)]
+
+    def cp_rank(self, rank: int) -> int:
+        return rank
+
+    def ep_rank(self, rank: int) -> int:
+        return rank % self.ep
+
+    def experts(self, rank: int, n_routed_experts: int) -> range:
+        """The routed experts `rank` holds."""
+        if n_routed_experts % self.ep:
+            raise GraphcError(f"topology: ep ({self.ep}) must divide n_routed_experts ({n_routed_experts}); "
+                              f"{n_routed_experts} % {self.ep} = {n_routed_experts % self.ep}")
+        per_rank = n_routed_experts // self.ep
+        first = self.ep_rank(rank) * per_rank
+        return range(first, first + per_rank)

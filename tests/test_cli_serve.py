@@ -1,0 +1,397 @@
+"""`graphc compile`, `graphc run` and `graphc inspect`: the serving side of the command line.
+
+`run` must print what the in-process `Engine` generates; bad input is one `error: ...` line and
+exit status 2; a request that cannot be served fails alone. Export backend only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner, Result
+
+import graphc.runtime.loader
+from graphc.artifact import MANIFEST
+from graphc.cli import cli
+from graphc.runtime import Engine, Request
+from graphc.sampling import Sampling
+
+from conftest import TEST_BUCKETS, model_yaml
+
+EXIT_BAD_INPUT = 2
+PRESET = "lora-groups"
+BUCKETS = ["prefill-8", "prefill-32", "decode-1", "decode-4"]
+PASSES = ["verify_bucket_shapes", "lower_trivial_collectives", "dead_code_elimination"]
+EOS_PROMPT = [8, 15]
+"""Greedy generation from this prompt hits EOS (id 1) at its second token with the tiny model."""
+
+
+def invoke(*args) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def ok(result: Result) -> Result:
+    assert result.exit_code == 0, (result.exit_code, result.stdout, result.stderr, result.exception)
+    return result
+
+
+def error_line(result: Result) -> str:
+    """Assert a bad-input exit: status 2 and exactly one stderr line, `error: ...`; return it."""
+    assert result.exit_code == EXIT_BAD_INPUT, (result.exit_code, result.stdout, result.stderr, result.exception)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{result.stderr}"
+    assert lines[0].startswith("error: "), lines[0]
+    return lines[0]
+
+
+def compile_error_line(result: Result) -> str:
+    """A bad-input exit of `compile`: status 2 and one `error: ...` line, the last on stderr
+    (`compile` echoes the resolved config first; see test_compile_errors_are_the_only_stderr_line)."""
+    assert result.exit_code == EXIT_BAD_INPUT, (result.exit_code, result.stdout, result.stderr, result.exception)
+    lines = result.stderr.splitlines()
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], result.stderr
+    return errors[0]
+
+
+def records(result: Result) -> list[dict]:
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def ids(prompt: list[int]) -> str:
+    return ",".join(map(str, prompt))
+
+
+def prompt_of(length: int, mult: int = 7) -> list[int]:
+    return [(mult * i + 3 * length) % 254 + 2 for i in range(length)]
+
+
+def write_yaml(folder: Path, checkpoint: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.yaml"
+    path.write_text(yaml.safe_dump(model_yaml(checkpoint, TEST_BUCKETS["standard"])))
+    return path
+
+
+def cli_compile(tmp_path_factory, tiny_checkpoints, name: str, *flags) -> tuple[Path, Path, Result]:
+    root = tmp_path_factory.mktemp(name)
+    out, dumps = root / "artifacts", root / "dumps"
+    result = ok(invoke("compile", write_yaml(root, tiny_checkpoints[PRESET]), "-o", out,
+                       "--dump-graphs", dumps, "--verify-passes", *flags))
+    return out, dumps, result
+
+
+@pytest.fixture(scope="module")
+def cli_compiled(tmp_path_factory, tiny_checkpoints):
+    """`graphc compile` of the standard buckets (the same programs as the session's, so cached)."""
+    return cli_compile(tmp_path_factory, tiny_checkpoints, "cli-standard")
+
+
+@pytest.fixture(scope="module")
+def no_lowering(tmp_path_factory, tiny_checkpoints):
+    """`graphc compile --disable-pass lower_trivial_collectives`: other programs, compiled here."""
+    return cli_compile(tmp_path_factory, tiny_checkpoints, "cli-no-lowering",
+                       "--disable-pass", "lower_trivial_collectives")
+
+
+@pytest.fixture(scope="module")
+def engine(cli_compiled) -> Engine:
+    return Engine(cli_compiled[0])
+
+
+@pytest.fixture
+def artifacts(compiled) -> Path:
+    """The session's standard export artifacts (read-only: copy before changing anything)."""
+    return compiled(PRESET, "export")
+
+
+@pytest.fixture
+def graphs_never_run(monkeypatch):
+    """Input validation must fail before any step runs: stand the graphs in with ones that refuse
+    to run (this also skips loading them, which keeps these tests fast)."""
+    def load(path):
+        def call(*args, **kwargs):
+            raise AssertionError(f"a graph ran although the input was invalid ({path.name})")
+        return call
+
+    monkeypatch.setitem(graphc.runtime.loader.LOADERS, "export", load)
+
+
+def serve(engine: Engine, requests: list[Request]):
+    return engine.generate(requests)
+
+
+# --- compile, then run ------------------------------------------------------------------------------
+
+def test_compile_reports_what_it_wrote(cli_compiled):
+    out, _, result = cli_compiled
+    # The last stdout line (a progress bar may precede it when the cache misses).
+    assert result.stdout.splitlines()[-1] == f"wrote {out}: 4 graphs over 1 rank(s), 4 distinct, backend export"
+    assert "context_limit=128" in result.stderr and "backend    export" in result.stderr
+    assert (out / MANIFEST).is_file()
+
+
+def test_run_json_equals_the_engine(cli_compiled, engine):
+    out = cli_compiled[0]
+    prompts = [[5], EOS_PROMPT, prompt_of(8), prompt_of(20), prompt_of(45)]  # 45 is chunked: 32 + 13
+    args = [a for p in prompts for a in ("--prompt-ids", ids(p))]
+    lines = records(ok(invoke("run", out, *args, "--max-new-tokens", 10, "--json")))
+    expected = serve(engine, [Request(p, 10) for p in prompts])
+    assert [r["prompt_ids"] for r in lines] == prompts
+    assert [r["output_ids"] for r in lines] == [r.output_ids for r in expected]
+    assert [r["finish_reason"] for r in lines] == [r.finish_reason for r in expected]
+    assert lines[1]["finish_reason"] == "eos" and lines[1]["output_ids"][-1] == 1
+    assert {r["finish_reason"] for r in lines[2:]} == {"length"}
+    assert all(len(r["output_ids"]) == 10 for r in lines[2:])
+    assert all("error" not in r for r in lines)
+
+
+def test_run_default_max_new_tokens_is_the_manifests(artifacts, engine):
+    prompt = prompt_of(3)
+    [line] = records(ok(invoke("run", artifacts, "--prompt-ids", ids(prompt), "--ignore-eos", "--json")))
+    assert len(line["output_ids"]) == 16  # runtime.max_new_tokens in the test model.yaml
+    assert line["output_ids"] == serve(engine, [Request(prompt, 16, stop_at_eos=False)])[0].output_ids
+
+
+@pytest.fixture(scope="module")
+def mixed_run(tmp_path_factory, compiled):
+    """One `run` with every way to give prompts: --prompt-ids, --prompt and a --prompts-file."""
+    folder = tmp_path_factory.mktemp("prompts")
+    prompts_file = folder / "prompts.jsonl"
+    prompts_file.write_text("\n".join([
+        json.dumps({"prompt_ids": [5, 6, 7], "max_new_tokens": 3}),
+        "",  # blank lines are skipped
+        json.dumps({"prompt": "abc", "max_new_tokens": 6, "temperature": 0.8, "seed": 11}),
+        json.dumps({"prompt_ids": [9, 10], "temperature": 1.0, "top_k": 5, "top_p": 0.9, "seed": 2}),
+    ]) + "\n")
+    result = ok(invoke("run", compiled(PRESET, "export"), "--prompt-ids", "3,4", "--prompt", TEXT,
+                       "--prompts-file", prompts_file, "--max-new-tokens", 5, "--json"))
+    return records(result)
+
+
+TEXT = "héllo, wörld"
+
+
+def test_run_text_prompt_is_tokenized_to_utf8_bytes(mixed_run, engine):
+    line = mixed_run[1]
+    assert line["prompt_ids"] == list(TEXT.encode("utf-8"))
+    assert line["output_ids"] == serve(engine, [Request(line["prompt_ids"], 5)])[0].output_ids
+    assert line["text"] == bytes(line["output_ids"]).decode("utf-8", errors="replace")
+
+
+def test_run_prompts_file_with_per_line_overrides(mixed_run, engine):
+    """Order: --prompt-ids, then --prompt, then the file's lines; a line's max_new_tokens and
+    sampling fields override the command line's (--max-new-tokens 5, greedy)."""
+    expected = [
+        Request([3, 4], 5),
+        Request(list(TEXT.encode()), 5),
+        Request([5, 6, 7], 3),
+        Request([97, 98, 99], 6, Sampling(temperature=0.8, seed=11)),
+        Request([9, 10], 5, Sampling(temperature=1.0, top_k=5, top_p=0.9, seed=2)),
+    ]
+    assert [line["prompt_ids"] for line in mixed_run] == [r.prompt for r in expected]
+    assert [line["output_ids"] for line in mixed_run] == [r.output_ids for r in serve(engine, expected)]
+    for line, request in zip(mixed_run, expected):  # each ran to its own limit, or to EOS
+        assert len(line["output_ids"]) == request.max_new_tokens or line["finish_reason"] == "eos", line
+    assert [len(line["output_ids"]) for line in mixed_run[2:]] == [3, 6, 5]
+    assert all("text" in line for line in mixed_run)  # the artifacts carry a tokenizer
+
+
+def test_run_ignore_eos_generates_through_eos(artifacts, engine):
+    stopped = serve(engine, [Request(EOS_PROMPT, 12)])[0]
+    assert stopped.finish_reason == "eos" and len(stopped.output_ids) < 12
+    result = ok(invoke("run", artifacts, "--prompt-ids", ids(EOS_PROMPT), "--max-new-tokens", 12, "--ignore-eos"))
+    # Without --json: the tokens, a tab, then the decoded text's repr.
+    [line] = result.stdout.splitlines()
+    tokens, text = line.split("\t")
+    tokens = [int(t) for t in tokens.split()]
+    assert len(tokens) == 12 and tokens[: len(stopped.output_ids)] == stopped.output_ids
+    assert tokens == serve(engine, [Request(EOS_PROMPT, 12, stop_at_eos=False)])[0].output_ids
+    assert text == repr(bytes(tokens).decode("utf-8", errors="replace"))
+
+
+def test_run_sampling_flags_are_deterministic_and_not_greedy(artifacts, engine):
+    prompts = [[5], prompt_of(8), prompt_of(20)]
+    args = [a for p in prompts for a in ("--prompt-ids", ids(p))]
+    flags = ["--temperature", 0.8, "--seed", 3, "--max-new-tokens", 16, "--ignore-eos", "--json"]
+    first = [r["output_ids"] for r in records(ok(invoke("run", artifacts, *args, *flags)))]
+    second = [r["output_ids"] for r in records(ok(invoke("run", artifacts, *args, *flags)))]
+    assert first == second
+    assert all(len(tokens) == 16 for tokens in first)
+    greedy = [r.output_ids for r in serve(engine, [Request(p, 16, stop_at_eos=False) for p in prompts])]
+    assert any(s != g for s, g in zip(first, greedy)), "temperature 0.8 sampled exactly the greedy tokens"
+    sampled = serve(engine, [Request(p, 16, Sampling(temperature=0.8, seed=3), stop_at_eos=False) for p in prompts])
+    assert first == [r.output_ids for r in sampled]
+
+
+def test_run_a_request_that_cannot_be_served_fails_alone(artifacts, engine):
+    too_long = prompt_of(130)
+    at_limit = prompt_of(128, mult=5)
+    almost = prompt_of(127, mult=3)  # room for exactly one token under context_limit 128
+    prompts = [[5], too_long, at_limit, almost, [6, 7]]
+    args = [a for p in prompts for a in ("--prompt-ids", ids(p))]
+    result = invoke("run", artifacts, *args, "--max-new-tokens", 4, "--ignore-eos", "--json")
+    assert result.exit_code == EXIT_BAD_INPUT, (result.stdout, result.stderr, result.exception)
+    lines = records(result)
+    assert [line["prompt_ids"] for line in lines] == prompts
+    for line, length in ((lines[1], 130), (lines[2], 128)):
+        assert line["finish_reason"] == "error" and line["output_ids"] == [] and "text" not in line
+        assert f"prompt of {length} tokens" in line["error"] and "context_limit 128" in line["error"], line
+    served = serve(engine, [Request(p, 4, stop_at_eos=False) for p in (prompts[0], almost, prompts[4])])
+    assert [lines[i]["output_ids"] for i in (0, 3, 4)] == [r.output_ids for r in served]
+    assert [lines[i]["finish_reason"] for i in (0, 3, 4)] == ["length", "context_limit", "length"]
+    assert len(lines[3]["output_ids"]) == 1
+    assert all("error" not in lines[i] for i in (0, 3, 4))
+
+
+# --- bad input: one `error:` line, exit 2 -----------------------------------------------------------
+
+def test_run_missing_artifacts_dir(tmp_path):
+    missing = tmp_path / "nowhere"
+    line = error_line(invoke("run", missing, "--prompt-ids", "1,2"))
+    assert str(missing) in line and MANIFEST in line
+
+
+def test_run_tampered_artifacts(artifacts, tmp_path):
+    copy = Path(shutil.copytree(artifacts, tmp_path / "copy"))
+    graph = yaml.safe_load((copy / MANIFEST).read_text())["ranks"][0]["graphs"][-1]["file"]
+    data = bytearray((copy / graph).read_bytes())
+    data[len(data) // 3] ^= 0x01
+    (copy / graph).write_bytes(bytes(data))
+    line = error_line(invoke("run", copy, "--prompt-ids", "1,2"))
+    assert graph in line and "sha256" in line and "recompile" in line
+
+
+def test_run_text_prompt_without_tokenizer(artifacts, tmp_path, graphs_never_run):
+    copy = Path(shutil.copytree(artifacts, tmp_path / "copy"))
+    (copy / "tokenizer.json").unlink()
+    manifest = yaml.safe_load((copy / MANIFEST).read_text())
+    assert manifest.pop("tokenizer") == "tokenizer.json"
+    (copy / MANIFEST).write_text(yaml.safe_dump(manifest, sort_keys=False))
+    line = error_line(invoke("run", copy, "--prompt", "hello"))
+    assert "tokenizer" in line and "--prompt-ids" in line
+
+
+@pytest.mark.parametrize("prompt, bad", [("5,256", 256), ("300", 300), ("4,-1,7", -1)])
+def test_run_token_outside_the_vocabulary(artifacts, graphs_never_run, prompt, bad):
+    line = error_line(invoke("run", artifacts, "--prompt-ids", "1,2", "--prompt-ids", prompt))
+    assert f"prompt 1: token id {bad} is outside the vocabulary 0..255" in line
+
+
+@pytest.mark.parametrize("bad_line, says", [
+    ("{not json", "not valid JSON"),
+    ('["prompt_ids", [1]]', "expected an object"),
+    ('{"max_new_tokens": 3}', "expected an object"),
+    ('{"prompt_ids": [1], "temprature": 0.5}', "expected an object"),
+])
+def test_run_malformed_prompts_file_line(artifacts, tmp_path, graphs_never_run, bad_line, says):
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text('{"prompt_ids": [1, 2]}\n\n' + bad_line + "\n")
+    line = error_line(invoke("run", artifacts, "--prompts-file", prompts_file))
+    assert f"{prompts_file}:3:" in line and says in line
+
+
+@pytest.mark.parametrize("bad_line", [
+    '{"prompt_ids": [1, 2], "max_new_tokens": "5"}',
+    '{"prompt_ids": [1.5, 2]}',
+    '{"prompt_ids": [1, 2], "max_new_tokens": 0}',
+], ids=["max_new_tokens-string", "float-token-id", "max_new_tokens-zero"])
+def test_run_prompts_file_values_of_the_wrong_type(artifacts, tmp_path, graphs_never_run, bad_line):
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text(bad_line + "\n")
+    error_line(invoke("run", artifacts, "--prompts-file", prompts_file))
+
+
+def test_compile_unknown_pass(tiny_checkpoints, tmp_path):
+    out = tmp_path / "artifacts"
+    line = compile_error_line(invoke("compile", write_yaml(tmp_path, tiny_checkpoints[PRESET]), "-o", out,
+                                     "--disable-pass", "no_such_pass"))
+    assert "no_such_pass" in line and ", ".join(PASSES) in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.yaml"]  # no output, no staging left
+
+
+def test_compile_into_existing_dir_without_force(tiny_checkpoints, tmp_path):
+    out = tmp_path / "artifacts"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    line = compile_error_line(invoke("compile", write_yaml(tmp_path, tiny_checkpoints[PRESET]), "-o", out))
+    assert str(out) in line and "--force" in line
+    assert [p.name for p in out.iterdir()] == ["mine.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["artifacts", "model.yaml"]
+
+
+@pytest.mark.parametrize("case", ["unknown-pass", "existing-output"])
+def test_compile_errors_are_the_only_stderr_line(tiny_checkpoints, tmp_path, case):
+    out = tmp_path / "artifacts"
+    flags = ["--disable-pass", "no_such_pass"] if case == "unknown-pass" else []
+    if case == "existing-output":
+        out.mkdir()
+    error_line(invoke("compile", write_yaml(tmp_path, tiny_checkpoints[PRESET]), "-o", out, *flags))
+
+
+# --- inspect, dumps, disabled passes ----------------------------------------------------------------
+
+def inspect_lines(artifacts: Path) -> dict[str, str]:
+    """`graphc inspect`'s graph lines by bucket label."""
+    result = ok(invoke("inspect", artifacts))
+    lines = {}
+    for line in result.stdout.splitlines():
+        words = line.split()
+        if line.startswith("  ") and words and words[0] in BUCKETS:
+            lines[words[0]] = line
+    return lines
+
+
+def test_inspect_lists_buckets_graph_files_and_graphc_ops(artifacts):
+    manifest = yaml.safe_load((artifacts / MANIFEST).read_text())
+    result = ok(invoke("inspect", artifacts))
+    assert result.stdout.startswith(f"graphc {manifest['graphc_version']}, torch {manifest['torch_version']}, "
+                                    "backend export, format 1")
+    assert manifest["ranks"][0]["weights"] in result.stdout
+    lines = inspect_lines(artifacts)
+    assert sorted(lines) == sorted(BUCKETS)
+    for graph in manifest["ranks"][0]["graphs"]:
+        label = f"{graph['kind']}-{graph['size']}"
+        counts = manifest["extra"]["op_counts"][f"{label} rank 0"]
+        line = lines[label]
+        assert graph["file"] in line, line
+        assert f"{sum(counts.values())} ops" in line, line
+        for op in ("graphc::kv_write", "graphc::paged_mla_attention", "graphc::sample"):
+            assert f"{op} x{counts[op]}" in line, (op, line)
+        assert "moe_dispatch" not in line and "moe_combine" not in line, line
+    assert lines["prefill-8"].count("graphc::kv_write x3") == 1  # one per layer of the 3-layer model
+
+
+def test_dump_graphs_writes_every_pass_for_every_bucket(cli_compiled):
+    dumps = cli_compiled[1]
+    assert sorted(p.name for p in dumps.iterdir()) == sorted(BUCKETS)
+    names = ["00-capture.py"] + [f"{i:02d}-{name}.py" for i, name in enumerate(PASSES, start=1)]
+    for bucket in BUCKETS:
+        assert sorted(p.name for p in (dumps / bucket).iterdir()) == ["rank0"]
+        assert sorted(p.name for p in (dumps / bucket / "rank0").iterdir()) == names
+        folder = dumps / bucket / "rank0"
+        assert "graphc.moe_dispatch" in (folder / "00-capture.py").read_text()
+        assert "graphc.moe_dispatch" not in (folder / "02-lower_trivial_collectives.py").read_text()
+        assert "graphc.kv_write" in (folder / "03-dead_code_elimination.py").read_text()
+
+
+def test_disabled_lowering_keeps_collectives_and_tokens(no_lowering, cli_compiled, engine):
+    out, dumps, _ = no_lowering
+    manifest = yaml.safe_load((out / MANIFEST).read_text())
+    lines = inspect_lines(out)
+    assert sorted(lines) == sorted(BUCKETS)
+    for bucket in BUCKETS:
+        counts = manifest["extra"]["op_counts"][f"{bucket} rank 0"]
+        assert counts["graphc::moe_dispatch"] == counts["graphc::moe_combine"] == 2  # the two MoE layers
+        assert "graphc::moe_dispatch x2" in lines[bucket] and "graphc::moe_combine x2" in lines[bucket]
+        assert not (dumps / bucket / "rank0" / "02-lower_trivial_collectives.py").exists()
+        assert (dumps / bucket / "rank0" / "03-dead_code_elimination.py").is_file()
+    standard = yaml.safe_load((cli_compiled[0] / MANIFEST).read_text())
+    assert not {g["file"] for g in manifest["ranks"][0]["graphs"]} & {g["file"] for g in standard["ranks"][0]["graphs"]}
+    prompts = [[5], prompt_of(20), prompt_of(40)]
+    requests = [Request(p, 6, stop_at_eos=False) for p in prompts]
+    assert [r.output_ids for r in Engine(out).generate(requests)] == [r.output_ids for r in serve(engine, requests)]
