@@ -7,7 +7,8 @@ of a 1-token one) / (time difference), so prefill and start-up cancel out; prefi
 prompt tokens / time of a 1-token generation. Each figure is the best of `--repeats` runs.
 References: transformers' `generate` (eager HF), and graphc's own eager model on the paged cache.
 Time-to-first-token compares a fresh process serving from artifacts against a fresh process that
-compiles the same model with `torch.compile` at start-up (both measured from after imports).
+compiles the same model with `torch.compile` at start-up (both measured from after imports, each
+with an empty inductor cache, as on a newly started host).
 Absolute times are printed only for context: machines are noisy, ratios are the result.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -102,7 +104,11 @@ print(json.dumps(time.perf_counter() - start))
 
 
 def ttft(script, arg):
-    done = subprocess.run([sys.executable, "-c", script, str(arg)], capture_output=True, text=True, check=True)
+    # A fresh inductor cache per process: a server starting on a new host has none.
+    with tempfile.TemporaryDirectory() as cold_cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cold_cache}
+        done = subprocess.run([sys.executable, "-c", script, str(arg)], capture_output=True, text=True,
+                              check=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -310,22 +310,23 @@ def test_the_same_yaml_compiles_once(tiny_checkpoints, tmp_path, monkeypatch):
 
 
 def test_graph_files_are_named_by_content(compiled, tiny_checkpoints, tmp_path):
-    """Two ranks with identical programs share one file per bucket, named as a single-rank compile
-    names it; every name is a sha256 and every recorded hash is the file's."""
+    """A compile whose programs are identical (only the pool size differs: it is the graphs'
+    symbolic dim) reuses the same graph and weight files; every name is a sha256 and every
+    recorded hash is the file's."""
     single = read_manifest(compiled(PRESET, "export"))
-    config = load_config(write_model_yaml(tmp_path / "cfg", tiny_checkpoints[PRESET], topology={"cp": 2, "ep": 1}))
-    out = tmp_path / "cp2"
-    two = compile(config, out, QUIET)
-    assert len(two.ranks) == 2
-    files = [[g.file for g in r.graphs] for r in two.ranks]
-    assert files[0] == files[1] == [g.file for g in single.ranks[0].graphs]
-    assert len(set(files[0])) == 4
-    assert sorted(f"graphs/{p.name}" for p in (out / "graphs").iterdir()) == sorted(files[0])
-    for rank in two.ranks:
-        for g in rank.graphs:
-            assert GRAPH_NAME.fullmatch(g.file), g.file
-            assert g.sha256 == sha256_file(out / g.file)
-        assert rank.weights == f"weights/{rank.weights_sha256}.safetensors"
+    config = load_config(write_model_yaml(tmp_path / "cfg", tiny_checkpoints[PRESET],
+                                          kv_cache={"block_size": 8, "num_blocks": 100}))
+    out = tmp_path / "bigger-pool"
+    other = compile(config, out, QUIET)
+    files = [g.file for g in other.ranks[0].graphs]
+    assert files == [g.file for g in single.ranks[0].graphs]
+    assert len(set(files)) == 4
+    assert sorted(f"graphs/{p.name}" for p in (out / "graphs").iterdir()) == sorted(files)
+    assert other.ranks[0].weights == single.ranks[0].weights
+    for g in other.ranks[0].graphs:
+        assert GRAPH_NAME.fullmatch(g.file), g.file
+        assert g.sha256 == sha256_file(out / g.file)
+    assert other.ranks[0].weights == f"weights/{other.ranks[0].weights_sha256}.safetensors"
 
 
 # --- GRAPHC_NUM_KV_BLOCKS ---------------------------------------------------------------------------
@@ -396,3 +397,10 @@ def test_graph_runner_refuses_a_wrong_dtype(engine):
         runner(engine.loaded.weights, inputs)
     message = str(info.value)
     assert "positions" in message and "torch.int32" in message and "torch.int64" in message, message
+
+
+def test_multi_rank_compile_is_refused_before_anything_is_written(tiny_checkpoints, tmp_path):
+    config = load_config(write_model_yaml(tmp_path / "cfg", tiny_checkpoints[PRESET], topology={"cp": 2, "ep": 1}))
+    with pytest.raises(GraphcError, match=r"topology.cp = 2: multi-rank compilation .* not implemented yet"):
+        compile(config, tmp_path / "out", QUIET)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg"]

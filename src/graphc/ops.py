@@ -1,7 +1,9 @@
 """graphc:: custom ops: the places where parallel execution differs from one device.
 
-Each op is a `torch.library.custom_op` with a fake kernel, so `torch.export` keeps it as one
-`call_function` node (string and int arguments intact) that topology passes can find and rewrite.
+Each op is defined from an explicit schema in the `graphc` library, with a real kernel and a fake
+one, so `torch.export` keeps it as one `call_function` node (string and int arguments intact)
+that topology passes can find and rewrite. (`torch.library.custom_op` would infer the schemas,
+but its Python autograd wrapper costs about 35 us per call: most of a KV write on the CPU.)
 The real kernels here are the single-device semantics; collectives carry a *semantic* group name
 ("cp", "ep", "world"), never a rank list.
 
@@ -22,30 +24,48 @@ from torch import Tensor
 PADDING_SLOT = -1
 """Slot-mapping value of a padding token: its KV is not written."""
 
+_LIBRARY = torch.library.Library("graphc", "DEF")
 
-@torch.library.custom_op("graphc::kv_write", mutates_args=("kv_pool",))
-def kv_write(kv_pool: Tensor, layer: int, kv: Tensor, slot_mapping: Tensor) -> None:
+
+def _define(schema: str, kernel, fake):
+    """Register `graphc::<schema>` with its kernel (all devices) and fake; return the op."""
+    name = schema.split("(", 1)[0]
+    _LIBRARY.define(schema)
+    _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"graphc::{name}", fake, lib=_LIBRARY)
+    return getattr(torch.ops.graphc, name)
+
+
+def kv_write_reference(kv_pool: Tensor, layer: int, kv: Tensor, slot_mapping: Tensor) -> None:
     """Write each token's cached vector into its slot of the paged pool.
+
+    Plain torch ops with static shapes: the kernel of `graphc::kv_write`, and what CPU backends
+    inline in its place. A padding token re-writes the first real token's slot with that token's
+    own vector, so every write has the same shape and the duplicates change nothing.
 
     Args:
         kv_pool: [L, N, S, C] the whole pool; slot s of layer l is `kv_pool[l].view(-1, C)[s]`.
         layer: which layer's cache to write.
         kv: [B, Q, C] the tokens' latent ++ roped key.
-        slot_mapping: [B, Q] flat slot per token; `PADDING_SLOT` leaves the pool untouched.
+        slot_mapping: [B, Q] flat slot per token; `PADDING_SLOT` leaves the pool untouched. At
+            least one token of the step must be real.
     """
-    flat_pool = kv_pool[layer].view(-1, kv_pool.shape[-1])  # [N*S, C], a view: writes land in the pool
+    width = kv_pool.shape[-1]
+    tokens = kv.reshape(-1, width)  # [B*Q, C]
     slots = slot_mapping.reshape(-1)  # [B*Q]
-    valid = slots != PADDING_SLOT
-    flat_pool[slots[valid]] = kv.reshape(-1, kv.shape[-1])[valid].to(kv_pool.dtype)
+    real = slots != PADDING_SLOT
+    source = torch.where(real, torch.arange(slots.shape[0], device=slots.device), real.int().argmax())  # [B*Q]
+    kv_pool[layer].view(-1, width).index_copy_(0, slots[source], tokens[source].to(kv_pool.dtype))
 
 
-@kv_write.register_fake
-def _(kv_pool: Tensor, layer: int, kv: Tensor, slot_mapping: Tensor) -> None:
-    return None
+kv_write = _define(
+    "kv_write(Tensor(a!) kv_pool, int layer, Tensor kv, Tensor slot_mapping) -> ()",
+    kv_write_reference,
+    lambda kv_pool, layer, kv, slot_mapping: None,
+)
 
 
-@torch.library.custom_op("graphc::paged_mla_attention", mutates_args=())
-def paged_mla_attention(
+def paged_mla_attention_reference(
     q_latent: Tensor,
     q_rope: Tensor,
     kv_pool: Tensor,
@@ -55,6 +75,9 @@ def paged_mla_attention(
     softmax_scale: float,
 ) -> tuple[Tensor, Tensor]:
     """Absorbed multi-head latent attention of each row's queries over that row's paged cache.
+
+    Plain torch ops: the kernel of `graphc::paged_mla_attention`, and what CPU backends inline in
+    its place (`passes/inline_attention.py`).
 
     A query at position p sees the row's cached tokens at positions 0..p (causal); the cache must
     already hold them (`kv_write` runs first). Scores and softmax are fp32.
@@ -92,13 +115,16 @@ def paged_mla_attention(
     return out.to(q_latent.dtype).contiguous(), lse.contiguous()
 
 
-@paged_mla_attention.register_fake
-def _(q_latent, q_rope, kv_pool, layer, block_table, positions, softmax_scale):
-    return q_latent.new_empty(q_latent.shape), q_latent.new_empty(q_latent.shape[:-1], dtype=torch.float32)
+paged_mla_attention = _define(
+    "paged_mla_attention(Tensor q_latent, Tensor q_rope, Tensor kv_pool, int layer, Tensor block_table, "
+    "Tensor positions, float softmax_scale) -> (Tensor, Tensor)",
+    paged_mla_attention_reference,
+    lambda q_latent, q_rope, kv_pool, layer, block_table, positions, softmax_scale: (
+        q_latent.new_empty(q_latent.shape), q_latent.new_empty(q_latent.shape[:-1], dtype=torch.float32)),
+)
 
 
-@torch.library.custom_op("graphc::moe_dispatch", mutates_args=())
-def moe_dispatch(hidden: Tensor, group: str) -> Tensor:
+def _moe_dispatch(hidden: Tensor, group: str) -> Tensor:
     """Bring every token of the expert-parallel `group` to this rank before routing.
 
     On one device the group has one member and this is the identity. Topology passes lower it to
@@ -114,13 +140,11 @@ def moe_dispatch(hidden: Tensor, group: str) -> Tensor:
     return hidden.clone(memory_format=torch.contiguous_format)
 
 
-@moe_dispatch.register_fake
-def _(hidden, group):
-    return hidden.new_empty(hidden.shape)
+moe_dispatch = _define("moe_dispatch(Tensor hidden, str group) -> Tensor", _moe_dispatch,
+                       lambda hidden, group: hidden.new_empty(hidden.shape))
 
 
-@torch.library.custom_op("graphc::moe_combine", mutates_args=())
-def moe_combine(partial: Tensor, group: str) -> Tensor:
+def _moe_combine(partial: Tensor, group: str) -> Tensor:
     """Sum the routed-expert outputs of the `group` and return this rank's tokens.
 
     On one device the identity. Lowered to a reduce-scatter (after `moe_dispatch`), or an
@@ -136,13 +160,11 @@ def moe_combine(partial: Tensor, group: str) -> Tensor:
     return partial.clone(memory_format=torch.contiguous_format)
 
 
-@moe_combine.register_fake
-def _(partial, group):
-    return partial.new_empty(partial.shape)
+moe_combine = _define("moe_combine(Tensor partial, str group) -> Tensor", _moe_combine,
+                      lambda partial, group: partial.new_empty(partial.shape))
 
 
-@torch.library.custom_op("graphc::sample", mutates_args=())
-def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor) -> Tensor:
+def _sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor) -> Tensor:
     """Pick one token per row: greedy where temperature is 0, else sampling with top-k / top-p.
 
     Sampling uses the Gumbel-max trick with noise drawn from a per-row generator seeded by `seed`,
@@ -180,6 +202,6 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, se
     return torch.where(temperature > 0, sampled, greedy)
 
 
-@sample.register_fake
-def _(logits, temperature, top_k, top_p, seed):
-    return logits.new_empty(logits.shape[:-1], dtype=torch.int64)
+sample = _define("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed) -> Tensor",
+                 _sample, lambda logits, temperature, top_k, top_p, seed: logits.new_empty(
+                     logits.shape[:-1], dtype=torch.int64))

@@ -80,19 +80,23 @@ def step_metadata(
     count = total_rows or len(rows)
     if count < len(rows):
         raise ValueError(f"{len(rows)} rows do not fit a step of {count} rows")
-    input_ids = torch.zeros(count, width, dtype=torch.int64)
-    positions = torch.zeros(count, width, dtype=torch.int64)
-    block_table = torch.zeros(count, blocks_per_row, dtype=torch.int64)
-    slot_mapping = torch.full((count, width), PADDING_SLOT, dtype=torch.int64)
-    logits_index = torch.zeros(count, dtype=torch.int64)
+    # Built as Python lists and converted once per field: this runs on the host every step.
+    input_ids = [[0] * width for _ in range(count)]
+    positions = [[0] * width for _ in range(count)]
+    block_table = [[0] * blocks_per_row for _ in range(count)]
+    slot_mapping = [[PADDING_SLOT] * width for _ in range(count)]
+    logits_index = [0] * count
     for b, (seq, tokens, start) in enumerate(rows):
         n = len(tokens)
         if not 0 < n <= width:
             raise ValueError(f"row {b} has {n} tokens; a step row holds 1..{width}")
-        input_ids[b, :n] = torch.tensor(tokens)
-        positions[b, :n] = torch.arange(start, start + n)
-        positions[b, n:] = start + n - 1
-        slot_mapping[b, :n] = torch.tensor([seq.slot(p) for p in range(start, start + n)])
-        block_table[b, : len(seq.blocks)] = torch.tensor(seq.blocks)
+        input_ids[b][:n] = tokens
+        positions[b] = [*range(start, start + n), *[start + n - 1] * (width - n)]
+        slot_mapping[b][:n] = [seq.slot(p) for p in range(start, start + n)]
+        if len(seq.blocks) > blocks_per_row:
+            raise ValueError(f"row {b} owns {len(seq.blocks)} blocks; the block table holds {blocks_per_row}")
+        block_table[b][: len(seq.blocks)] = seq.blocks
         logits_index[b] = n - 1
-    return input_ids, positions, block_table, slot_mapping, logits_index
+    as_tensor = lambda rows: torch.tensor(rows, dtype=torch.int64)  # noqa: E731
+    return (as_tensor(input_ids), as_tensor(positions), as_tensor(block_table), as_tensor(slot_mapping),
+            as_tensor(logits_index))

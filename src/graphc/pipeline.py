@@ -22,6 +22,7 @@ from graphc.errors import GraphcError
 from graphc.emit import CompileJob, compile_all, program_key
 from graphc.models.checkpoint import load_model
 from graphc.passes.dead_code_elimination import dead_code_elimination
+from graphc.passes.inline_reference_kernels import inline_reference_kernels
 from graphc.passes.lower_trivial_collectives import lower_trivial_collectives
 from graphc.passes.manager import PassContext, PassManager, op_counts
 from graphc.passes.verifier import step_placeholders, verify
@@ -33,10 +34,15 @@ SPECIALISE = [
     ("verify_bucket_shapes", verify_bucket_shapes),
     # Groups of one rank move no data: backends never see a no-op collective.
     ("lower_trivial_collectives", lower_trivial_collectives),
+    # CPU backends: KV write and attention as compiled ATen ops, not Python kernels per layer.
+    ("inline_reference_kernels", inline_reference_kernels),
     # Last: sweep what the rewrites above left unused.
     ("dead_code_elimination", dead_code_elimination),
 ]
 """Per-rank, per-bucket specialisation, in order (see passes/README.md)."""
+
+BACKEND_SPECIFIC = {"inline_reference_kernels": ("export", "inductor")}
+"""Passes that only some backends run; the others keep the op for their own lowering."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,9 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
     check_options(out, options)
     backend = options.backend or config.backend
     topology = Topology(config.topology.cp, config.topology.ep)
+    if topology.world > 1:
+        raise GraphcError(f"topology.cp = {topology.cp}: multi-rank compilation (context and expert "
+                          "parallelism) is not implemented yet; compile with cp = ep = 1")
     b, kv = config.buckets, config.kv_cache
     blocks_per_row = -(-b.context_limit // kv.block_size)
     with atomic_directory(out, options.force) as staging:
@@ -74,8 +83,9 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         captured = {bucket: capture_bucket(model, bucket, blocks_per_row, kv.num_blocks, kv.block_size)
                     for bucket in buckets}
         # 3. Specialise each program for each rank.
-        manager = PassManager(SPECIALISE, verify, verify=options.verify_passes,
-                              disabled=options.disabled_passes, dump_dir=options.dump_graphs)
+        passes = [(name, run) for name, run in SPECIALISE if backend in BACKEND_SPECIFIC.get(name, (backend,))]
+        manager = PassManager(passes, verify, verify=options.verify_passes,
+                              disabled=options.disabled_passes & {name for name, _ in passes}, dump_dir=options.dump_graphs)
         jobs, entries, pass_logs = [], {}, {}
         for rank in range(topology.world):
             for bucket, capture in captured.items():

@@ -155,7 +155,7 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     model.load_state_dict(state, strict=True, assign=True)
     model.model.rotary_emb.to(device)
     _check_device(model, torch.device(device))
-    return model.eval()
+    return model.requires_grad_(False).eval()  # inference only: no autograd bookkeeping
 
 
 def _read_tensor(handles: dict, path: Path, name: str, shape: tuple[int, ...]) -> Tensor:

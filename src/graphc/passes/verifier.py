@@ -28,7 +28,8 @@ def step_placeholders(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
 
 def verify(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     gm.graph.lint()
-    pool = step_placeholders(gm)["kv_pool"]
+    pool_blocks = step_placeholders(gm)["kv_pool"].meta["val"].shape[POOL_BLOCKS_DIM]
+    allowed = _symbols(pool_blocks)
     for node in gm.graph.nodes:
         op = graphc_op(node)
         if op in COLLECTIVE_OPS:
@@ -38,8 +39,12 @@ def verify(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor):
             continue
-        symbolic = [d for d, size in enumerate(value.shape) if not isinstance(size, int)]
-        allowed = [POOL_BLOCKS_DIM] if node is pool else []
-        if symbolic != allowed:
-            raise GraphInvariantError(f"shape {tuple(value.shape)} has symbolic dims {symbolic}; only the "
-                                      f"kv_pool block count (dim {POOL_BLOCKS_DIM}) may be symbolic", node)
+        stray = [d for d, size in enumerate(value.shape) if not _symbols(size) <= allowed]
+        if stray:
+            raise GraphInvariantError(f"shape {tuple(value.shape)} has symbolic dims {stray} not derived from the "
+                                      f"kv_pool block count ({pool_blocks}); every other size must be static", node)
+
+
+def _symbols(size) -> set:
+    """The free symbols of a (possibly symbolic) size; none for an int."""
+    return set() if isinstance(size, int) else set(size.node.expr.free_symbols)

@@ -19,11 +19,17 @@ NUM_KV_BLOCKS_ENV = "GRAPHC_NUM_KV_BLOCKS"
 
 
 def _load_export(path: Path) -> Callable:
-    return torch.export.load(str(path)).module()
+    module = torch.export.load(str(path)).module()
+    return lambda weights, inputs: module(weights, *inputs)
 
 
 def _load_inductor(path: Path) -> Callable:
-    return torch._inductor.aoti_load_package(str(path))
+    # The C++ loader directly: `aoti_load_package` first probes the CPU's vector ISA by compiling
+    # test programs, only to warn on a mismatch (about 6 s on a host with a cold inductor cache,
+    # most of a cold start); and the package's __call__ re-parses its pytree specs and
+    # re-flattens ~60 inputs on every step, while the step's inputs are already flat.
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    return lambda weights, inputs: tuple(loader.boxed_run([*weights, *inputs]))
 
 
 LOADERS = {"export": _load_export, "inductor": _load_inductor}
@@ -46,7 +52,7 @@ class GraphRunner:
             if tuple(tensor.shape) != shape or tensor.dtype != self.dtypes[name]:
                 raise GraphcError(f"{self.bucket.name}: input {name} is {tuple(tensor.shape)} {tensor.dtype}, "
                                   f"the graph was compiled for {shape} {self.dtypes[name]}")
-        return self.call(weights, *(inputs[name] for name in self.shapes))
+        return self.call(weights, [inputs[name] for name in self.shapes])
 
 
 @dataclass

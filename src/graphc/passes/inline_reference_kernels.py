@@ -1,0 +1,71 @@
+"""Replace the paged attention op with the ATen ops of its reference kernel.
+
+For the CPU backends a custom op is a Python kernel: called from an AOTInductor package it costs
+a round trip into the interpreter per layer per step, and inductor cannot fuse across it. Inlined,
+the attention compiles like the rest of the graph (halving a decode step of the tiny model).
+Targets with their own kernels (Neuron) skip this pass and lower the op to that kernel instead.
+
+`graphc::kv_write` stays an op on purpose: inlined, its in-place write into the `kv_pool` input
+is functionalised into a copy of the whole pool per layer per step (measured: a decode step
+twice as slow on the tiny model, and proportional to the pool on a real one), while the opaque
+mutating op is re-inplaced.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graphc.ops import paged_mla_attention_reference
+from graphc.passes.manager import GraphInvariantError, PassContext, PassResult
+from graphc.passes.verifier import graphc_op
+
+REFERENCE_KERNELS = {"graphc::paged_mla_attention": paged_mla_attention_reference}
+
+
+def _trace_reference(node: torch.fx.Node, kernel) -> torch.fx.GraphModule:
+    """The kernel traced on the node's fake inputs, its non-tensor arguments baked in."""
+    args = list(node.args)
+    tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.fx.Node)]
+
+    def call(*tensors):
+        full = list(args)
+        for i, t in zip(tensor_positions, tensors):
+            full[i] = t
+        return kernel(*full)
+
+    fakes = [args[i].meta["val"] for i in tensor_positions]
+    with detect_fake_mode(fakes):
+        return make_fx(call, tracing_mode="real")(*fakes)
+
+
+def inline_reference_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    graph, modified = gm.graph, False
+    for node in list(graph.nodes):
+        kernel = REFERENCE_KERNELS.get(graphc_op(node))
+        if kernel is None:
+            continue
+        traced = _trace_reference(node, kernel)
+        env = dict(zip((n for n in traced.graph.nodes if n.op == "placeholder"),
+                       (a for a in node.args if isinstance(a, torch.fx.Node))))
+        outputs = []
+        with graph.inserting_before(node):
+            for inner in traced.graph.nodes:
+                if inner.op == "get_attr":
+                    raise GraphInvariantError("a reference kernel traced to a tensor constant", node)
+                if inner.op == "output":
+                    outputs = [env[o] for o in (inner.args[0] or ())]
+                elif inner.op != "placeholder":
+                    env[inner] = graph.node_copy(inner, lambda n: env[n])
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                raise GraphInvariantError("op output used other than through getitem", user)
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        modified = True
+    return PassResult(gm, modified)
