@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import torch
+
+DELETE = object()
+"""A value for `override` that removes the key."""
+
+
+def override(data: dict, **changes) -> dict:
+    """A deep copy of `data` with dotted keys set (`override(d, **{"buckets.prefill": [8]})`);
+    a value of DELETE removes the key."""
+    data = copy.deepcopy(data)
+    for dotted, value in changes.items():
+        *parents, last = dotted.split(".")
+        node = data
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is DELETE:
+            del node[last]
+        else:
+            node[last] = value
+    return data
 
 def load_hf(path: Path, dtype: torch.dtype = torch.float32):
     from transformers import DeepseekV3ForCausalLM

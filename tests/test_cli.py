@@ -3,7 +3,6 @@ with the typed API; the installed console script works."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -19,9 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from graphc.cli import cli
 from graphc.models.tiny import PRESETS
+from support import DELETE, override
 
 EXIT_BAD_INPUT = 2
-DELETE = object()
 
 
 def model_yaml(checkpoint: Path | str, **changes) -> dict:
@@ -34,17 +33,7 @@ def model_yaml(checkpoint: Path | str, **changes) -> dict:
         "runtime": {"max_num_prefilling_tokens": 64, "max_new_tokens": 4},
         "backend": "export",
     }
-    data = copy.deepcopy(data)
-    for dotted, value in changes.items():
-        *parents, last = dotted.split(".")
-        node = data
-        for key in parents:
-            node = node.setdefault(key, {})
-        if value is DELETE:
-            del node[last]
-        else:
-            node[last] = value
-    return data
+    return override(data, **changes)
 
 
 def write_yaml(directory: Path, checkpoint: Path | str, name: str = "model.yaml", **changes) -> Path:

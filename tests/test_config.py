@@ -3,7 +3,6 @@ and the offending value; a valid file loads with relative paths resolved against
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 from pathlib import Path
@@ -15,14 +14,14 @@ from graphc.config import (
     GraphcConfig,
     KVCacheSection,
     RuntimeSection,
-    SamplingSection,
     TopologySection,
     load_config,
     parse_config,
 )
 from graphc.errors import ConfigError, GraphcError
+from graphc.sampling import Sampling
+from support import DELETE, override
 
-DELETE = object()
 """Passed as a value to `override`: remove the key instead of setting it."""
 
 
@@ -40,22 +39,6 @@ def valid_data(checkpoint: Path | str) -> dict:
         },
         "backend": "export",
     }
-
-
-def override(data: dict, **changes) -> dict:
-    """A deep copy of `data` with dotted keys set (`override(d, **{"buckets.prefill": [8]})`);
-    a value of DELETE removes the key."""
-    data = copy.deepcopy(data)
-    for dotted, value in changes.items():
-        *parents, last = dotted.split(".")
-        node = data
-        for key in parents:
-            node = node.setdefault(key, {})
-        if value is DELETE:
-            del node[last]
-        else:
-            node[last] = value
-    return data
 
 
 @pytest.fixture
@@ -124,7 +107,7 @@ def test_defaults_fill_omitted_sections(tmp_path, ckpt):
     assert config.topology == TopologySection(cp=1, ep=1)
     assert config.kv_cache == KVCacheSection(block_size=16, num_blocks=256)
     assert config.runtime == RuntimeSection()
-    assert config.runtime.sampling == SamplingSection(temperature=0.0, top_k=0, top_p=1.0, seed=0)
+    assert config.runtime.sampling == Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=0)
     assert config.runtime.max_num_prefilling_tokens == 512
     assert config.buckets.prompt_as_decode == 0
     assert config.buckets.decode == [1, 2]

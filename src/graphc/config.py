@@ -36,6 +36,7 @@ import yaml
 
 from graphc.errors import ConfigError, GraphcError
 from graphc.models.args import model_args_from_hf_config, read_hf_config
+from graphc.sampling import Sampling
 
 DTYPES = ("float32", "bfloat16")
 BACKENDS = ("export", "inductor", "neuron")
@@ -80,25 +81,13 @@ class KVCacheSection:
 
 
 @dataclass(frozen=True)
-class SamplingSection:
-    temperature: float = 0.0
-    """0 is greedy; otherwise logits are divided by it before sampling."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 keeps all."""
-    top_p: float = 1.0
-    """Keep the smallest set of tokens whose probability reaches top_p; in (0, 1]."""
-    seed: int = 0
-    """Seed of the sampling noise (per request, mixed with the step)."""
-
-
-@dataclass(frozen=True)
 class RuntimeSection:
     max_num_prefilling_tokens: int = 512
     """Prompt tokens prefilled per step across requests (not divided by cp: chunks run
     replicated on every CP rank)."""
     max_new_tokens: int = 32
     """Default cap on generated tokens per request."""
-    sampling: SamplingSection = field(default_factory=SamplingSection)
+    sampling: Sampling = field(default_factory=Sampling)
     """Default sampling parameters of a request."""
 
 

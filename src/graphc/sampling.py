@@ -12,12 +12,16 @@ SEED_STRIDE = 1_000_003
 
 @dataclass(frozen=True)
 class Sampling:
-    """See `ops.sample`: temperature 0 is greedy; top_k 0 and top_p 1 disable those limits."""
+    """How one request picks its tokens (see `ops.sample`); also `runtime.sampling` in model.yaml."""
 
     temperature: float = 0.0
+    """0 is greedy; otherwise logits are divided by it before sampling."""
     top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
     top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p; in (0, 1]."""
     seed: int = 0
+    """Seed of the sampling noise (per request, mixed with the step)."""
 
 
 def sampler_inputs(params: list[Sampling], steps: list[int], rows: int) -> dict[str, torch.Tensor]:
