@@ -33,6 +33,7 @@ def test_export_keeps_graphc_ops_as_single_nodes_and_matches_eager(preset, tiny_
     assert counts == {
         "graphc::kv_write": args.num_hidden_layers,
         "graphc::paged_mla_attention": args.num_hidden_layers,
+        "graphc::attention_combine": args.num_hidden_layers,
         "graphc::moe_dispatch": moe_layers,
         "graphc::moe_combine": moe_layers,
     }

@@ -44,7 +44,8 @@ def test_runs_the_pipeline_logs_op_count_changes_and_stamps_new_nodes(tiny_check
     changes = dict(line.split(": ", 1) for line in log.changes())
     assert changes["add_neg"] == "aten::neg +1"
     assert changes["verify_bucket_shapes"] == "no change"
-    assert changes["lower_trivial_collectives"] == "graphc::moe_combine -2, graphc::moe_dispatch -2"
+    assert changes["lower_trivial_collectives"] == (
+        "graphc::attention_combine -3, graphc::moe_combine -2, graphc::moe_dispatch -2")
     # It also sweeps getitems nobody reads (e.g. the attention's unused log-sum-exp).
     assert changes["dead_code_elimination"].startswith("aten::neg -1, getitem -")
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from graphc.distributed import process_group
+
 PADDING_SLOT = -1
 """Slot-mapping value of a padding token: its KV is not written."""
 
@@ -37,25 +39,20 @@ def _define(schema: str, kernel, fake):
 
 
 def kv_write_reference(kv_pool: Tensor, layer: int, kv: Tensor, slot_mapping: Tensor) -> None:
-    """Write each token's cached vector into its slot of the paged pool.
-
-    Plain torch ops with static shapes: the kernel of `graphc::kv_write`, and what CPU backends
-    inline in its place. A padding token re-writes the first real token's slot with that token's
-    own vector, so every write has the same shape and the duplicates change nothing.
+    """Write each token's cached vector into its slot of the paged pool (the kernel of
+    `graphc::kv_write`, which stays an op on every backend: see `passes/inline_reference_kernels.py`).
 
     Args:
         kv_pool: [L, N, S, C] the whole pool; slot s of layer l is `kv_pool[l].view(-1, C)[s]`.
         layer: which layer's cache to write.
         kv: [B, Q, C] the tokens' latent ++ roped key.
-        slot_mapping: [B, Q] flat slot per token; `PADDING_SLOT` leaves the pool untouched. At
-            least one token of the step must be real.
+        slot_mapping: [B, Q] flat slot per token; `PADDING_SLOT` leaves the pool untouched (padding,
+            or, under context parallelism, a token whose block lives on another rank).
     """
     width = kv_pool.shape[-1]
-    tokens = kv.reshape(-1, width)  # [B*Q, C]
     slots = slot_mapping.reshape(-1)  # [B*Q]
     real = slots != PADDING_SLOT
-    source = torch.where(real, torch.arange(slots.shape[0], device=slots.device), real.int().argmax())  # [B*Q]
-    kv_pool[layer].view(-1, width).index_copy_(0, slots[source], tokens[source].to(kv_pool.dtype))
+    kv_pool[layer].view(-1, width)[slots[real]] = kv.reshape(-1, width)[real].to(kv_pool.dtype)
 
 
 kv_write = _define(
@@ -73,23 +70,33 @@ def paged_mla_attention_reference(
     block_table: Tensor,
     positions: Tensor,
     softmax_scale: float,
+    shard: int = 0,
+    num_shards: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """Absorbed multi-head latent attention of each row's queries over that row's paged cache.
 
     Plain torch ops: the kernel of `graphc::paged_mla_attention`, and what CPU backends inline in
-    its place (`passes/inline_attention.py`).
+    its place (`passes/inline_reference_kernels.py`).
 
     A query at position p sees the row's cached tokens at positions 0..p (causal); the cache must
     already hold them (`kv_write` runs first). Scores and softmax are fp32.
+
+    With the cache sharded across `num_shards` context-parallel ranks, a row's logical block j
+    lives on shard j % num_shards, and this shard's block table lists only its own blocks, in
+    order: the result is the attention over this shard's keys, and (out, lse) of all shards
+    combine exactly (`attention_combine`). A query that sees none of this shard's keys gets
+    out = 0 and lse = -inf, which the combination weighs to nothing.
 
     Args:
         q_latent: [B, Q, H, R] queries projected into the latent space (q_nope @ W_uk).
         q_rope: [B, Q, H, P] roped query part.
         kv_pool: [L, N, S, C] the paged pool.
         layer: which layer's cache to read.
-        block_table: [B, M] pool block of each row's i-th S positions.
+        block_table: [B, M] pool block of each row's i-th S positions (of this shard's blocks
+            when sharded; only the first ceil(M / num_shards) columns are read).
         positions: [B, Q] absolute position of each query.
         softmax_scale: multiplier of the scores before softmax.
+        shard, num_shards: this rank's place in the context-parallel group.
 
     Returns:
         out: [B, Q, H, R] softmax-weighted latent, in the query dtype.
@@ -98,30 +105,66 @@ def paged_mla_attention_reference(
     """
     num_blocks, block_size, cached_dim = kv_pool.shape[1:]
     latent_dim = q_latent.shape[-1]
-    rows, blocks_per_row = block_table.shape
-    cache = kv_pool[layer]  # [N, S, C]
-    keys = cache[block_table.clamp(0, num_blocks - 1)]  # [B, M, S, C]
-    keys = keys.reshape(rows, blocks_per_row * block_size, cached_dim).float()  # [B, K, C]; key k sits at position k
+    rows = block_table.shape[0]
+    local_blocks = -(-block_table.shape[1] // num_shards)
+    table = block_table[:, :local_blocks]  # [B, M'] this shard's blocks of each row
+    keys = kv_pool[layer][table.clamp(0, num_blocks - 1)]  # [B, M', S, C]
+    keys = keys.reshape(rows, local_blocks * block_size, cached_dim).float()  # [B, K, C]
     latent, k_rope = keys.split([latent_dim, cached_dim - latent_dim], dim=-1)  # [B, K, R], [B, K, P]
     scores = torch.einsum("bqhr,bkr->bqhk", q_latent.float(), latent)  # [B, Q, H, K]
     scores = scores + torch.einsum("bqhp,bkp->bqhk", q_rope.float(), k_rope)
     scores = scores * softmax_scale
-    key_positions = torch.arange(keys.shape[1], device=keys.device)  # [K]
+    local = torch.arange(keys.shape[1], device=keys.device)  # [K]
+    # Local key k sits in the row's logical block (k // S) * num_shards + shard.
+    key_positions = ((local // block_size) * num_shards + shard) * block_size + local % block_size  # [K]
     visible = key_positions[None, None, None, :] <= positions[:, :, None, None]  # [B, Q, 1, K]
     scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, Q, H]
-    probs = torch.exp(scores - lse[..., None])  # [B, Q, H, K]
+    lse = torch.logsumexp(scores, dim=-1)  # [B, Q, H]; -inf where no key of this shard is visible
+    probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse)[..., None])  # [B, Q, H, K]; 0 where none
     out = torch.einsum("bqhk,bkr->bqhr", probs, latent)  # [B, Q, H, R]
     return out.to(q_latent.dtype).contiguous(), lse.contiguous()
 
 
 paged_mla_attention = _define(
     "paged_mla_attention(Tensor q_latent, Tensor q_rope, Tensor kv_pool, int layer, Tensor block_table, "
-    "Tensor positions, float softmax_scale) -> (Tensor, Tensor)",
+    "Tensor positions, float softmax_scale, int shard=0, int num_shards=1) -> (Tensor, Tensor)",
     paged_mla_attention_reference,
-    lambda q_latent, q_rope, kv_pool, layer, block_table, positions, softmax_scale: (
+    lambda q_latent, q_rope, kv_pool, layer, block_table, positions, softmax_scale, shard=0, num_shards=1: (
         q_latent.new_empty(q_latent.shape), q_latent.new_empty(q_latent.shape[:-1], dtype=torch.float32)),
 )
+
+
+def _all_gather(tensor: Tensor, pg) -> Tensor:
+    """[G, *tensor.shape]: every rank's tensor, in rank order."""
+    gathered = tensor.new_empty((pg.size() * tensor.shape[0], *tensor.shape[1:]))
+    torch.distributed.all_gather_into_tensor(gathered, tensor.contiguous(), group=pg)
+    return gathered.view(pg.size(), *tensor.shape)
+
+
+def _attention_combine(out: Tensor, lse: Tensor, group: str) -> Tensor:
+    """Combine the partial attentions of a context-parallel `group` exactly.
+
+    Each rank attended over its own shard of the keys; with L = logsumexp over ranks of lse,
+    the full attention is sum over ranks of exp(lse_r - L) * out_r. On one device the identity.
+
+    Args:
+        out: [B, Q, H, R] this rank's partial output.
+        lse: [B, Q, H] fp32 log-sum-exp of this rank's scores (-inf where it saw no key).
+        group: semantic group name ("cp").
+
+    Returns:
+        [B, Q, H, R] the attention over every rank's keys, in out's dtype.
+    """
+    pg = process_group(group)
+    if pg is None:
+        return out.clone(memory_format=torch.contiguous_format)
+    outs, lses = (_all_gather(t, pg) for t in (out, lse))  # [G, B, Q, H, R], [G, B, Q, H]
+    weights = torch.exp(lses - torch.logsumexp(lses, dim=0))  # [G, B, Q, H]; position 0 is always seen
+    return (weights[..., None] * outs.float()).sum(dim=0).to(out.dtype).contiguous()
+
+
+attention_combine = _define("attention_combine(Tensor out, Tensor lse, str group) -> Tensor", _attention_combine,
+                            lambda out, lse, group: out.new_empty(out.shape))
 
 
 def _moe_dispatch(hidden: Tensor, group: str) -> Tensor:

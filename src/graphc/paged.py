@@ -41,19 +41,43 @@ class BlockAllocator:
 
 @dataclass
 class SequenceBlocks:
-    """The blocks one sequence owns, grown on demand as it gets longer."""
+    """The blocks one sequence owns, grown on demand as it gets longer.
+
+    With the cache sharded over `num_shards` context-parallel ranks, logical block j lives on
+    shard j % num_shards, and `blocks[j]` is its id in that shard's pool.
+    """
 
     block_size: int
     blocks: list[int] = field(default_factory=list)
+    num_shards: int = 1
 
-    def reserve(self, length: int, allocator: BlockAllocator) -> None:
-        """Make room for positions 0..length-1."""
-        needed = -(-length // self.block_size) - len(self.blocks)
-        if needed > 0:
-            self.blocks.extend(allocator.allocate(needed))
+    def reserve(self, length: int, allocators: BlockAllocator | list[BlockAllocator]) -> None:
+        """Make room for positions 0..length-1 (one allocator per shard when sharded)."""
+        per_shard = [allocators] if isinstance(allocators, BlockAllocator) else allocators
+        if len(per_shard) != self.num_shards:
+            raise ValueError(f"{len(per_shard)} allocators for {self.num_shards} shards")
+        needed = range(len(self.blocks), -(-length // self.block_size))
+        granted: list[list[int]] = []
+        try:
+            for shard, allocator in enumerate(per_shard):
+                granted.append(allocator.allocate(sum(1 for j in needed if j % self.num_shards == shard)))
+        except OutOfBlocks:
+            for allocator, blocks in zip(per_shard, granted):
+                allocator.release(blocks)  # all or nothing: no shard keeps a partial grant
+            raise
+        handed = [iter(blocks) for blocks in granted]
+        self.blocks.extend(next(handed[j % self.num_shards]) for j in needed)
 
-    def slot(self, position: int) -> int:
-        return self.blocks[position // self.block_size] * self.block_size + position % self.block_size
+    def slot(self, position: int, shard: int = 0) -> int:
+        """The position's flat slot in `shard`'s pool, or PADDING_SLOT if its block lives elsewhere."""
+        block = position // self.block_size
+        if block % self.num_shards != shard:
+            return PADDING_SLOT
+        return self.blocks[block] * self.block_size + position % self.block_size
+
+    def shard_blocks(self, shard: int = 0) -> list[int]:
+        """`shard`'s blocks of this sequence, in logical order (its block-table row)."""
+        return self.blocks[shard::self.num_shards]
 
 
 def step_metadata(
@@ -61,6 +85,7 @@ def step_metadata(
     width: int,
     blocks_per_row: int,
     total_rows: int | None = None,
+    shard: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Pack one step's rows into the model's [B, Q] layout.
 
@@ -71,6 +96,8 @@ def step_metadata(
         blocks_per_row: M, width of the block table.
         total_rows: B, when the step's bucket has more rows than `rows`; the extra rows are all
             padding (position 0, nothing written, logits ignored).
+        shard: which context-parallel shard's view to build: its own blocks in the block table,
+            and slots only for the tokens whose block lives there.
 
     Returns:
         input_ids [B, Q], positions [B, Q], block_table [B, M], slot_mapping [B, Q] and
@@ -92,10 +119,11 @@ def step_metadata(
             raise ValueError(f"row {b} has {n} tokens; a step row holds 1..{width}")
         input_ids[b][:n] = tokens
         positions[b] = [*range(start, start + n), *[start + n - 1] * (width - n)]
-        slot_mapping[b][:n] = [seq.slot(p) for p in range(start, start + n)]
+        slot_mapping[b][:n] = [seq.slot(p, shard) for p in range(start, start + n)]
         if len(seq.blocks) > blocks_per_row:
             raise ValueError(f"row {b} owns {len(seq.blocks)} blocks; the block table holds {blocks_per_row}")
-        block_table[b][: len(seq.blocks)] = seq.blocks
+        own = seq.shard_blocks(shard)
+        block_table[b][: len(own)] = own
         logits_index[b] = n - 1
     as_tensor = lambda rows: torch.tensor(rows, dtype=torch.int64)  # noqa: E731
     return (as_tensor(input_ids), as_tensor(positions), as_tensor(block_table), as_tensor(slot_mapping),

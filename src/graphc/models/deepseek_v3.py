@@ -245,9 +245,11 @@ class Attention(nn.Module):
         # The absorbed projections run in fp32: in bf16 they would round the latent query and the
         # latent output, two roundings the unabsorbed form does not have.
         q_latent = torch.einsum("bqhn,hnr->bqhr", q_nope.float(), w_uk.float())  # [B, Q, H, R]
-        out_latent, _ = ops.paged_mla_attention(
-            q_latent, q_rope, step.kv_pool, self.layer, step.block_table, step.positions, self.softmax_scale
-        )  # [B, Q, H, R] fp32
+        out_latent, lse = ops.paged_mla_attention(
+            q_latent, q_rope, step.kv_pool, self.layer, step.block_table, step.positions, self.softmax_scale,
+            step.shard, step.num_shards,
+        )  # [B, Q, H, R] fp32, [B, Q, H]
+        out_latent = ops.attention_combine(out_latent, lse, "cp")  # the CP group's shards, combined
         out = torch.einsum("bqhr,hvr->bqhv", out_latent, w_uv.float()).to(x.dtype)  # [B, Q, H, V]
         return self.o_proj(out.reshape(rows, width, self.num_heads * self.v_dim))
 
@@ -274,13 +276,18 @@ class StepInputs:
         block_table: [B, M] int32/int64 pool blocks of each row's sequence.
         slot_mapping: [B, Q] int64 flat pool slot per token, `ops.PADDING_SLOT` for padding.
         kv_pool: [L, N, S, C] the paged cache, written in place.
+        shard, num_shards: this rank's place in the context-parallel group (its cache holds
+            the sequence blocks j with j % num_shards == shard; see `paged.SequenceBlocks`).
     """
 
-    def __init__(self, positions: Tensor, block_table: Tensor, slot_mapping: Tensor, kv_pool: Tensor):
+    def __init__(self, positions: Tensor, block_table: Tensor, slot_mapping: Tensor, kv_pool: Tensor,
+                 shard: int = 0, num_shards: int = 1):
         self.positions = positions
         self.block_table = block_table
         self.slot_mapping = slot_mapping
         self.kv_pool = kv_pool
+        self.shard = shard
+        self.num_shards = num_shards
 
 
 class Backbone(nn.Module):
@@ -321,6 +328,8 @@ class DeepseekV3(nn.Module):
         slot_mapping: Tensor,
         kv_pool: Tensor,
         logits_index: Tensor | None = None,
+        shard: int = 0,
+        num_shards: int = 1,
     ) -> Tensor:
         """One step.
 
@@ -329,11 +338,13 @@ class DeepseekV3(nn.Module):
             positions, block_table, slot_mapping, kv_pool: see `StepInputs`.
             logits_index: [B] which token of each row to compute logits for (its last real one);
                 None computes logits for every token.
+            shard, num_shards: see `StepInputs`; eager context parallelism (capture leaves the
+                defaults and a topology pass specialises them per rank).
 
         Returns:
             [B, V] logits, or [B, Q, V] when `logits_index` is None.
         """
-        step = StepInputs(positions, block_table, slot_mapping, kv_pool)
+        step = StepInputs(positions, block_table, slot_mapping, kv_pool, shard, num_shards)
         x = self.model.embed_tokens(input_ids)  # [B, Q, D]
         cos, sin = self.model.rotary_emb(positions, x.dtype)  # [B, Q, P/2]
         for layer in self.model.layers:

@@ -1,7 +1,8 @@
 """Remove collectives over a group of one rank: they are identities.
 
-On a single rank (or for `ep` = 1), `graphc::moe_dispatch` and `graphc::moe_combine` move no
-data; keeping them would make every backend implement a no-op collective.
+On a single rank (or for `ep` = 1), `graphc::moe_dispatch`, `graphc::moe_combine` and
+`graphc::attention_combine` move no data; keeping them would make every backend implement a no-op
+collective. Each is replaced by its first argument (the rank's own data).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from graphc.passes.verifier import COLLECTIVE_OPS, graphc_op
 def lower_trivial_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     modified = False
     for node in list(gm.graph.nodes):
-        if graphc_op(node) in COLLECTIVE_OPS and ctx.topology.group_size(node.args[1]) == 1:
+        if graphc_op(node) in COLLECTIVE_OPS and ctx.topology.group_size(node.args[-1]) == 1:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             modified = True

@@ -9,7 +9,8 @@ from graphc.capture import POOL_BLOCKS_DIM, STEP_INPUTS
 from graphc.passes.manager import GraphInvariantError, PassContext
 from graphc.topology import GROUPS
 
-COLLECTIVE_OPS = ("graphc::moe_dispatch", "graphc::moe_combine")
+COLLECTIVE_OPS = ("graphc::moe_dispatch", "graphc::moe_combine", "graphc::attention_combine")
+"""Ops that move data between ranks; their group is their last positional argument."""
 
 
 def graphc_op(node: torch.fx.Node) -> str | None:
@@ -33,7 +34,7 @@ def verify(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     for node in gm.graph.nodes:
         op = graphc_op(node)
         if op in COLLECTIVE_OPS:
-            group = node.args[1] if len(node.args) > 1 else node.kwargs.get("group")
+            group = node.args[-1]
             if group not in GROUPS:
                 raise GraphInvariantError(f"collective group {group!r} is not one of {', '.join(GROUPS)}", node)
         value = node.meta.get("val")
