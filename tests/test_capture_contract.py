@@ -36,6 +36,7 @@ def test_export_keeps_graphc_ops_as_single_nodes_and_matches_eager(preset, tiny_
         "graphc::attention_combine": args.num_hidden_layers,
         "graphc::moe_dispatch": moe_layers,
         "graphc::moe_combine": moe_layers,
+        "graphc::expert_shard": moe_layers,
     }
     eager_pool, exported_pool = model.new_kv_pool(4, 16), model.new_kv_pool(4, 16)
     with torch.no_grad():

@@ -167,44 +167,80 @@ attention_combine = _define("attention_combine(Tensor out, Tensor lse, str group
                             lambda out, lse, group: out.new_empty(out.shape))
 
 
-def _moe_dispatch(hidden: Tensor, group: str) -> Tensor:
+def _moe_dispatch(hidden: Tensor, group: str, group_size: int = 1) -> Tensor:
     """Bring every token of the expert-parallel `group` to this rank before routing.
 
-    On one device the group has one member and this is the identity. Topology passes lower it to
-    an all-gather over the group, or remove it where the tokens are already replicated.
+    Captured with group_size 1 (the identity); the expert-sharding pass sets the group's size,
+    and the static-MoE rewrite removes the op where the tokens are already replicated.
 
     Args:
         hidden: [T, D] this rank's tokens.
         group: semantic group name ("ep").
+        group_size: ranks in the group.
 
     Returns:
-        [T * group size, D] the group's tokens, rank-major.
+        [T * group_size, D] the group's tokens, rank-major (an all-gather).
     """
-    return hidden.clone(memory_format=torch.contiguous_format)
+    pg = process_group(group) if group_size > 1 else None
+    if pg is None:
+        return hidden.clone(memory_format=torch.contiguous_format)
+    return _all_gather(hidden, pg).reshape(-1, hidden.shape[-1])
 
 
-moe_dispatch = _define("moe_dispatch(Tensor hidden, str group) -> Tensor", _moe_dispatch,
-                       lambda hidden, group: hidden.new_empty(hidden.shape))
+moe_dispatch = _define("moe_dispatch(Tensor hidden, str group, int group_size=1) -> Tensor", _moe_dispatch,
+                       lambda hidden, group, group_size=1: hidden.new_empty(
+                           (hidden.shape[0] * group_size, *hidden.shape[1:])))
 
 
-def _moe_combine(partial: Tensor, group: str) -> Tensor:
+def _moe_combine(partial: Tensor, group: str, group_size: int = 1) -> Tensor:
     """Sum the routed-expert outputs of the `group` and return this rank's tokens.
 
-    On one device the identity. Lowered to a reduce-scatter (after `moe_dispatch`), or an
-    all-reduce where the tokens were already replicated.
-
     Args:
-        partial: [T * group size, D] this rank's experts' contribution to every dispatched token.
+        partial: [T * group_size, D] this rank's experts' contribution to every dispatched token.
         group: semantic group name ("ep").
+        group_size: ranks in the group.
 
     Returns:
-        [T, D] the summed expert output for this rank's tokens.
+        [T, D] the group's summed expert output for this rank's tokens (a reduce-scatter).
     """
-    return partial.clone(memory_format=torch.contiguous_format)
+    pg = process_group(group) if group_size > 1 else None
+    if pg is None:
+        return partial.clone(memory_format=torch.contiguous_format)
+    out = partial.new_empty((partial.shape[0] // group_size, *partial.shape[1:]))
+    torch.distributed.reduce_scatter_tensor(out, partial.contiguous(), group=pg)
+    return out
 
 
-moe_combine = _define("moe_combine(Tensor partial, str group) -> Tensor", _moe_combine,
-                      lambda partial, group: partial.new_empty(partial.shape))
+moe_combine = _define("moe_combine(Tensor partial, str group, int group_size=1) -> Tensor", _moe_combine,
+                      lambda partial, group, group_size=1: partial.new_empty(
+                          (partial.shape[0] // group_size, *partial.shape[1:])))
+
+
+def _all_reduce(partial: Tensor, group: str) -> Tensor:
+    """Sum `partial` over the `group` (what the static-MoE rewrite puts in place of moe_combine)."""
+    out = partial.clone(memory_format=torch.contiguous_format)
+    pg = process_group(group)
+    if pg is not None:
+        torch.distributed.all_reduce(out, group=pg)
+    return out
+
+
+all_reduce = _define("all_reduce(Tensor partial, str group) -> Tensor", _all_reduce,
+                     lambda partial, group: partial.new_empty(partial.shape))
+
+
+def _expert_shard(combine: Tensor, shard: int = 0, num_shards: int = 1) -> Tensor:
+    """This rank's experts' columns of the [T, E] combine matrix: [T, E / num_shards].
+
+    Captured with one shard (every column); the expert-sharding pass sets the rank's shard.
+    """
+    width = combine.shape[1] // num_shards
+    return combine[:, shard * width : (shard + 1) * width].contiguous()
+
+
+expert_shard = _define("expert_shard(Tensor combine, int shard=0, int num_shards=1) -> Tensor", _expert_shard,
+                       lambda combine, shard=0, num_shards=1: combine.new_empty(
+                           (combine.shape[0], combine.shape[1] // num_shards)))
 
 
 def _sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor) -> Tensor:

@@ -29,12 +29,13 @@ def load_model_args(checkpoint_dir: Path) -> ModelArgs:
     return model_args_from_hf_config(read_hf_config(checkpoint_dir))
 
 
-def hf_tensor_names(graphc_name: str, experts: int) -> list[str]:
-    """The checkpoint tensor(s) that make up one graphc parameter, in stacking order."""
+def hf_tensor_names(graphc_name: str, experts: int | range) -> list[str]:
+    """The checkpoint tensor(s) that make up one graphc parameter, in stacking order
+    (`experts`: how many routed experts, or which ones)."""
     stacked = STACKED_EXPERT.match(graphc_name)
     if stacked:
         prefix, proj = stacked.groups()
-        return [f"{prefix}.{e}.{proj}.weight" for e in range(experts)]
+        return [f"{prefix}.{e}.{proj}.weight" for e in (range(experts) if isinstance(experts, int) else experts)]
     return [graphc_name]
 
 
@@ -103,13 +104,15 @@ def _summarise(names: list[str], limit: int = 5) -> str:
     return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
 
 
-def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DeepseekV3:
+def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               experts: range | None = None) -> DeepseekV3:
     """Build `DeepseekV3` from an HF-layout checkpoint.
 
     Args:
         checkpoint_dir: directory with config.json and model.safetensors (or a sharded index).
         dtype: parameter dtype; the router stays fp32.
         device: where the parameters go; every tensor is checked to be there afterwards.
+        experts: the routed experts to load (an expert-parallel rank's share); all by default.
 
     Raises:
         CheckpointError: unsupported architecture, missing/unexpected tensor, wrong shape or dtype.
@@ -138,8 +141,11 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     if unexpected:
         raise CheckpointError(f"{checkpoint_dir}: unexpected tensor(s) {_summarise(unexpected)}")
 
+    experts = experts if experts is not None else range(args.n_routed_experts)
+    if experts.start < 0 or experts.stop > args.n_routed_experts or not len(experts):
+        raise CheckpointError(f"experts {experts} are not a share of the checkpoint's {args.n_routed_experts}")
     with torch.device("meta"):
-        model = DeepseekV3(args)
+        model = DeepseekV3(args, local_experts=len(experts))
     state: dict[str, Tensor] = {}
     with contextlib.ExitStack() as stack:
         handles = {path: stack.enter_context(safe_open(path, "pt")) for path in sorted(set(files.values()))}
@@ -148,7 +154,7 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
                 continue
             target = torch.float32 if name.endswith(ROUTER_FP32_SUFFIXES) else dtype
             parts = [_read_tensor(handles, files[n], n, expected[n]).to(device=device, dtype=target)
-                     for n in hf_tensor_names(name, args.n_routed_experts)]
+                     for n in hf_tensor_names(name, experts)]
             state[name] = torch.stack(parts) if STACKED_EXPERT.match(name) else parts[0]
     if args.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

@@ -17,6 +17,7 @@ L layers, N pool blocks, S block size, M blocks per row.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,28 @@ ROUTER_FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 LATENT_NORM_EPS = 1e-6
 """The q and kv LoRA norms use a fixed eps, not `rms_norm_eps` (DeepSeek and transformers alike)."""
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How this rank's step relates to the other ranks' (the defaults are one device).
+
+    Plain numbers: the module never touches torch.distributed; the graphc ops it calls do.
+    """
+
+    cp_rank: int = 0
+    """This rank's shard of every sequence's KV blocks (block j lives on rank j % cp)."""
+    cp: int = 1
+    """Context-parallel ranks."""
+    ep_rank: int = 0
+    """This rank's position in its expert-parallel group: it holds experts
+    [ep_rank * E / ep, (ep_rank + 1) * E / ep)."""
+    ep: int = 1
+    """Expert-parallel group size."""
+    tokens_replicated: bool = False
+    """Every rank of the EP group holds the same tokens (the static-MoE form): skip the
+    dispatch, compute this rank's experts on its own tokens, and all-reduce; otherwise gather the
+    group's tokens first and reduce-scatter after (the generic form)."""
 
 
 class RMSNorm(nn.Module):
@@ -158,20 +181,22 @@ class RoutedExperts(nn.Module):
 
     Every expert runs on every token and a [T, E] combine matrix (zero off the chosen experts)
     weighs the results: no data-dependent shapes, so one graph serves every routing. Expert
-    parallelism shards the E axis.
+    parallelism shards the E axis: a rank holds E_local = E / ep experts, and `graphc::expert_shard`
+    picks their columns of the combine matrix.
     """
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, local_experts: int | None = None):
         super().__init__()
-        experts, dim, hidden = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
+        self.n_routed_experts = args.n_routed_experts
+        experts, dim, hidden = local_experts or args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
         self.gate_proj = nn.Parameter(torch.empty(experts, hidden, dim))  # [E, I, D]
         self.up_proj = nn.Parameter(torch.empty(experts, hidden, dim))  # [E, I, D]
         self.down_proj = nn.Parameter(torch.empty(experts, dim, hidden))  # [E, D, I]
 
-    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        """x [T, D], weights/ids [T, K] -> [T, D]."""
-        combine = torch.zeros(x.shape[0], self.gate_proj.shape[0], dtype=weights.dtype, device=x.device)
-        combine = combine.scatter(1, ids, weights)  # [T, E]
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor, parallel: Parallelism) -> Tensor:
+        """x [T, D], weights/ids [T, K] -> [T, D] (this rank's experts' share)."""
+        combine = torch.zeros(x.shape[0], self.n_routed_experts, dtype=weights.dtype, device=x.device)
+        combine = ops.expert_shard(combine.scatter(1, ids, weights), parallel.ep_rank, parallel.ep)  # [T, E_local]
         gate = torch.einsum("td,eid->eti", x, self.gate_proj)  # [E, T, I]
         up = torch.einsum("td,eid->eti", x, self.up_proj)  # [E, T, I]
         out = torch.einsum("eti,edi->etd", F.silu(gate) * up, self.down_proj)  # [E, T, D]
@@ -180,19 +205,24 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, local_experts: int | None = None):
         super().__init__()
         self.gate = Router(args)
-        self.experts = RoutedExperts(args)
+        self.experts = RoutedExperts(args, local_experts)
         self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, parallel: Parallelism) -> Tensor:
         """x [B, Q, D] -> [B, Q, D]."""
         tokens = x.reshape(-1, x.shape[-1])  # [T, D]
-        # Routing happens after dispatch, so every rank routes the tokens it computes on.
-        dispatched = ops.moe_dispatch(tokens, "ep")  # [T * ep, D]
-        weights, ids = self.gate(dispatched)  # [T * ep, K]
-        routed = ops.moe_combine(self.experts(dispatched, weights, ids), "ep")  # [T, D]
+        if parallel.tokens_replicated:
+            # Static MoE: the group already shares these tokens; each rank adds its experts' share.
+            weights, ids = self.gate(tokens)  # [T, K]
+            routed = ops.all_reduce(self.experts(tokens, weights, ids, parallel), "ep")  # [T, D]
+        else:
+            # Generic: route after dispatch, so every rank routes the tokens it computes on.
+            dispatched = ops.moe_dispatch(tokens, "ep", parallel.ep)  # [T * ep, D]
+            weights, ids = self.gate(dispatched)  # [T * ep, K]
+            routed = ops.moe_combine(self.experts(dispatched, weights, ids, parallel), "ep", parallel.ep)  # [T, D]
         return (routed + self.shared_experts(tokens)).view_as(x)
 
 
@@ -247,7 +277,7 @@ class Attention(nn.Module):
         q_latent = torch.einsum("bqhn,hnr->bqhr", q_nope.float(), w_uk.float())  # [B, Q, H, R]
         out_latent, lse = ops.paged_mla_attention(
             q_latent, q_rope, step.kv_pool, self.layer, step.block_table, step.positions, self.softmax_scale,
-            step.shard, step.num_shards,
+            step.parallel.cp_rank, step.parallel.cp,
         )  # [B, Q, H, R] fp32, [B, Q, H]
         out_latent = ops.attention_combine(out_latent, lse, "cp")  # the CP group's shards, combined
         out = torch.einsum("bqhr,hvr->bqhv", out_latent, w_uv.float()).to(x.dtype)  # [B, Q, H, V]
@@ -255,17 +285,18 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, rotary: RotaryEmbedding):
+    def __init__(self, args: ModelArgs, layer: int, rotary: RotaryEmbedding, local_experts: int | None = None):
         super().__init__()
         self.self_attn = Attention(args, layer, rotary)
         hidden = args.intermediate_size
-        self.mlp = MoE(args) if args.is_moe_layer(layer) else MLP(args.hidden_size, hidden)
+        self.mlp = MoE(args, local_experts) if args.is_moe_layer(layer) else MLP(args.hidden_size, hidden)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: "StepInputs") -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, step)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, step.parallel) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class StepInputs:
@@ -276,38 +307,38 @@ class StepInputs:
         block_table: [B, M] int32/int64 pool blocks of each row's sequence.
         slot_mapping: [B, Q] int64 flat pool slot per token, `ops.PADDING_SLOT` for padding.
         kv_pool: [L, N, S, C] the paged cache, written in place.
-        shard, num_shards: this rank's place in the context-parallel group (its cache holds
-            the sequence blocks j with j % num_shards == shard; see `paged.SequenceBlocks`).
+        parallel: this rank's place among the others.
     """
 
     def __init__(self, positions: Tensor, block_table: Tensor, slot_mapping: Tensor, kv_pool: Tensor,
-                 shard: int = 0, num_shards: int = 1):
+                 parallel: Parallelism):
         self.positions = positions
         self.block_table = block_table
         self.slot_mapping = slot_mapping
         self.kv_pool = kv_pool
-        self.shard = shard
-        self.num_shards = num_shards
+        self.parallel = parallel
 
 
 class Backbone(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, local_experts: int | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.rotary_emb = RotaryEmbedding(args.rope, args.qk_rope_head_dim)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, self.rotary_emb) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i, self.rotary_emb, local_experts)
+                                    for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
 class DeepseekV3(nn.Module):
     """DeepSeek-V3 causal LM over a paged KV pool; one call is one step."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, local_experts: int | None = None):
+        """`local_experts`: routed experts this rank holds (all of them by default)."""
         super().__init__()
         self.args = args
-        self.model = Backbone(args)
+        self.model = Backbone(args, local_experts)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     @property
@@ -328,8 +359,7 @@ class DeepseekV3(nn.Module):
         slot_mapping: Tensor,
         kv_pool: Tensor,
         logits_index: Tensor | None = None,
-        shard: int = 0,
-        num_shards: int = 1,
+        parallel: Parallelism = Parallelism(),
     ) -> Tensor:
         """One step.
 
@@ -338,13 +368,12 @@ class DeepseekV3(nn.Module):
             positions, block_table, slot_mapping, kv_pool: see `StepInputs`.
             logits_index: [B] which token of each row to compute logits for (its last real one);
                 None computes logits for every token.
-            shard, num_shards: see `StepInputs`; eager context parallelism (capture leaves the
-                defaults and a topology pass specialises them per rank).
+            parallel: this rank's place among the others (one device by default).
 
         Returns:
             [B, V] logits, or [B, Q, V] when `logits_index` is None.
         """
-        step = StepInputs(positions, block_table, slot_mapping, kv_pool, shard, num_shards)
+        step = StepInputs(positions, block_table, slot_mapping, kv_pool, parallel)
         x = self.model.embed_tokens(input_ids)  # [B, Q, D]
         cos, sin = self.model.rotary_emb(positions, x.dtype)  # [B, Q, P/2]
         for layer in self.model.layers:

@@ -9,8 +9,8 @@ from graphc.capture import POOL_BLOCKS_DIM, STEP_INPUTS
 from graphc.passes.manager import GraphInvariantError, PassContext
 from graphc.topology import GROUPS
 
-COLLECTIVE_OPS = ("graphc::moe_dispatch", "graphc::moe_combine", "graphc::attention_combine")
-"""Ops that move data between ranks; their group is their last positional argument."""
+COLLECTIVE_OPS = ("graphc::moe_dispatch", "graphc::moe_combine", "graphc::attention_combine", "graphc::all_reduce")
+"""Ops that move data between ranks; each names its group in its `group` argument."""
 
 
 def graphc_op(node: torch.fx.Node) -> str | None:
@@ -19,6 +19,25 @@ def graphc_op(node: torch.fx.Node) -> str | None:
         return None
     name = node.target.name()
     return name if name.startswith("graphc::") else None
+
+
+def op_argument(node: torch.fx.Node, name: str):
+    """A graphc op node's argument by schema name (positional or keyword, else its default)."""
+    schema = node.target._schema
+    index = next(i for i, a in enumerate(schema.arguments) if a.name == name)
+    if index < len(node.args):
+        return node.args[index]
+    return node.kwargs.get(name, schema.arguments[index].default_value)
+
+
+def set_op_argument(node: torch.fx.Node, name: str, value) -> None:
+    """Set a graphc op node's argument by schema name, positionally."""
+    schema = node.target._schema
+    index = next(i for i, a in enumerate(schema.arguments) if a.name == name)
+    args = list(node.args) + [a.default_value for a in schema.arguments[len(node.args):index + 1]]
+    args[index] = value
+    node.args = tuple(args)
+    node.kwargs = {k: v for k, v in node.kwargs.items() if k != name}
 
 
 def step_placeholders(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
@@ -34,7 +53,7 @@ def verify(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     for node in gm.graph.nodes:
         op = graphc_op(node)
         if op in COLLECTIVE_OPS:
-            group = node.args[-1]
+            group = op_argument(node, "group")
             if group not in GROUPS:
                 raise GraphInvariantError(f"collective group {group!r} is not one of {', '.join(GROUPS)}", node)
         value = node.meta.get("val")
