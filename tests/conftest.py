@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from graphc.models.tiny import PRESETS, make_tiny_checkpoint, preset_config
+from support import TEST_BUCKETS, model_yaml
 
 # Lines the tests want a reader of the CI log to see (agreement rates, margins, noise floors).
 _REPORT: list[str] = []
@@ -62,32 +63,12 @@ def checkpoint_sources(tiny_checkpoints, hf_checkpoints):
 
 # --- compiled artifacts, shared by every test that serves from them ---------------------------------
 
-TEST_BUCKETS = {
-    # Two prefill buckets and two decode buckets: prompts can hit a bucket exactly, fall between
-    # buckets, and exceed the largest (chunked); decodes can fill a bucket or pad one.
-    "standard": {"prefill": [8, 32], "decode": [1, 4], "prompt_as_decode": 0, "context_limit": 128},
-    # A different bucket set over the same model: tokens must not depend on it.
-    "alternative": {"prefill": [16], "decode": [3], "prompt_as_decode": 0, "context_limit": 128},
-}
-
-
 @pytest.fixture(scope="session", autouse=True)
 def isolated_compile_cache(tmp_path_factory):
     """One compile cache per test session: shared by all tests, never the user's."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("GRAPHC_CACHE_DIR", str(tmp_path_factory.mktemp("graphc-cache")))
         yield
-
-
-def model_yaml(checkpoint: Path, buckets: dict, backend: str = "export", dtype: str = "float32",
-               num_blocks: int = 64, block_size: int = 8) -> dict:
-    return {
-        "model": {"checkpoint": str(checkpoint), "dtype": dtype},
-        "buckets": buckets,
-        "kv_cache": {"block_size": block_size, "num_blocks": num_blocks},
-        "runtime": {"max_num_prefilling_tokens": 32, "max_new_tokens": 16},
-        "backend": backend,
-    }
 
 
 @pytest.fixture(scope="session")

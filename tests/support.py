@@ -47,3 +47,23 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0)
     out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=0, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+TEST_BUCKETS = {
+    # Two prefill buckets and two decode buckets: prompts can hit a bucket exactly, fall between
+    # buckets, and exceed the largest (chunked); decodes can fill a bucket or pad one.
+    "standard": {"prefill": [8, 32], "decode": [1, 4], "prompt_as_decode": 0, "context_limit": 128},
+    # A different bucket set over the same model: tokens must not depend on it.
+    "alternative": {"prefill": [16], "decode": [3], "prompt_as_decode": 0, "context_limit": 128},
+}
+
+
+def model_yaml(checkpoint: Path, buckets: dict, backend: str = "export", dtype: str = "float32",
+               num_blocks: int = 64, block_size: int = 8) -> dict:
+    return {
+        "model": {"checkpoint": str(checkpoint), "dtype": dtype},
+        "buckets": buckets,
+        "kv_cache": {"block_size": block_size, "num_blocks": num_blocks},
+        "runtime": {"max_num_prefilling_tokens": 32, "max_new_tokens": 16},
+        "backend": backend,
+    }

@@ -26,7 +26,7 @@ from graphc.errors import GraphcError
 from graphc.pipeline import CompileOptions, compile
 from graphc.runtime import Engine, Request
 
-from conftest import TEST_BUCKETS, model_yaml
+from support import TEST_BUCKETS, model_yaml
 
 PRESET = "lora-groups"
 NUM_BLOCKS_ENV = "GRAPHC_NUM_KV_BLOCKS"
@@ -397,10 +397,3 @@ def test_graph_runner_refuses_a_wrong_dtype(engine):
         runner(engine.loaded.weights, inputs)
     message = str(info.value)
     assert "positions" in message and "torch.int32" in message and "torch.int64" in message, message
-
-
-def test_multi_rank_compile_is_refused_before_anything_is_written(tiny_checkpoints, tmp_path):
-    config = load_config(write_model_yaml(tmp_path / "cfg", tiny_checkpoints[PRESET], topology={"cp": 2, "ep": 1}))
-    with pytest.raises(GraphcError, match=r"topology.cp = 2: multi-rank compilation .* not implemented yet"):
-        compile(config, tmp_path / "out", QUIET)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg"]

@@ -1,7 +1,10 @@
 """Capture: one `torch.export` per bucket shape, weights as graph inputs, no dynamic compute dims.
 
-The captured program is topology-agnostic: it is the single-device model plus the sampler, with
-the graphc:: ops as single nodes for the passes to specialise. Weights enter as a list input (in
+The captured program is rank-agnostic: the model plus the sampler, with the graphc:: ops as single
+nodes for the passes to specialise per rank. What changes shapes is fixed at capture: the
+context- and expert-parallel group sizes, each rank's number of experts, and the MoE form
+(static or generic). torch.export bakes sizes into view and reshape arguments, so a pass cannot
+soundly turn an all-gathered [T * ep] token batch into a [T] one after the fact. Weights enter as a list input (in
 `weight_names` order) rather than as lifted parameters, so graphs of every bucket share one
 weight file per rank and identical graphs hash identically whatever the weights.
 
@@ -17,7 +20,7 @@ from torch.export import Dim, ExportedProgram
 
 from graphc import ops
 from graphc.buckets import Bucket
-from graphc.models.deepseek_v3 import DeepseekV3
+from graphc.models.deepseek_v3 import DeepseekV3, Parallelism
 
 STEP_INPUTS = (
     "input_ids", "positions", "block_table", "slot_mapping", "kv_pool",
@@ -50,18 +53,19 @@ class StepGraph(torch.nn.Module):
         logits: [B, V] the logits it was sampled from.
     """
 
-    def __init__(self, model: DeepseekV3):
+    def __init__(self, model: DeepseekV3, parallel: Parallelism = Parallelism()):
         super().__init__()
         # Held in a list so nn.Module does not register it: its tensors must reach the graph as
         # inputs, not as lifted parameters.
         self._model = [model]
         self.weight_names = weight_names(model)
+        self.parallel = parallel
 
     def forward(self, weights: list[Tensor], input_ids, positions, block_table, slot_mapping, kv_pool,
                 logits_index, temperature, top_k, top_p, seed) -> tuple[Tensor, Tensor]:
         logits = torch.func.functional_call(
             self._model[0], dict(zip(self.weight_names, weights)),
-            (input_ids, positions, block_table, slot_mapping, kv_pool, logits_index),
+            (input_ids, positions, block_table, slot_mapping, kv_pool, logits_index), {"parallel": self.parallel},
         )  # [B, V]
         return ops.sample(logits, temperature, top_k, top_p, seed), logits
 
@@ -86,9 +90,14 @@ def example_step_inputs(bucket: Bucket, blocks_per_row: int, kv_pool_shape: tupl
 
 
 def capture_bucket(model: DeepseekV3, bucket: Bucket, blocks_per_row: int, num_blocks: int,
-                   block_size: int) -> ExportedProgram:
-    """Export the step for one bucket shape."""
-    step = StepGraph(model)
+                   block_size: int, parallel: Parallelism = Parallelism()) -> ExportedProgram:
+    """Export the step for one bucket shape.
+
+    `parallel` fixes what changes shapes (group sizes, the MoE form; `model` holds one rank's
+    share of the experts); the rank-specific numbers it carries are rank 0's, and the
+    `specialise_rank` pass rewrites them for the other ranks.
+    """
+    step = StepGraph(model, parallel)
     args = model.args
     pool_shape = (args.num_hidden_layers, num_blocks, block_size, args.kv_cache_dim)
     inputs = example_step_inputs(bucket, blocks_per_row, pool_shape, model.dtype)

@@ -219,12 +219,14 @@ def _read_prompts(prompt_ids, prompts, prompts_file, tokenizer):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
 def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed,
         ignore_eos, as_json) -> None:
-    """Generate from precompiled ARTIFACTS (no compilation at serve time)."""
+    """Generate from precompiled ARTIFACTS (no compilation at serve time); artifacts compiled for
+    several ranks run as one process per rank (torchrun's agent), the leader printing."""
+    from graphc.artifact import read_manifest
     from graphc.runtime import Engine, Request
     from graphc.sampling import Sampling
 
-    engine = Engine(artifacts)
-    manifest = engine.manifest
+    manifest = read_manifest(artifacts)
+    world = manifest.topology["world"]
     tokenizer = None
     if manifest.tokenizer:
         from tokenizers import Tokenizer
@@ -242,8 +244,14 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
         sampling = Sampling(**{k: item.get(k, v) for k, v in defaults.items()})
         limit = item.get("max_new_tokens", max_new_tokens or manifest.runtime["max_new_tokens"])
         requests.append(Request(item["prompt_ids"], limit, sampling, stop_at_eos=not ignore_eos))
+    if world > 1:
+        from graphc.runtime.launch import serve
+
+        [results] = serve(artifacts, [requests], world)
+    else:
+        results = Engine(artifacts, manifest=manifest).generate(requests)
     failed = 0
-    for result in engine.generate(requests):
+    for result in results:
         failed += result.error is not None
         text = tokenizer.decode(result.output_ids) if tokenizer and result.error is None else None
         if as_json:

@@ -20,11 +20,14 @@ from graphc.capture import POOL_BLOCKS_DIM, STEP_INPUTS, capture_bucket, model_w
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
 from graphc.emit import CompileJob, compile_all, program_key
-from graphc.models.checkpoint import load_model
+from graphc.models.checkpoint import load_model, load_model_args
+from graphc.models.deepseek_v3 import DeepseekV3, Parallelism
 from graphc.passes.dead_code_elimination import dead_code_elimination
 from graphc.passes.inline_reference_kernels import inline_reference_kernels
 from graphc.passes.lower_trivial_collectives import lower_trivial_collectives
 from graphc.passes.manager import PassContext, PassManager, op_counts
+from graphc.passes.specialise_rank import specialise_rank
+from graphc.passes.strip_follower_sampling import strip_follower_sampling
 from graphc.passes.verifier import step_placeholders, verify
 from graphc.passes.verify_bucket_shapes import verify_bucket_shapes
 from graphc.topology import Topology
@@ -32,6 +35,10 @@ from graphc.topology import Topology
 SPECIALISE = [
     # First: nothing should build on a graph captured with the wrong shapes.
     ("verify_bucket_shapes", verify_bucket_shapes),
+    # The rank's own KV shard and experts (captures carry rank 0's).
+    ("specialise_rank", specialise_rank),
+    # Followers take the leader's tokens; before DCE, which then drops their LM head.
+    ("strip_follower_sampling", strip_follower_sampling),
     # Groups of one rank move no data: backends never see a no-op collective.
     ("lower_trivial_collectives", lower_trivial_collectives),
     # CPU backends: KV write and attention as compiled ATen ops, not Python kernels per layer.
@@ -43,6 +50,14 @@ SPECIALISE = [
 
 BACKEND_SPECIFIC = {"inline_reference_kernels": ("export", "inductor")}
 """Passes that only some backends run; the others keep the op for their own lowering."""
+
+CAPTURE_CHOICES = {
+    "static_moe": "with ep > 1, capture the static MoE form (no token dispatch, an all-reduce over the EP "
+                  "group) since every rank holds the same tokens; disabled, the generic all-gather / "
+                  "reduce-scatter form",
+}
+"""Rewrites decided at capture because they change shapes (capture.py says why); `--disable-pass`
+takes their names like a pass's."""
 
 
 @dataclass(frozen=True)
@@ -59,9 +74,10 @@ class CompileOptions:
 
 def check_options(out: Path, options: CompileOptions) -> None:
     """Fail fast, before any work, on options that cannot succeed."""
-    unknown = sorted(options.disabled_passes - {name for name, _ in SPECIALISE})
+    names = [*CAPTURE_CHOICES, *(n for n, _ in SPECIALISE)]
+    unknown = sorted(options.disabled_passes - set(names))
     if unknown:
-        raise GraphcError(f"--disable-pass {unknown[0]}: no such pass; passes: {', '.join(n for n, _ in SPECIALISE)}")
+        raise GraphcError(f"--disable-pass {unknown[0]}: no such pass; passes: {', '.join(names)}")
     if Path(out).exists() and not options.force:
         raise ArtifactError(f"output {str(out)!r} already exists; pass --force to replace it")
 
@@ -70,29 +86,30 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
     check_options(out, options)
     backend = options.backend or config.backend
     topology = Topology(config.topology.cp, config.topology.ep)
-    if topology.world > 1:
-        raise GraphcError(f"topology.cp = {topology.cp}: multi-rank compilation (context and expert "
-                          "parallelism) is not implemented yet; compile with cp = ep = 1")
     b, kv = config.buckets, config.kv_cache
     blocks_per_row = -(-b.context_limit // kv.block_size)
     with atomic_directory(out, options.force) as staging:
-        # 1. Model: the single-device module with the checkpoint's weights.
-        model = load_model(config.model.checkpoint, dtype=getattr(torch, config.model.dtype))
-        # 2. Capture: one topology-agnostic program per bucket.
+        # 1. Model: each expert-parallel shard's module (all ranks share one when ep = 1).
+        models = _expert_shards(config, topology)
+        # 2. Capture: one rank-agnostic program per bucket, with what changes shapes fixed.
+        parallel = Parallelism(cp=topology.cp, ep=topology.ep,
+                               tokens_replicated=topology.ep > 1 and "static_moe" not in options.disabled_passes)
         buckets = all_buckets(b.prefill, b.decode)
-        captured = {bucket: capture_bucket(model, bucket, blocks_per_row, kv.num_blocks, kv.block_size)
+        captured = {bucket: capture_bucket(models[0], bucket, blocks_per_row, kv.num_blocks, kv.block_size, parallel)
                     for bucket in buckets}
         # 3. Specialise each program for each rank.
         passes = [(name, run) for name, run in SPECIALISE if backend in BACKEND_SPECIFIC.get(name, (backend,))]
         manager = PassManager(passes, verify, verify=options.verify_passes,
-                              disabled=options.disabled_passes & {name for name, _ in passes}, dump_dir=options.dump_graphs)
+                              disabled=options.disabled_passes & {name for name, _ in passes},
+                              dump_dir=options.dump_graphs)
         jobs, entries, pass_logs = [], {}, {}
         for rank in range(topology.world):
             for bucket, capture in captured.items():
-                # Every rank specialises its own copy; the capture stays topology-agnostic.
+                # Every rank specialises its own copy; the capture stays rank-agnostic.
                 program = copy.deepcopy(capture) if topology.world > 1 else capture
                 ctx = PassContext(topology, rank, bucket, blocks_per_row)
                 log = manager.run(program.graph_module, ctx)
+                _sync_output_signature(program)
                 key = program_key(program, backend)
                 jobs.append(CompileJob(f"{bucket.name} rank {rank}", key, program))
                 entries[rank, bucket] = (key, _step_specs(program), op_counts(program.graph_module))
@@ -101,7 +118,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         compiled = compile_all(jobs, backend, options.workers, options.show_progress)
         (staging / "graphs").mkdir()
         (staging / "weights").mkdir()
-        weights_file, weights_sha, weight_names = _write_weights(model, staging / "weights")
+        weights = {ep_rank: _write_weights(model, staging / "weights") for ep_rank, model in models.items()}
         ranks = []
         for rank in range(topology.world):
             graphs = []
@@ -111,7 +128,9 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                 if not (staging / name).exists():
                     shutil.copyfile(compiled[key], staging / name)
                 graphs.append(GraphEntry(bucket.kind, bucket.size, name, sha256_file(staging / name), inputs))
+            weights_file, weights_sha, weight_names = weights[topology.ep_rank(rank)]
             ranks.append(RankEntry(rank, weights_file, weights_sha, weight_names, graphs, samples=rank == 0))
+        args = models[0].args
         tokenizer = config.model.checkpoint / "tokenizer.json"
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, staging / "tokenizer.json")
@@ -120,8 +139,8 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
             torch_version=str(torch.__version__),
             backend=backend,
             model_fingerprint=model_fingerprint(config.model.checkpoint),
-            model={"vocab_size": model.args.vocab_size, "eos_token_id": list(model.args.eos_token_id),
-                   "num_hidden_layers": model.args.num_hidden_layers, "kv_cache_dim": model.args.kv_cache_dim,
+            model={"vocab_size": args.vocab_size, "eos_token_id": list(args.eos_token_id),
+                   "num_hidden_layers": args.num_hidden_layers, "kv_cache_dim": args.kv_cache_dim,
                    "dtype": config.model.dtype},
             topology={"cp": topology.cp, "ep": topology.ep, "world": topology.world},
             buckets={"prefill": list(b.prefill), "decode": list(b.decode),
@@ -138,6 +157,23 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         )
         (staging / MANIFEST).write_text(manifest.to_yaml())
     return manifest
+
+
+def _expert_shards(config: GraphcConfig, topology: Topology) -> dict[int, DeepseekV3]:
+    """The model of each expert-parallel rank (ep_rank -> module holding its experts)."""
+    dtype = getattr(torch, config.model.dtype)
+    if topology.ep == 1:
+        return {0: load_model(config.model.checkpoint, dtype=dtype)}
+    experts = load_model_args(config.model.checkpoint).n_routed_experts
+    return {ep_rank: load_model(config.model.checkpoint, dtype=dtype, experts=topology.experts(ep_rank, experts))
+            for ep_rank in range(topology.ep)}
+
+
+def _sync_output_signature(program) -> None:
+    """Point the program's output specs at the graph's output nodes (a pass may replace them)."""
+    outputs = next(n for n in program.graph.nodes if n.op == "output").args[0]
+    for spec, node in zip(program.graph_signature.output_specs, outputs):
+        spec.arg.name = node.name
 
 
 def _step_specs(program) -> dict[str, TensorSpec]:

@@ -1,4 +1,11 @@
-"""The generation loop on one rank: scheduler -> step metadata -> precompiled graph -> tokens."""
+"""The generation loop of one rank: scheduler -> step metadata -> precompiled graph -> tokens.
+
+On one rank, `Engine.generate` does everything. With several ranks the leader (rank 0) runs
+`generate`, publishing each step's host metadata (every rank's block table and slot mapping
+included) on the channel before running its own graph; followers run `Engine.follow`, which
+takes each step from the channel and runs the same bucket's graph on their shard. Followers
+never schedule, allocate or sample.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,19 @@ from pathlib import Path
 
 import torch
 
+from graphc.artifact import Manifest
+from graphc.buckets import Bucket
+from graphc.errors import GraphcError
 from graphc.paged import step_metadata
+from graphc.runtime.channel import StepChannel
 from graphc.runtime.loader import LoadedRank, load_rank
 from graphc.runtime.scheduler import Request, Result, Scheduler
 from graphc.sampling import sampler_inputs
 
 __all__ = ["Engine", "Request", "Result"]
+
+KINDS = ("prefill", "decode")
+"""Bucket kinds by their number on the channel."""
 
 
 class Engine:
@@ -19,38 +33,86 @@ class Engine:
 
     Args:
         artifacts: a `graphc compile` output directory (verified before anything loads).
+        rank: which rank's graphs and weights this process serves.
+        channel: the leader -> followers channel; required when the artifacts have several ranks.
+        manifest: the directory's manifest if the caller has already verified it.
     """
 
-    def __init__(self, artifacts: str | Path):
-        self.loaded: LoadedRank = load_rank(Path(artifacts))
-        manifest = self.loaded.manifest
-        self.manifest = manifest
+    def __init__(self, artifacts: str | Path, rank: int = 0, channel: StepChannel | None = None,
+                 manifest: Manifest | None = None):
+        self.loaded: LoadedRank = load_rank(Path(artifacts), rank, manifest)
+        manifest = self.manifest = self.loaded.manifest
+        self.rank, self.channel = rank, channel
+        self.world, self.cp = manifest.topology["world"], manifest.topology["cp"]
+        if self.world > 1 and channel is None:
+            raise GraphcError(
+                f"{artifacts}: compiled for {self.world} ranks (cp={self.cp}, ep={manifest.topology['ep']}); "
+                "serve it with `graphc run`, which launches one process per rank"
+            )
+        self.steps = 0
+        """Steps run so far, across `generate` calls: the channel's step numbers."""
         model = manifest.model
         self.kv_pool = torch.zeros(
             model["num_hidden_layers"], self.loaded.num_blocks, manifest.kv_cache["block_size"],
             model["kv_cache_dim"], dtype=getattr(torch, model["dtype"]),
         )
 
+    def startup_info(self) -> dict:
+        """What every rank must agree on before serving (published once by the leader)."""
+        m = self.manifest
+        return {"buckets": m.buckets, "kv_blocks": self.loaded.num_blocks, "block_size": m.kv_cache["block_size"]}
+
+    def _run(self, bucket: Bucket, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        tokens, _ = self.loaded.runners[bucket](self.loaded.weights, {"kv_pool": self.kv_pool, **inputs})
+        return tokens
+
     def generate(self, requests: list[Request]) -> list[Result]:
-        """Run every request to completion; results come back in request order."""
+        """Leader (or single rank): run every request to completion; results in request order."""
         m = self.manifest
         scheduler = Scheduler(
             requests, prefill=m.buckets["prefill"], decode=m.buckets["decode"],
             context_limit=m.buckets["context_limit"], block_size=m.kv_cache["block_size"],
             num_blocks=self.loaded.num_blocks, max_num_prefilling_tokens=m.runtime["max_num_prefilling_tokens"],
-            eos_token_ids=m.model["eos_token_id"],
+            eos_token_ids=m.model["eos_token_id"], kv_shards=self.cp,
         )
         with torch.no_grad():
             while not scheduler.done:
                 step = scheduler.next_step()
                 rows = [(s.blocks, tokens, start) for s, tokens, start in step.rows]
-                input_ids, positions, block_table, slots, last = step_metadata(
-                    rows, step.bucket.width, m.kv_cache["blocks_per_row"], total_rows=step.bucket.rows)
+                shards = [step_metadata(rows, step.bucket.width, m.kv_cache["blocks_per_row"],
+                                        total_rows=step.bucket.rows, shard=shard) for shard in range(self.cp)]
+                input_ids, positions, _, _, last = shards[0]
+                if self.channel is not None:
+                    self.channel.publish(self.steps, KINDS.index(step.bucket.kind), step.bucket.size,
+                                         step.bucket.rows, step.bucket.width, {
+                                             "input_ids": input_ids, "positions": positions, "logits_index": last,
+                                             "block_table": torch.stack([shards[r % self.cp][2] for r in range(self.world)]),
+                                             "slot_mapping": torch.stack([shards[r % self.cp][3] for r in range(self.world)]),
+                                         })
                 sampling = sampler_inputs([s.request.sampling for s, _, _ in step.rows],
                                           [len(s.output) for s, _, _ in step.rows], step.bucket.rows)
-                tokens, _ = self.loaded.runners[step.bucket](self.loaded.weights, {
-                    "input_ids": input_ids, "positions": positions, "block_table": block_table,
-                    "slot_mapping": slots, "kv_pool": self.kv_pool, "logits_index": last, **sampling,
+                tokens = self._run(step.bucket, {
+                    "input_ids": input_ids, "positions": positions, "block_table": shards[0][2],
+                    "slot_mapping": shards[0][3], "logits_index": last, **sampling,
                 })
                 scheduler.complete(step, tokens[: len(step.rows)].tolist())
+                self.steps += 1
         return [scheduler.results[i] for i in range(len(requests))]
+
+    def stop_followers(self) -> None:
+        """Leader: tell the followers no more steps will come."""
+        self.channel.stop(self.steps)
+
+    def follow(self) -> int:
+        """Follower: run the leader's steps on this rank's shard until it stops; returns the step count."""
+        with torch.no_grad():
+            while (message := self.channel.receive(self.steps)) is not None:
+                kind, size, rows, width, fields = message
+                # The follower's graph has no sampler; its sampling inputs only keep the signature.
+                self._run(Bucket(KINDS[kind], size), {
+                    "input_ids": fields["input_ids"], "positions": fields["positions"],
+                    "block_table": fields["block_table"][self.rank], "slot_mapping": fields["slot_mapping"][self.rank],
+                    "logits_index": fields["logits_index"], **sampler_inputs([], [], rows),
+                })
+                self.steps += 1
+        return self.steps

@@ -83,10 +83,11 @@ def kv_pool_blocks(manifest: Manifest) -> int:
     return blocks
 
 
-def load_rank(artifacts: Path, rank: int = 0) -> LoadedRank:
-    """Verify the whole directory, then load one rank's weights and graphs."""
+def load_rank(artifacts: Path, rank: int = 0, manifest: Manifest | None = None) -> LoadedRank:
+    """Verify the whole directory (unless given its already verified `manifest`), then load one
+    rank's weights and graphs."""
     artifacts = Path(artifacts)
-    manifest = read_manifest(artifacts)
+    manifest = manifest or read_manifest(artifacts)
     if manifest.backend not in LOADERS:
         raise GraphcError(f"{artifacts}: backend {manifest.backend!r} cannot run on this host; "
                           f"runnable here: {', '.join(LOADERS)}")

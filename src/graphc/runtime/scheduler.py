@@ -67,12 +67,17 @@ class Step:
 
 class Scheduler:
     def __init__(self, requests: list[Request], *, prefill: list[int], decode: list[int], context_limit: int,
-                 block_size: int, num_blocks: int, max_num_prefilling_tokens: int, eos_token_ids: list[int]):
+                 block_size: int, num_blocks: int, max_num_prefilling_tokens: int, eos_token_ids: list[int],
+                 kv_shards: int = 1):
+        """`num_blocks` is each rank's pool; with `kv_shards` context-parallel ranks, a sequence's
+        block j lives on rank j % kv_shards and is allocated from that rank's pool."""
         self.prefill, self.decode = sorted(prefill), sorted(decode)
         self.context_limit, self.block_size = context_limit, block_size
         self.eos = set(eos_token_ids)
         self.max_chunk = max_prefill_chunk(self.prefill, max_num_prefilling_tokens)
-        self.allocator = BlockAllocator(num_blocks)
+        self.kv_shards = kv_shards
+        self.allocators = [BlockAllocator(num_blocks) for _ in range(kv_shards)]
+        self.allocator = self.allocators[0]
         self.results: dict[int, Result] = {}
         self.waiting: deque[tuple[int, Request]] = deque()
         self.running: list[Sequence] = []
@@ -97,11 +102,15 @@ class Scheduler:
         if len(request.prompt) >= self.context_limit:
             return (f"prompt of {len(request.prompt)} tokens leaves no room under context_limit "
                     f"{self.context_limit}; shorten it or compile with a larger context_limit")
-        blocks = -(-self._lifetime(request) // self.block_size)
+        blocks = max(self._blocks_per_shard(request))
         if blocks > self.allocator.num_blocks:
             return (f"needs {blocks} KV blocks but the pool has {self.allocator.num_blocks}; "
                     "raise kv_cache.num_blocks or GRAPHC_NUM_KV_BLOCKS")
         return None
+
+    def _blocks_per_shard(self, request: Request) -> list[int]:
+        blocks = -(-self._lifetime(request) // self.block_size)
+        return [len(range(shard, blocks, self.kv_shards)) for shard in range(self.kv_shards)]
 
     @property
     def done(self) -> bool:
@@ -110,12 +119,12 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting:
             index, request = self.waiting[0]
-            blocks = -(-self._lifetime(request) // self.block_size)
-            if blocks > self.allocator.free_blocks:
+            needed = self._blocks_per_shard(request)
+            if any(n > allocator.free_blocks for n, allocator in zip(needed, self.allocators)):
                 return
             self.waiting.popleft()
-            sequence = Sequence(index, request, SequenceBlocks(self.block_size))
-            sequence.blocks.reserve(self._lifetime(request), self.allocator)
+            sequence = Sequence(index, request, SequenceBlocks(self.block_size, num_shards=self.kv_shards))
+            sequence.blocks.reserve(self._lifetime(request), self.allocators)
             self.running.append(sequence)
 
     def next_step(self) -> Step:
@@ -149,7 +158,8 @@ class Scheduler:
             reason = self._finish_reason(sequence)
             if reason:
                 self.running.remove(sequence)
-                self.allocator.release(sequence.blocks.blocks)
+                for shard, allocator in enumerate(self.allocators):
+                    allocator.release(sequence.blocks.shard_blocks(shard))
                 self.results[sequence.index] = Result(sequence.request, sequence.output, reason)
 
     def _finish_reason(self, sequence: Sequence) -> str | None:

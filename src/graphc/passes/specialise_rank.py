@@ -1,0 +1,26 @@
+"""Give each rank its own numbers: its KV shard in the attention, its experts' combine columns.
+
+Captures carry rank 0's values; only op arguments change here, never a shape, so every rank's
+graph has the captured signature.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+from graphc.passes.manager import PassContext, PassResult
+from graphc.passes.verifier import graphc_op, op_argument, set_op_argument
+
+
+def specialise_rank(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    topology, modified = ctx.topology, False
+    wanted = {
+        "graphc::paged_mla_attention": {"shard": topology.cp_rank(ctx.rank), "num_shards": topology.cp},
+        "graphc::expert_shard": {"shard": topology.ep_rank(ctx.rank), "num_shards": topology.ep},
+    }
+    for node in gm.graph.nodes:
+        for name, value in wanted.get(graphc_op(node), {}).items():
+            if op_argument(node, name) != value:
+                set_op_argument(node, name, value)
+                modified = True
+    return PassResult(gm, modified)

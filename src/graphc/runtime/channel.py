@@ -1,0 +1,159 @@
+"""The leader -> followers host-metadata channel, over one shared-memory segment per job.
+
+The leader publishes, once at start-up, the serving parameters every rank must agree on (bucket
+table, context limit, prompt-as-decode size, KV pool), and then every step: the bucket, the token
+ids, positions and logits index, and each rank's block table and slot mapping. Followers copy a
+step out and acknowledge it; they never schedule, allocate or sample, and no graph broadcasts.
+
+Layout (int64 words): a header [published step, stop step, start-up length, ack per rank], a
+start-up area (JSON bytes), then two step slots used alternately. The leader writes slot k % 2
+only after every follower has acknowledged step k - 2, so a slot is never overwritten while read;
+it publishes a step by writing its number into the header after the slot (x86 keeps stores in
+order). The leader creates and alone unlinks the segment; followers detach without unlinking
+(the launcher removes it too, should the leader die first).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from multiprocessing import shared_memory
+
+import numpy as np
+import torch
+
+from graphc.errors import GraphcError
+
+STARTUP_BYTES = 1 << 16
+STEP_FIELDS = ("input_ids", "positions", "logits_index", "block_table", "slot_mapping")
+
+
+class ChannelTimeout(GraphcError):
+    """The other side did not answer in time (a rank died or hangs)."""
+
+
+class StepChannel:
+    """Shared-memory channel for `world` ranks and steps of at most `max_rows` x `max_width`.
+
+    Args:
+        name: job-unique segment name (the launcher derives it from the run id).
+        world: ranks in the job.
+        max_rows, max_width, blocks_per_row: the largest step (from the bucket table).
+        rank: 0 creates the segment (removing a stale one of the same name); others attach.
+        timeout: seconds to wait for the other side before `ChannelTimeout`.
+    """
+
+    def __init__(self, name: str, world: int, max_rows: int, max_width: int, blocks_per_row: int, rank: int,
+                 timeout: float = 120.0):
+        self.name, self.world, self.rank, self.timeout = name, world, rank, timeout
+        self.max_rows, self.max_width, self.blocks_per_row = max_rows, max_width, blocks_per_row
+        header = 3 + world
+        cells = max_rows * max_width
+        self.slot_words = 4 + 3 * cells + max_rows + world * (max_rows * blocks_per_row + cells)
+        size = 8 * (header + 2 * self.slot_words) + STARTUP_BYTES
+        if rank == 0:
+            self._remove_stale(name)
+            self.segment = shared_memory.SharedMemory(name=name, create=True, size=size)
+        else:
+            self.segment = self._attach(name)
+        words = np.ndarray((header + 2 * self.slot_words,), dtype=np.int64, buffer=self.segment.buf)
+        self.header = words[:header]
+        self.slots = [words[header + i * self.slot_words: header + (i + 1) * self.slot_words] for i in range(2)]
+        self.startup = np.ndarray((STARTUP_BYTES,), dtype=np.uint8, buffer=self.segment.buf, offset=8 * words.size)
+        if rank == 0:
+            self.header[:] = -1
+
+    @staticmethod
+    def _remove_stale(name: str) -> None:
+        try:
+            stale = shared_memory.SharedMemory(name=name)
+        except FileNotFoundError:
+            return
+        stale.close()
+        stale.unlink()
+
+    def _attach(self, name: str):
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                # Ranks spawned by one launcher share its resource tracker, where the leader's
+                # segment is registered once: a follower must not unregister it (the leader's
+                # unlink would then fail in the tracker), and the tracker unlinks it only if
+                # every rank is gone without the leader having done so.
+                return shared_memory.SharedMemory(name=name)
+            except FileNotFoundError:
+                if time.monotonic() > deadline:
+                    raise ChannelTimeout(f"rank {self.rank}: the leader's channel {name!r} never appeared") from None
+                time.sleep(0.01)
+
+    def _wait(self, ready, what: str) -> None:
+        deadline, pause = time.monotonic() + self.timeout, 0.0
+        while not ready():
+            if time.monotonic() > deadline:
+                raise ChannelTimeout(f"rank {self.rank}: timed out after {self.timeout:.0f} s waiting for {what}")
+            time.sleep(pause)
+            pause = min(0.001, pause + 0.00005)  # spin briefly, then back off to 1 ms
+
+    # -- start-up ---------------------------------------------------------------------------
+
+    def publish_startup(self, info: dict) -> None:
+        data = json.dumps(info).encode()
+        if len(data) > STARTUP_BYTES:
+            raise GraphcError(f"start-up metadata of {len(data)} bytes exceeds the channel's {STARTUP_BYTES}")
+        self.startup[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.header[2] = len(data)
+
+    def receive_startup(self) -> dict:
+        self._wait(lambda: self.header[2] >= 0, "the leader's start-up metadata")
+        return json.loads(bytes(self.startup[: int(self.header[2])]))
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def publish(self, step: int, kind: int, size: int, rows: int, width: int, fields: dict[str, torch.Tensor]) -> None:
+        """Leader: write step `step` (rank-independent fields [B, Q] / [B]; per-rank ones [world, ...])."""
+        self._wait(lambda: all(self.header[3 + r] >= step - 2 for r in range(1, self.world)),
+                   f"followers to read step {step - 2}")
+        slot = self.slots[step % 2]
+        slot[:4] = (kind, size, rows, width)
+        offset = 4
+        for name in STEP_FIELDS:
+            values = fields[name].reshape(-1).numpy()
+            slot[offset: offset + values.size] = values
+            offset += self._capacity(name)
+        self.header[0] = step
+
+    def receive(self, step: int) -> tuple[int, int, int, int, dict[str, torch.Tensor]] | None:
+        """Follower: wait for step `step`; None once the leader has stopped the job."""
+        self._wait(lambda: self.header[0] >= step or 0 <= self.header[1] <= step, f"step {step} from the leader")
+        if 0 <= self.header[1] <= step and self.header[0] < step:
+            return None
+        slot = self.slots[step % 2]
+        kind, size, rows, width = (int(v) for v in slot[:4])
+        shapes = {"input_ids": (rows, width), "positions": (rows, width), "logits_index": (rows,),
+                  "block_table": (self.world, rows, self.blocks_per_row), "slot_mapping": (self.world, rows, width)}
+        fields, offset = {}, 4
+        for name in STEP_FIELDS:
+            count = int(np.prod(shapes[name]))
+            fields[name] = torch.from_numpy(slot[offset: offset + count].copy()).view(shapes[name])
+            offset += self._capacity(name)
+        self.header[3 + self.rank] = step
+        return kind, size, rows, width, fields
+
+    def stop(self, step: int) -> None:
+        """Leader: no step `step` or later will come."""
+        self.header[1] = step
+
+    def _capacity(self, name: str) -> int:
+        cells = self.max_rows * self.max_width
+        return {"input_ids": cells, "positions": cells, "logits_index": self.max_rows,
+                "block_table": self.world * self.max_rows * self.blocks_per_row,
+                "slot_mapping": self.world * cells}[name]
+
+    def close(self) -> None:
+        self.header = self.slots = self.startup = None  # views first: the buffer cannot close under them
+        self.segment.close()
+        if self.rank == 0:
+            try:
+                self.segment.unlink()
+            except FileNotFoundError:
+                pass

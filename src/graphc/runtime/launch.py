@@ -1,0 +1,133 @@
+"""Serving several ranks: one process per rank under torchrun's machinery (torch.distributed.launcher).
+
+`serve` starts the job (the same elastic agent `torchrun --standalone` uses, so multi-node
+launches take the same path) and returns the leader's results. Each worker:
+1. claims its device from its local rank (`GRAPHC_LOCAL_DEVICE`; on CPU nothing is pinned,
+   which would serialise host work), then presents itself to libraries as a one-device local
+   world (LOCAL_RANK=0, LOCAL_WORLD_SIZE=1);
+2. joins the gloo process group and registers its groups under fixed names;
+3. opens the job's shared-memory channel (the leader creates it), agrees on the start-up
+   metadata (ranks whose KV pool differs refuse to start), and serves: the leader schedules,
+   samples and publishes each step, followers follow.
+If any rank dies, the agent stops the others and `serve` raises naming the lost rank; the
+launcher removes the channel's segment whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from multiprocessing import shared_memory
+from pathlib import Path
+
+from graphc.errors import GraphcError
+from graphc.runtime.scheduler import Request, Result
+
+FAULT_ENV = "GRAPHC_FAULT_INJECTION"
+"""Testing hook, "RANK:STEP": that rank kills itself (SIGKILL) when it reaches that step."""
+
+
+def _worker(artifacts: str, batches: list[list[Request]], channel_name: str) -> list[list[Result]] | None:
+    import torch
+    import torch.distributed as dist
+
+    from graphc.distributed import register_groups
+    from graphc.runtime.channel import StepChannel
+    from graphc.runtime.engine import Engine
+    from graphc.topology import Topology
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    os.environ.update(GRAPHC_LOCAL_DEVICE=str(local_rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    _arm_fault_injection(rank)
+    dist.init_process_group("gloo")
+    channel = None
+    try:
+        from graphc.artifact import read_manifest
+
+        manifest = read_manifest(Path(artifacts))
+        topology = Topology(manifest.topology["cp"], manifest.topology["ep"])
+        register_groups(topology, rank)
+        channel = StepChannel(channel_name, topology.world, max_rows=max(manifest.buckets["decode"]),
+                              max_width=max(manifest.buckets["prefill"]),
+                              blocks_per_row=manifest.kv_cache["blocks_per_row"], rank=rank)
+        engine = Engine(artifacts, rank=rank, channel=channel)
+        if rank == 0:
+            channel.publish_startup(engine.startup_info())
+        else:
+            leader = channel.receive_startup()
+            if leader != engine.startup_info():
+                raise GraphcError(f"rank {rank} disagrees with the leader on the serving parameters: "
+                                  f"leader {leader}, this rank {engine.startup_info()} (is GRAPHC_NUM_KV_BLOCKS "
+                                  "set the same for every rank?)")
+        dist.barrier()
+        if rank == 0:
+            results = [engine.generate(batch) for batch in batches]
+            engine.stop_followers()
+        else:
+            engine.follow()
+        dist.barrier()  # before teardown: gloo can abort at exit otherwise (shared/PLATFORM.md)
+        return results if rank == 0 else None
+    finally:
+        if channel is not None:
+            channel.close()
+        dist.destroy_process_group()
+
+
+def _arm_fault_injection(rank: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    target, step = (int(v) for v in spec.split(":"))
+    if target != rank:
+        return
+    from graphc.runtime import engine
+
+    original = engine.Engine._run
+
+    def run_then_die(self, bucket, inputs, calls=[0]):  # noqa: B006  (a per-process counter)
+        calls[0] += 1
+        if calls[0] > step:
+            os.kill(os.getpid(), 9)
+        return original(self, bucket, inputs)
+
+    engine.Engine._run = run_then_die
+
+
+def serve(artifacts: Path, batches: list[list[Request]], world: int, monitor_interval: float = 0.5) -> list[list[Result]]:
+    """Run each batch of requests in turn (one `generate` each) on `world` local ranks started
+    once; returns the leader's results per batch.
+
+    Raises:
+        GraphcError: a rank failed (named), after every other rank was stopped.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    run_id = uuid.uuid4().hex[:16]
+    channel_name = f"graphc-{run_id}"  # job-unique: two jobs on one host never collide
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=run_id, rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=monitor_interval,
+                          start_method="spawn")
+    try:
+        outputs = elastic_launch(config, _worker)(str(artifacts), batches, channel_name)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        reason = f"exit code {failure.exitcode}" + (f" (signal {-failure.exitcode})" if failure.exitcode < 0 else "")
+        message = (failure.message or {}).get("message", "") if isinstance(failure.message, dict) else ""
+        detail = f": {message.splitlines()[-1]}" if message else ""
+        raise GraphcError(f"rank {rank} failed with {reason}{detail}; the other ranks were stopped") from None
+    finally:
+        _remove_segment(channel_name)
+    return outputs[0]
+
+
+def _remove_segment(name: str) -> None:
+    """The leader unlinks its segment; if it was killed first, nobody did."""
+    try:
+        segment = shared_memory.SharedMemory(name=name)
+    except FileNotFoundError:
+        return
+    segment.close()
+    segment.unlink()
