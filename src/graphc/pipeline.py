@@ -28,7 +28,7 @@ from graphc.passes.lower_trivial_collectives import lower_trivial_collectives
 from graphc.passes.manager import PassContext, PassManager, op_counts
 from graphc.passes.specialise_rank import specialise_rank
 from graphc.passes.strip_follower_sampling import strip_follower_sampling
-from graphc.passes.verifier import step_placeholders, verify
+from graphc.passes.verifier import collective_sequence, step_placeholders, verify
 from graphc.passes.verify_bucket_shapes import verify_bucket_shapes
 from graphc.topology import Topology
 
@@ -37,7 +37,7 @@ SPECIALISE = [
     ("verify_bucket_shapes", verify_bucket_shapes),
     # The rank's own KV shard and experts (captures carry rank 0's).
     ("specialise_rank", specialise_rank),
-    # Followers take the leader's tokens; before DCE, which then drops their LM head.
+    # Followers take the leader's tokens instead of sampling.
     ("strip_follower_sampling", strip_follower_sampling),
     # Groups of one rank move no data: backends never see a no-op collective.
     ("lower_trivial_collectives", lower_trivial_collectives),
@@ -102,7 +102,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         manager = PassManager(passes, verify, verify=options.verify_passes,
                               disabled=options.disabled_passes & {name for name, _ in passes},
                               dump_dir=options.dump_graphs)
-        jobs, entries, pass_logs = [], {}, {}
+        jobs, entries, pass_logs, programs = [], {}, {}, {}
         for rank in range(topology.world):
             for bucket, capture in captured.items():
                 # Every rank specialises its own copy; the capture stays rank-agnostic.
@@ -113,7 +113,9 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                 key = program_key(program, backend)
                 jobs.append(CompileJob(f"{bucket.name} rank {rank}", key, program))
                 entries[rank, bucket] = (key, _step_specs(program), op_counts(program.graph_module))
+                programs[rank, bucket] = program
                 pass_logs[f"{bucket.name} rank {rank}"] = log.changes()
+        _check_rank_agreement(programs, buckets, topology)
         # 4. Emit: compile each distinct program once (cached), then lay out the artifacts.
         compiled = compile_all(jobs, backend, options.workers, options.show_progress)
         (staging / "graphs").mkdir()
@@ -157,6 +159,17 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         )
         (staging / MANIFEST).write_text(manifest.to_yaml())
     return manifest
+
+
+def _check_rank_agreement(programs, buckets, topology: Topology) -> None:
+    """Every rank of a bucket must issue the same collectives, in the same order, on the same
+    groups with the same shapes, or the job hangs; refuse to emit graphs that would not."""
+    for bucket in buckets:
+        sequences = {rank: collective_sequence(programs[rank, bucket].graph_module) for rank in range(topology.world)}
+        for rank, sequence in sequences.items():
+            if sequence != sequences[0]:
+                raise GraphcError(f"{bucket.name}: rank {rank} would issue collectives {sequence} but rank 0 "
+                                  f"{sequences[0]}; the ranks would deadlock")
 
 
 def _expert_shards(config: GraphcConfig, topology: Topology) -> dict[int, DeepseekV3]:

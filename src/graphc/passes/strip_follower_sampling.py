@@ -1,8 +1,9 @@
 """Followers do not sample: the leader samples and sends the tokens with the next step.
 
-On every rank but 0 the step's outputs (tokens, logits) become zeros of the same shapes, so the
-signature stays the one every rank is called with, and dead-code elimination then removes the
-sampler, the LM head and the final norm from follower graphs.
+On every rank but 0 the sampler is replaced by zeros of its shape, so the signature stays the one
+every rank is called with. The logits stay: they keep the last layer live, and with it that
+layer's collectives, which every rank must issue in the same order (dropping them on followers
+alone would deadlock the group).
 """
 
 from __future__ import annotations
@@ -11,19 +12,22 @@ import torch
 import torch.fx
 
 from graphc.passes.manager import PassContext, PassResult
+from graphc.passes.verifier import graphc_op
 
 
 def strip_follower_sampling(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     if ctx.rank == 0:
         return PassResult(gm, False)
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    replaced = []
-    with gm.graph.inserting_before(output):
-        for value in output.args[0]:
-            fake = value.meta["val"]
+    modified = False
+    for node in list(gm.graph.nodes):
+        if graphc_op(node) != "graphc::sample":
+            continue
+        fake = node.meta["val"]
+        with gm.graph.inserting_before(node):
             zeros = gm.graph.call_function(torch.ops.aten.zeros.default, (list(fake.shape),),
                                            {"dtype": fake.dtype, "device": fake.device})
-            zeros.meta["val"] = fake.new_zeros(fake.shape)
-            replaced.append(zeros)
-    output.args = (tuple(replaced),)
-    return PassResult(gm, True)
+        zeros.meta["val"] = fake.new_zeros(fake.shape)
+        node.replace_all_uses_with(zeros)
+        gm.graph.erase_node(node)
+        modified = True
+    return PassResult(gm, modified)

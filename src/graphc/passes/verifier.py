@@ -40,6 +40,12 @@ def set_op_argument(node: torch.fx.Node, name: str, value) -> None:
     node.kwargs = {k: v for k, v in node.kwargs.items() if k != name}
 
 
+def collective_sequence(gm: torch.fx.GraphModule) -> list[tuple[str, str, tuple]]:
+    """(op, group, input shape) of every collective, in graph order."""
+    return [(graphc_op(n), op_argument(n, "group"), tuple(n.args[0].meta["val"].shape))
+            for n in gm.graph.nodes if graphc_op(n) in COLLECTIVE_OPS]
+
+
 def step_placeholders(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
     """The per-step input placeholders by name (they follow the weights)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

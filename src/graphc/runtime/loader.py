@@ -23,16 +23,22 @@ def _load_export(path: Path) -> Callable:
     return lambda weights, inputs: module(weights, *inputs)
 
 
-def _load_inductor(path: Path) -> Callable:
+def _load_inductor(path: Path, collectives: bool) -> Callable:
     # The C++ loader directly: `aoti_load_package` first probes the CPU's vector ISA by compiling
     # test programs, only to warn on a mismatch (about 6 s on a host with a cold inductor cache,
     # most of a cold start); and the package's __call__ re-parses its pytree specs and
-    # re-flattens ~60 inputs on every step, while the step's inputs are already flat.
-    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-    return lambda weights, inputs: tuple(loader.boxed_run([*weights, *inputs]))
+    # re-flattens ~60 inputs on every step, while the step's inputs are already flat. Packages
+    # with collectives run with the GIL released (see gil_free_runner.py).
+    if collectives:
+        from graphc.runtime.gil_free_runner import gil_free_runner
+
+        run = gil_free_runner(str(path))
+    else:
+        run = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1).boxed_run
+    return lambda weights, inputs: tuple(run([*weights, *inputs]))
 
 
-LOADERS = {"export": _load_export, "inductor": _load_inductor}
+LOADERS = {"export": lambda path, collectives: _load_export(path), "inductor": _load_inductor}
 
 
 class GraphRunner:
@@ -98,8 +104,9 @@ def load_rank(artifacts: Path, rank: int = 0, manifest: Manifest | None = None) 
     stored = load_file(artifacts / entry.weights)
     weights = [stored[name] for name in entry.weight_names]
     load = LOADERS[manifest.backend]
+    collectives = manifest.topology["world"] > 1
     runners = {}
     for graph in entry.graphs:
-        runner = GraphRunner(graph, load(artifacts / graph.file), num_blocks)
+        runner = GraphRunner(graph, load(artifacts / graph.file, collectives), num_blocks)
         runners[runner.bucket] = runner
     return LoadedRank(manifest, entry, weights, runners, num_blocks)
