@@ -125,6 +125,5 @@ def step_metadata(
         own = seq.shard_blocks(shard)
         block_table[b][: len(own)] = own
         logits_index[b] = n - 1
-    as_tensor = lambda rows: torch.tensor(rows, dtype=torch.int64)  # noqa: E731
-    return (as_tensor(input_ids), as_tensor(positions), as_tensor(block_table), as_tensor(slot_mapping),
-            as_tensor(logits_index))
+    fields = (input_ids, positions, block_table, slot_mapping, logits_index)
+    return tuple(torch.tensor(field, dtype=torch.int64) for field in fields)

@@ -28,6 +28,16 @@ STARTUP_BYTES = 1 << 16
 STEP_FIELDS = ("input_ids", "positions", "logits_index", "block_table", "slot_mapping")
 
 
+def remove_segment(name: str) -> None:
+    """Unlink the segment `name` if it exists."""
+    try:
+        segment = shared_memory.SharedMemory(name=name)
+    except FileNotFoundError:
+        return
+    segment.close()
+    segment.unlink()
+
+
 class ChannelTimeout(GraphcError):
     """The other side did not answer in time (a rank died or hangs)."""
 
@@ -52,7 +62,7 @@ class StepChannel:
         self.slot_words = 4 + 3 * cells + max_rows + world * (max_rows * blocks_per_row + cells)
         size = 8 * (header + 2 * self.slot_words) + STARTUP_BYTES
         if rank == 0:
-            self._remove_stale(name)
+            remove_segment(name)  # a crashed run's leftover of the same name
             self.segment = shared_memory.SharedMemory(name=name, create=True, size=size)
         else:
             self.segment = self._attach(name)
@@ -62,15 +72,6 @@ class StepChannel:
         self.startup = np.ndarray((STARTUP_BYTES,), dtype=np.uint8, buffer=self.segment.buf, offset=8 * words.size)
         if rank == 0:
             self.header[:] = -1
-
-    @staticmethod
-    def _remove_stale(name: str) -> None:
-        try:
-            stale = shared_memory.SharedMemory(name=name)
-        except FileNotFoundError:
-            return
-        stale.close()
-        stale.unlink()
 
     def _attach(self, name: str):
         deadline = time.monotonic() + self.timeout

@@ -15,12 +15,14 @@ launcher removes the channel's segment whatever happened.
 
 from __future__ import annotations
 
+import itertools
 import os
+import signal
 import uuid
-from multiprocessing import shared_memory
 from pathlib import Path
 
 from graphc.errors import GraphcError
+from graphc.runtime.channel import remove_segment
 from graphc.runtime.scheduler import Request, Result
 
 FAULT_ENV = "GRAPHC_FAULT_INJECTION"
@@ -86,10 +88,11 @@ def _arm_fault_injection(rank: int) -> None:
 
     original = engine.Engine._run
 
-    def run_then_die(self, bucket, inputs, calls=[0]):  # noqa: B006  (a per-process counter)
-        calls[0] += 1
-        if calls[0] > step:
-            os.kill(os.getpid(), 9)
+    calls = itertools.count(1)
+
+    def run_then_die(self, bucket, inputs):
+        if next(calls) > step:
+            os.kill(os.getpid(), signal.SIGKILL)
         return original(self, bucket, inputs)
 
     engine.Engine._run = run_then_die
@@ -119,15 +122,5 @@ def serve(artifacts: Path, batches: list[list[Request]], world: int, monitor_int
         detail = f": {message.splitlines()[-1]}" if message else ""
         raise GraphcError(f"rank {rank} failed with {reason}{detail}; the other ranks were stopped") from None
     finally:
-        _remove_segment(channel_name)
+        remove_segment(channel_name)  # the leader unlinks it; if it died first, nobody did
     return outputs[0]
-
-
-def _remove_segment(name: str) -> None:
-    """The leader unlinks its segment; if it was killed first, nobody did."""
-    try:
-        segment = shared_memory.SharedMemory(name=name)
-    except FileNotFoundError:
-        return
-    segment.close()
-    segment.unlink()
