@@ -229,7 +229,7 @@ all_reduce = _define("all_reduce(Tensor partial, str group) -> Tensor", _all_red
                      lambda partial, group: partial.new_empty(partial.shape))
 
 
-def _expert_shard(combine: Tensor, shard: int = 0, num_shards: int = 1) -> Tensor:
+def expert_shard_reference(combine: Tensor, shard: int = 0, num_shards: int = 1) -> Tensor:
     """This rank's experts' columns of the [T, E] combine matrix: [T, E / num_shards].
 
     Captured with one shard (every column); the expert-sharding pass sets the rank's shard.
@@ -238,7 +238,7 @@ def _expert_shard(combine: Tensor, shard: int = 0, num_shards: int = 1) -> Tenso
     return combine[:, shard * width : (shard + 1) * width].contiguous()
 
 
-expert_shard = _define("expert_shard(Tensor combine, int shard=0, int num_shards=1) -> Tensor", _expert_shard,
+expert_shard = _define("expert_shard(Tensor combine, int shard=0, int num_shards=1) -> Tensor", expert_shard_reference,
                        lambda combine, shard=0, num_shards=1: combine.new_empty(
                            (combine.shape[0], combine.shape[1] // num_shards)))
 

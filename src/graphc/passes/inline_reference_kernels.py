@@ -1,4 +1,4 @@
-"""Replace the paged attention op with the ATen ops of its reference kernel.
+"""Replace the paged attention (and expert-shard) ops with the ATen ops of their reference kernels.
 
 For the CPU backends a custom op is a Python kernel: called from an AOTInductor package it costs
 a round trip into the interpreter per layer per step, and inductor cannot fuse across it. Inlined,
@@ -20,11 +20,15 @@ import torch.fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from graphc.ops import paged_mla_attention_reference
+from graphc.ops import expert_shard_reference, paged_mla_attention_reference
 from graphc.passes.manager import GraphInvariantError, PassContext, PassResult
 from graphc.passes.verifier import graphc_op
 
-REFERENCE_KERNELS = {"graphc::paged_mla_attention": paged_mla_attention_reference}
+REFERENCE_KERNELS = {
+    "graphc::paged_mla_attention": paged_mla_attention_reference,
+    # A column slice of the combine matrix once the rank's shard is set: no reason to leave Python.
+    "graphc::expert_shard": expert_shard_reference,
+}
 
 
 def _trace_reference(node: torch.fx.Node, kernel) -> torch.fx.GraphModule:
@@ -52,20 +56,22 @@ def inline_reference_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> Pass
         traced = _trace_reference(node, kernel)
         env = dict(zip((n for n in traced.graph.nodes if n.op == "placeholder"),
                        (a for a in node.args if isinstance(a, torch.fx.Node))))
-        outputs = []
         with graph.inserting_before(node):
             for inner in traced.graph.nodes:
                 if inner.op == "get_attr":
                     raise GraphInvariantError("a reference kernel traced to a tensor constant", node)
                 if inner.op == "output":
-                    outputs = [env[o] for o in (inner.args[0] or ())]
+                    result = inner.args[0]
                 elif inner.op != "placeholder":
                     env[inner] = graph.node_copy(inner, lambda n: env[n])
-        for user in list(node.users):
-            if user.target is not operator.getitem:
-                raise GraphInvariantError("op output used other than through getitem", user)
-            user.replace_all_uses_with(outputs[user.args[1]])
-            graph.erase_node(user)
+        if isinstance(result, torch.fx.Node):  # one output: its users take the inlined value
+            node.replace_all_uses_with(env[result])
+        else:  # several: each is read through a getitem
+            for user in list(node.users):
+                if user.target is not operator.getitem:
+                    raise GraphInvariantError("op output used other than through getitem", user)
+                user.replace_all_uses_with(env[result[user.args[1]]])
+                graph.erase_node(user)
         graph.erase_node(node)
         modified = True
     return PassResult(gm, modified)
