@@ -54,7 +54,7 @@ def _worker(artifacts: str, batches: list[list[Request]], channel_name: str) -> 
         channel = StepChannel(channel_name, topology.world, max_rows=max(manifest.buckets["decode"]),
                               max_width=max(manifest.buckets["prefill"]),
                               blocks_per_row=manifest.kv_cache["blocks_per_row"], rank=rank)
-        engine = Engine(artifacts, rank=rank, channel=channel)
+        engine = Engine(artifacts, rank=rank, channel=channel, manifest=manifest)  # verified above
         if rank == 0:
             channel.publish_startup(engine.startup_info())
         else:
