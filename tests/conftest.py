@@ -73,20 +73,26 @@ def isolated_compile_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory, tiny_checkpoints):
-    """compiled(preset, backend, buckets="standard") -> artifacts dir, compiled once per session."""
+    """compiled(preset, backend, buckets="standard", cp=1, ep=1, static_moe=True) -> artifacts dir,
+    compiled once per session (static_moe=False disables the static-MoE rewrite)."""
     import yaml
 
     from graphc.config import load_config
     from graphc.pipeline import CompileOptions, compile
 
-    made: dict[tuple[str, str, str], Path] = {}
+    made: dict[tuple, Path] = {}
 
-    def get(preset: str, backend: str, buckets: str = "standard") -> Path:
-        key = (preset, backend, buckets)
+    def get(preset: str, backend: str, buckets: str = "standard", cp: int = 1, ep: int = 1,
+            static_moe: bool = True) -> Path:
+        key = (preset, backend, buckets, cp, ep, static_moe)
         if key not in made:
-            root = tmp_path_factory.mktemp(f"art-{preset}-{backend}-{buckets}")
-            (root / "model.yaml").write_text(yaml.safe_dump(model_yaml(tiny_checkpoints[preset], TEST_BUCKETS[buckets], backend)))
-            options = CompileOptions(verify_passes=True, show_progress=False, workers=2)
+            form = "" if static_moe else "-generic"
+            root = tmp_path_factory.mktemp(f"art-{preset}-{backend}-{buckets}-cp{cp}-ep{ep}{form}")
+            config = {**model_yaml(tiny_checkpoints[preset], TEST_BUCKETS[buckets], backend),
+                      "topology": {"cp": cp, "ep": ep}}
+            (root / "model.yaml").write_text(yaml.safe_dump(config))
+            options = CompileOptions(verify_passes=True, show_progress=False, workers=2,
+                                     disabled_passes=frozenset() if static_moe else frozenset({"static_moe"}))
             compile(load_config(root / "model.yaml"), root / "artifacts", options)
             made[key] = root / "artifacts"
         return made[key]

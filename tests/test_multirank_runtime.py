@@ -8,39 +8,27 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
-from graphc.config import load_config
 from graphc.errors import GraphcError
-from graphc.pipeline import CompileOptions, compile
 from graphc.runtime import Engine, Request
 from graphc.runtime.launch import FAULT_ENV, serve
-from support import model_yaml
+from graphc.runtime.loader import NUM_KV_BLOCKS_ENV
+from graphc.topology import Topology
+from multirank import run_ranks
 
 PRESET = "lora-groups"
-SMALL_BUCKETS = {"prefill": [8], "decode": [2], "prompt_as_decode": 0, "context_limit": 64}
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]]  # 11 tokens: two prefill chunks
 NEW_TOKENS = 10
 
 
-@pytest.fixture(scope="module")
-def small_artifacts(tmp_path_factory, tiny_checkpoints):
-    made = {}
-
-    def get(backend, cp=2, ep=2):
-        if (backend, cp, ep) not in made:
-            root = tmp_path_factory.mktemp(f"small-{backend}-cp{cp}-ep{ep}")
-            config = {**model_yaml(tiny_checkpoints[PRESET], SMALL_BUCKETS, backend), "topology": {"cp": cp, "ep": ep}}
-            (root / "model.yaml").write_text(yaml.safe_dump(config))
-            compile(load_config(root / "model.yaml"), root / "artifacts",
-                    CompileOptions(show_progress=False, verify_passes=True, workers=2))
-            made[backend, cp, ep] = root / "artifacts"
-        return made[backend, cp, ep]
-
-    return get
+@pytest.fixture
+def small_artifacts(compiled):
+    """Artifacts with one prefill and one decode bucket (shared with test_parallel_serve.py)."""
+    return lambda backend, cp=2, ep=2: compiled(PRESET, backend, "small", cp, ep)
 
 
 def _requests():
@@ -59,16 +47,25 @@ def test_inductor_ranks_run_twenty_generations_in_one_job_without_a_hang(small_a
         assert [r.output_ids for r in results] == expected
 
 
-def test_graphc_run_serves_multi_rank_artifacts_like_one_rank(small_artifacts):
+def _graphc_run(artifacts, *extra, env=None) -> list[list[int]]:
     script = Path(sys.executable).parent / "graphc"
-    args = [str(script), "run", None, "--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "6", "--ignore-eos", "--json"]
-    outputs = []
-    for artifacts in (small_artifacts("export", 1, 1), small_artifacts("export")):
-        args[2] = str(artifacts)
-        done = subprocess.run(args, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-2000:]
-        outputs.append([json.loads(line)["output_ids"] for line in done.stdout.splitlines()])
-    assert outputs[0] == outputs[1] and len(outputs[0][0]) == 6
+    done = subprocess.run([str(script), "run", str(artifacts), "--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "6",
+                           "--ignore-eos", "--json", *extra], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [json.loads(line)["output_ids"] for line in done.stdout.splitlines()]
+
+
+def test_graphc_run_serves_multi_rank_artifacts_like_one_rank(small_artifacts):
+    single = _graphc_run(small_artifacts("export", 1, 1))
+    assert _graphc_run(small_artifacts("export")) == single and len(single[0]) == 6
+
+
+def test_kv_pool_override_on_the_launcher_reaches_every_rank(small_artifacts):
+    """Followers whose pool differed from the leader's would refuse to start (next test), so a
+    run that completes with the override shows every rank received it."""
+    single = _graphc_run(small_artifacts("export", 1, 1))
+    assert _graphc_run(small_artifacts("export"), env={NUM_KV_BLOCKS_ENV: "40"}) == single
 
 
 @pytest.mark.parametrize("lost", [1, 0])
@@ -91,3 +88,27 @@ def test_two_jobs_on_one_host_do_not_collide(small_artifacts):
     outs = [job.communicate(timeout=180) for job in jobs]
     assert all(job.returncode == 0 for job in jobs), [err[-1500:] for _, err in outs]
     assert outs[0][0] == outs[1][0] and outs[0][0].strip()
+
+
+def _open_with_kv_blocks(rank, topology, artifacts, channel_name, blocks_per_rank):
+    from graphc.artifact import read_manifest
+    from graphc.runtime.launch import open_engine
+
+    os.environ[NUM_KV_BLOCKS_ENV] = str(blocks_per_rank[rank])
+    try:
+        engine = open_engine(str(artifacts), read_manifest(artifacts), rank, channel_name)
+    except GraphcError as e:
+        return str(e)
+    engine.channel.close()
+    return engine.startup_info()["kv_blocks"]
+
+
+def test_ranks_that_disagree_on_the_kv_pool_refuse_to_start(small_artifacts):
+    """GRAPHC_NUM_KV_BLOCKS set on the launcher reaches every rank (a `graphc run` test in
+    test_cli_serve.py); here the ranks were given different pools, and the follower refuses."""
+    channel_name = f"graphc-test-{uuid.uuid4().hex[:8]}"
+    leader, follower = run_ranks(Topology(2, 2), _open_with_kv_blocks, small_artifacts("export"), channel_name, [48, 40])
+    assert leader == 48
+    assert follower.startswith("rank 1 disagrees with the leader on the serving parameters")
+    assert "'kv_blocks': 48" in follower and "'kv_blocks': 40" in follower and "GRAPHC_NUM_KV_BLOCKS" in follower
+    assert not Path("/dev/shm", channel_name).exists()

@@ -1,74 +1,77 @@
 """Compiled multi-rank graphs, served by `graphc.runtime.launch.serve` (one process per rank under
 torchrun's agent, gloo collectives, the shared-memory step channel), give the single-rank tokens
-(fp32). Every rank runs its own specialised graphs: its KV shard, its experts; followers have
-no sampler and take each step from the leader."""
+(fp32), at every topology of the issue, on both CPU backends, with and without the static-MoE
+rewrite. Every rank runs its own specialised graphs: its KV shard, its experts; followers have no
+sampler and take each step from the leader."""
 
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from graphc.artifact import read_manifest
-from graphc.config import load_config
-from graphc.pipeline import CompileOptions, compile
 from graphc.runtime import Engine, Request
 from graphc.runtime.launch import serve
-from support import TEST_BUCKETS, model_yaml
 
-PRESET = "wide-16e"
-PROMPTS = [[(5 * i + n) % 250 + 3 for i in range(n)] for n in (1, 9, 40)]  # 40: chunked (32 + 8)
-NEW_TOKENS = 12
-TOPOLOGIES = [  # (cp, ep, static MoE)
-    (2, 1, True), (2, 2, True), (2, 2, False), (4, 4, True),  # (4, 2): tests/test_parallel_eager.py
+TOPOLOGIES = [  # (cp, ep, static MoE); with ep = 1 the two MoE forms are the same graph
+    (2, 1, True), (2, 2, True), (2, 2, False), (4, 1, True), (4, 2, True), (4, 2, False), (4, 4, True), (4, 4, False),
 ]
+NEW_TOKENS = 12
+# export: two prefill and two decode buckets; prompts of 1, 9 and 40 tokens hit a bucket exactly,
+# fall between buckets and are chunked (32 + 8), and three sequences pad decode-4.
+EXPORT_CASE = ("wide-16e", "standard", [[(5 * i + n) % 250 + 3 for i in range(n)] for n in (1, 9, 40)])
+# inductor compiles take most of the time: one prefill bucket (8) and one decode bucket (2); the
+# 11-token prompt takes two chunks.
+INDUCTOR_CASE = ("lora-groups", "small", [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]])
 
 
-@pytest.fixture(scope="module")
-def parallel_artifacts(tmp_path_factory, tiny_checkpoints):
-    made = {}
-
-    def get(cp, ep, static):
-        if (cp, ep, static) not in made:
-            root = tmp_path_factory.mktemp(f"cp{cp}-ep{ep}-{'static' if static else 'generic'}")
-            config = {**model_yaml(tiny_checkpoints[PRESET], TEST_BUCKETS["standard"]), "topology": {"cp": cp, "ep": ep}}
-            (root / "model.yaml").write_text(yaml.safe_dump(config))
-            disabled = frozenset() if static else frozenset({"static_moe"})
-            compile(load_config(root / "model.yaml"), root / "artifacts",
-                    CompileOptions(verify_passes=True, show_progress=False, disabled_passes=disabled))
-            made[cp, ep, static] = root / "artifacts"
-        return made[cp, ep, static]
-
-    return get
-
-
-@pytest.mark.parametrize("cp, ep, static", TOPOLOGIES)
-def test_every_rank_serves_the_single_rank_tokens(cp, ep, static, compiled, parallel_artifacts):
-    requests = [Request(p, NEW_TOKENS, stop_at_eos=False) for p in PROMPTS]
-    expected = Engine(compiled(PRESET, "export")).generate(requests)
-    [results] = serve(parallel_artifacts(cp, ep, static), [requests], world=cp)
+def _check_tokens(compiled, backend, case, cp, ep, static):
+    preset, buckets, prompts = case
+    requests = [Request(p, NEW_TOKENS, stop_at_eos=False) for p in prompts]
+    expected = Engine(compiled(preset, backend, buckets)).generate(requests)
+    [results] = serve(compiled(preset, backend, buckets, cp, ep, static), [requests], world=cp)
     assert [r.output_ids for r in results] == [r.output_ids for r in expected]
 
 
-@pytest.mark.parametrize("static", [True, False])
-def test_graph_structure_per_rank(static, parallel_artifacts):
-    manifest = read_manifest(parallel_artifacts(2, 2, static))
+@pytest.mark.parametrize("cp, ep, static", TOPOLOGIES)
+def test_export_ranks_serve_the_single_rank_tokens(cp, ep, static, compiled):
+    _check_tokens(compiled, "export", EXPORT_CASE, cp, ep, static)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp, ep, static", TOPOLOGIES)
+def test_inductor_ranks_serve_the_single_rank_tokens(cp, ep, static, compiled):
+    _check_tokens(compiled, "inductor", INDUCTOR_CASE, cp, ep, static)
+
+
+@pytest.mark.slow
+def test_sixteen_ranks_serve_the_single_rank_tokens(compiled):
+    """cp = ep = 16 on the 16-expert preset: one routed expert per rank."""
+    _check_tokens(compiled, "export", ("wide-16e", "small", INDUCTOR_CASE[2]), 16, 16, True)
+
+
+@pytest.mark.parametrize("cp, ep, static", [(2, 2, True), (2, 2, False), (4, 4, True), (4, 4, False)])
+def test_graph_structure_per_rank(cp, ep, static, compiled):
+    preset, buckets, _ = EXPORT_CASE
+    manifest = read_manifest(compiled(preset, "export", buckets, cp, ep, static))
     counts = manifest.extra["op_counts"]
-    for rank in (0, 1):
+    moe_layers = 3  # wide-16e: first_k_dense_replace = 0
+    for rank in range(cp):
         for bucket in ("prefill-8", "decode-4"):
             ops = counts[f"{bucket} rank {rank}"]
             assert ("graphc::sample" in ops) == (rank == 0)  # followers take the leader's tokens
             assert ops["graphc::attention_combine"] == 3  # one per layer, over the cp group
             if static:  # the static form: no dispatch, one all-reduce per MoE layer
-                assert ops["graphc::all_reduce"] == 3 and "graphc::moe_dispatch" not in ops
+                assert ops["graphc::all_reduce"] == moe_layers and "graphc::moe_dispatch" not in ops
             else:
-                assert ops["graphc::moe_dispatch"] == ops["graphc::moe_combine"] == 3 and "graphc::all_reduce" not in ops
-    assert [r.samples for r in manifest.ranks] == [True, False]
-    # Ranks 0 and 1 hold different experts: different weight files.
-    assert manifest.ranks[0].weights != manifest.ranks[1].weights
+                assert ops["graphc::moe_dispatch"] == ops["graphc::moe_combine"] == moe_layers
+                assert "graphc::all_reduce" not in ops
+    assert [r.samples for r in manifest.ranks] == [True] + [False] * (cp - 1)
+    # Every rank holds different experts: different weight files.
+    assert len({r.weights for r in manifest.ranks}) == cp
 
 
-def test_single_rank_engine_refuses_multi_rank_artifacts(parallel_artifacts):
+def test_single_rank_engine_refuses_multi_rank_artifacts(compiled):
     from graphc.errors import GraphcError
 
     with pytest.raises(GraphcError, match=r"compiled for 2 ranks \(cp=2, ep=2\); serve it with `graphc run`"):
-        Engine(parallel_artifacts(2, 2, True))
+        Engine(compiled(EXPORT_CASE[0], "export", EXPORT_CASE[1], 2, 2))

@@ -33,9 +33,8 @@ def _worker(artifacts: str, batches: list[list[Request]], channel_name: str) -> 
     import torch
     import torch.distributed as dist
 
+    from graphc.artifact import read_manifest
     from graphc.distributed import register_groups
-    from graphc.runtime.channel import StepChannel
-    from graphc.runtime.engine import Engine
     from graphc.topology import Topology
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -44,25 +43,11 @@ def _worker(artifacts: str, batches: list[list[Request]], channel_name: str) -> 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     _arm_fault_injection(rank)
     dist.init_process_group("gloo")
-    channel = None
+    engine = None
     try:
-        from graphc.artifact import read_manifest
-
         manifest = read_manifest(Path(artifacts))
-        topology = Topology(manifest.topology["cp"], manifest.topology["ep"])
-        register_groups(topology, rank)
-        channel = StepChannel(channel_name, topology.world, max_rows=max(manifest.buckets["decode"]),
-                              max_width=max(manifest.buckets["prefill"]),
-                              blocks_per_row=manifest.kv_cache["blocks_per_row"], rank=rank)
-        engine = Engine(artifacts, rank=rank, channel=channel, manifest=manifest)  # verified above
-        if rank == 0:
-            channel.publish_startup(engine.startup_info())
-        else:
-            leader = channel.receive_startup()
-            if leader != engine.startup_info():
-                raise GraphcError(f"rank {rank} disagrees with the leader on the serving parameters: "
-                                  f"leader {leader}, this rank {engine.startup_info()} (is GRAPHC_NUM_KV_BLOCKS "
-                                  "set the same for every rank?)")
+        register_groups(Topology(manifest.topology["cp"], manifest.topology["ep"]), rank)
+        engine = open_engine(artifacts, manifest, rank, channel_name)
         dist.barrier()
         if rank == 0:
             results = [engine.generate(batch) for batch in batches]
@@ -72,9 +57,36 @@ def _worker(artifacts: str, batches: list[list[Request]], channel_name: str) -> 
         dist.barrier()  # before teardown: gloo can abort at exit otherwise (shared/PLATFORM.md)
         return results if rank == 0 else None
     finally:
-        if channel is not None:
-            channel.close()
+        if engine is not None:
+            engine.channel.close()
         dist.destroy_process_group()
+
+
+def open_engine(artifacts: str, manifest, rank: int, channel_name: str):
+    """This rank's engine on the job's step channel, once it agrees with the leader on the
+    start-up metadata (bucket table, prompt-as-decode size, context limit, KV pool).
+
+    Raises:
+        GraphcError: this follower's serving parameters differ from the leader's.
+    """
+    from graphc.runtime.channel import StepChannel
+    from graphc.runtime.engine import Engine
+
+    world = manifest.topology["cp"]
+    channel = StepChannel(channel_name, world, max_rows=max(manifest.buckets["decode"]),
+                          max_width=max(manifest.buckets["prefill"]),
+                          blocks_per_row=manifest.kv_cache["blocks_per_row"], rank=rank)
+    try:
+        engine = Engine(artifacts, rank=rank, channel=channel, manifest=manifest)  # manifest verified by the caller
+        if rank == 0:
+            channel.publish_startup(engine.startup_info())
+        elif (leader := channel.receive_startup()) != engine.startup_info():
+            raise GraphcError(f"rank {rank} disagrees with the leader on the serving parameters: leader {leader}, "
+                              f"this rank {engine.startup_info()} (is GRAPHC_NUM_KV_BLOCKS set the same for every rank?)")
+    except BaseException:
+        channel.close()
+        raise
+    return engine
 
 
 def _arm_fault_injection(rank: int) -> None:
