@@ -137,7 +137,7 @@ paged_mla_attention = _define(
 def _all_gather(tensor: Tensor, pg) -> Tensor:
     """[G, *tensor.shape]: every rank's tensor, in rank order."""
     gathered = tensor.new_empty((pg.size() * tensor.shape[0], *tensor.shape[1:]))
-    torch.distributed.all_gather_into_tensor(gathered, tensor.contiguous(), group=pg)
+    torch.distributed.all_gather_single(gathered, tensor.contiguous(), group=pg)
     return gathered.view(pg.size(), *tensor.shape)
 
 
@@ -207,7 +207,7 @@ def _moe_combine(partial: Tensor, group: str, group_size: int = 1) -> Tensor:
     if pg is None:
         return partial.clone(memory_format=torch.contiguous_format)
     out = partial.new_empty((partial.shape[0] // group_size, *partial.shape[1:]))
-    torch.distributed.reduce_scatter_tensor(out, partial.contiguous(), group=pg)
+    torch.distributed.reduce_scatter_single(out, partial.contiguous(), group=pg)
     return out
 
 
