@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from graphc.buckets import Bucket
 from graphc.runtime.channel import StepChannel
 
 BLOCKS_PER_ROW = 16
@@ -45,18 +46,19 @@ def worker(rank, world, port, args, channel_name, results):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     channel = StepChannel(channel_name, world, args.rows, args.width, BLOCKS_PER_ROW, rank)
     dist.barrier()  # the leader created the segment before followers attach
+    bucket = Bucket("decode", args.rows, args.width)
     payloads = [step_fields(world, args.rows, args.width, s) for s in range(2)]
 
     def over_channel(steps):
         for step in range(steps):
             if rank == 0:
-                channel.publish(step, 1, args.rows, args.rows, args.width, payloads[step % 2])
+                channel.publish(step, bucket, payloads[step % 2])
             else:
                 channel.receive(step)  # the closing barrier waits for the followers' last read
 
     def over_broadcast(steps):
         for step in range(steps):
-            message = [{"kind": 1, "size": args.rows, **payloads[step % 2]}] if rank == 0 else [None]
+            message = [{"bucket": bucket, **payloads[step % 2]}] if rank == 0 else [None]
             dist.broadcast_object_list(message, src=0)
 
     try:

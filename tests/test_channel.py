@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from graphc.buckets import Bucket
 from graphc.runtime.channel import ChannelTimeout, StepChannel
 
 WORLD, ROWS, WIDTH, BLOCKS = 2, 4, 8, 3
+PREFILL_8 = Bucket("prefill", 8)
 
 
 @pytest.fixture
@@ -43,26 +45,26 @@ def test_startup_metadata_round_trips(endpoints):
 
 def test_steps_of_every_shape_arrive_intact_then_stop(endpoints):
     leader, follower = endpoints
-    shapes = [(1, 8), (4, 1), (2, 1), (1, 5)]
-    for step, (rows, width) in enumerate(shapes):
-        fields = _fields(rows, width, step)
-        leader.publish(step, step % 2, rows * width, rows, width, fields)
-        kind, size, got_rows, got_width, got = follower.receive(step)
-        assert (kind, size, got_rows, got_width) == (step % 2, rows * width, rows, width)
+    buckets = [Bucket("prefill", 8), Bucket("decode", 4), Bucket("decode", 2, 3), Bucket("prefill", 5)]
+    for step, bucket in enumerate(buckets):
+        fields = _fields(bucket.rows, bucket.width, step)
+        leader.publish(step, bucket, fields)
+        got_bucket, got = follower.receive(step)
+        assert got_bucket == bucket
         for name, tensor in fields.items():
             assert torch.equal(got[name], tensor), name
-    leader.stop(len(shapes))
-    assert follower.receive(len(shapes)) is None
+    leader.stop(len(buckets))
+    assert follower.receive(len(buckets)) is None
 
 
 def test_the_leader_never_overwrites_a_slot_a_follower_has_not_read(endpoints):
     leader, follower = endpoints
-    leader.publish(0, 0, 8, 1, 8, _fields(1, 8, 0))
-    leader.publish(1, 0, 8, 1, 8, _fields(1, 8, 1))  # the other slot: fine
+    leader.publish(0, PREFILL_8, _fields(1, 8, 0))
+    leader.publish(1, PREFILL_8, _fields(1, 8, 1))  # the other slot: fine
     with pytest.raises(ChannelTimeout, match=r"rank 0: timed out .* waiting for followers to read step 0"):
-        leader.publish(2, 0, 8, 1, 8, _fields(1, 8, 2))  # would overwrite step 0's slot
+        leader.publish(2, PREFILL_8, _fields(1, 8, 2))  # would overwrite step 0's slot
     follower.receive(0)
-    leader.publish(2, 0, 8, 1, 8, _fields(1, 8, 2))
+    leader.publish(2, PREFILL_8, _fields(1, 8, 2))
 
 
 def test_a_follower_waiting_for_a_dead_leader_times_out_naming_itself(endpoints):

@@ -333,6 +333,36 @@ def test_all_blocks_return_results_are_keyed_by_request_index_and_done_is_set():
 # --- random mixes -------------------------------------------------------------------------------
 
 
+# --- prompt-as-decode -----------------------------------------------------------------------------
+
+
+def test_a_short_prompt_joins_the_running_decodes_in_one_step():
+    scheduler = make([Request(prompt(10), max_new_tokens=5), Request(prompt(3, 50), max_new_tokens=5)],
+                     prompt_as_decode=4)
+    first = scheduler.next_step()
+    assert first.bucket.name == "prefill-16" and first.rows[0][0].index == 0  # 10 > P: a prefill chunk
+    scheduler.complete(first, sampled(first))
+    step = scheduler.next_step()
+    assert step.bucket == Bucket("decode", 2, 4) and step.bucket.name == "decode-2x4"
+    assert [(s.index, run, start) for s, run, start in step.rows] == [(1, prompt(3, 50), 0), (0, [100], 10)]
+    scheduler.complete(step, sampled(step))
+    assert scheduler.next_step().bucket == Bucket("decode", 2)  # both decode now: plain decode
+    run_to_end(scheduler)
+    assert [len(scheduler.results[i].output_ids) for i in (0, 1)] == [5, 5]
+
+
+def test_a_long_prompts_tail_runs_as_decode():
+    scheduler = make([Request(prompt(37), max_new_tokens=2)], prompt_as_decode=8)
+    steps = run_to_end(scheduler)
+    assert [s.bucket.name for s in steps] == ["prefill-16", "prefill-16", "decode-1x8", "decode-1"]
+    assert steps[2].rows[0][1:] == (prompt(37)[32:], 32)
+
+
+def test_prompt_as_decode_1_runs_one_token_prompts_in_plain_decode_graphs():
+    scheduler = make([Request(prompt(1), max_new_tokens=2)], prompt_as_decode=1)
+    assert [s.bucket for s in run_to_end(scheduler)] == [Bucket("decode", 1), Bucket("decode", 1)]
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     shapes=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 10), st.booleans()), min_size=1, max_size=8),
@@ -343,10 +373,12 @@ def test_all_blocks_return_results_are_keyed_by_request_index_and_done_is_set():
     pool_fraction=st.floats(0.2, 1.2),
     budget=st.integers(1, 40),
     eos_rate=st.sampled_from([0.0, 0.1, 0.5]),
+    prompt_as_decode=st.sampled_from([0, 1, 3, 8]),
     seed=st.integers(0, 2**16),
 )
 def test_random_request_mixes_terminate_and_keep_every_invariant(shapes, prefill, decode, block_size, context_limit,
-                                                                pool_fraction, budget, eos_rate, seed):
+                                                                pool_fraction, budget, eos_rate, prompt_as_decode,
+                                                                seed):
     rng = random.Random(seed)
     requests = [Request([rng.randrange(3, 99) for _ in range(n)], max_new_tokens=m, stop_at_eos=stop)
                 for n, m, stop in shapes]
@@ -355,7 +387,7 @@ def test_random_request_mixes_terminate_and_keep_every_invariant(shapes, prefill
     eos_ids = [EOS, 1]
     scheduler = Scheduler(requests, prefill=prefill, decode=decode, context_limit=context_limit,
                           block_size=block_size, num_blocks=num_blocks, max_num_prefilling_tokens=budget,
-                          eos_token_ids=eos_ids)
+                          eos_token_ids=eos_ids, prompt_as_decode=prompt_as_decode)
     prefill, decode = sorted(prefill), sorted(decode)
     max_chunk = max_prefill_chunk(prefill, budget)
     bound = sum(-(-n // max_chunk) + m for n, m, _ in shapes)  # each step makes at least one unit of progress
@@ -380,9 +412,16 @@ def test_random_request_mixes_terminate_and_keep_every_invariant(shapes, prefill
         else:
             assert step.bucket.size == smallest_fitting(decode, len(step.rows))
             assert len(step.rows) <= decode[-1]
+            prompt_rows = [seq for seq, _, _ in step.rows if seq.prefilling]
+            assert step.bucket.tokens_per_row == (prompt_as_decode if prompt_rows else 1)
+            assert all(s.remaining_prompt > prompt_as_decode for s in live if s.prefilling and s not in prompt_rows) or \
+                len(step.rows) == decode[-1], "a short prompt was left out of a step with room for it"
             for seq, run, first in step.rows:
-                assert not seq.prefilling and run == [seq.output[-1]]
-                assert first == len(seq.request.prompt) + len(seq.output) - 1
+                if seq.prefilling:  # a prompt (or its tail) of at most P tokens, whole
+                    assert first == seq.prefilled and run == seq.request.prompt[first:]
+                    assert 1 <= len(run) <= prompt_as_decode
+                else:
+                    assert run == [seq.output[-1]] and first == len(seq.request.prompt) + len(seq.output) - 1
         for seq, run, first in step.rows:
             assert seq in live
             assert first + len(run) <= min(context_limit, len(seq.blocks.blocks) * block_size)

@@ -27,7 +27,7 @@ import yaml
 from graphc import __version__
 from graphc.errors import GraphcError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.yaml"
 
 
@@ -49,6 +49,8 @@ class GraphEntry:
     """"prefill" or "decode"."""
     size: int
     """The bucket size (prefill tokens or decode rows)."""
+    tokens_per_row: int
+    """Decode: new tokens per row (1, or the prompt-as-decode size); prefill: 1."""
     file: str
     """Path relative to the artifacts directory."""
     sha256: str

@@ -9,6 +9,11 @@ Rules:
   only the last chunk is padded.
 - A decode step of b sequences runs in the smallest decode bucket >= b; more sequences than the
   largest bucket are split into several steps.
+- With a prompt-as-decode size P > 1, every decode bucket B also has a [B, P] graph: its rows
+  are running decodes (one real token) and prompts, or prompt tails, of at most P tokens. (P = 1
+  needs no graph of its own: a one-token prompt already fits a plain decode row.)
+
+The planner below chooses the sizes from traffic (see `plan_buckets`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ class Bucket:
     kind: GraphKind
     size: int
     """Prefill: chunk tokens. Decode: batch size (rows)."""
+    tokens_per_row: int = 1
+    """Decode only: new tokens per row, 1 or the prompt-as-decode size P."""
 
     @property
     def rows(self) -> int:
@@ -34,15 +41,16 @@ class Bucket:
 
     @property
     def width(self) -> int:
-        return self.size if self.kind == "prefill" else 1
+        return self.size if self.kind == "prefill" else self.tokens_per_row
 
     @property
     def name(self) -> str:
-        return f"{self.kind}-{self.size}"
+        return f"{self.kind}-{self.size}" + (f"x{self.tokens_per_row}" if self.tokens_per_row > 1 else "")
 
 
-def all_buckets(prefill: list[int], decode: list[int]) -> list[Bucket]:
-    return [Bucket("prefill", s) for s in sorted(prefill)] + [Bucket("decode", s) for s in sorted(decode)]
+def all_buckets(prefill: list[int], decode: list[int], prompt_as_decode: int = 0) -> list[Bucket]:
+    return ([Bucket("prefill", s) for s in sorted(prefill)] + [Bucket("decode", s) for s in sorted(decode)]
+            + [Bucket("decode", s, prompt_as_decode) for s in sorted(decode) if prompt_as_decode > 1])
 
 
 def smallest_fitting(sizes: list[int], n: int) -> int:

@@ -7,6 +7,7 @@ import hashlib
 import os
 import shutil
 import struct
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -94,7 +95,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         # 2. Capture: one rank-agnostic program per bucket, with what changes shapes fixed.
         parallel = Parallelism(cp=topology.cp, ep=topology.ep,
                                tokens_replicated=topology.ep > 1 and "static_moe" not in options.disabled_passes)
-        buckets = all_buckets(b.prefill, b.decode)
+        buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode)
         captured = {bucket: capture_bucket(models[0], bucket, blocks_per_row, kv.num_blocks, kv.block_size, parallel)
                     for bucket in buckets}
         # 3. Specialise each program for each rank.
@@ -106,7 +107,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         for rank in range(topology.world):
             for bucket, capture in captured.items():
                 # Every rank specialises its own copy; the capture stays rank-agnostic.
-                program = copy.deepcopy(capture) if topology.world > 1 else capture
+                program = _rank_copy(capture) if topology.world > 1 else capture
                 ctx = PassContext(topology, rank, bucket, blocks_per_row)
                 log = manager.run(program.graph_module, ctx)
                 _sync_output_signature(program)
@@ -129,7 +130,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                 name = f"graphs/{compiled[key].name}"
                 if not (staging / name).exists():
                     shutil.copyfile(compiled[key], staging / name)
-                graphs.append(GraphEntry(bucket.kind, bucket.size, name, sha256_file(staging / name), inputs))
+                graphs.append(GraphEntry(bucket.kind, bucket.size, bucket.tokens_per_row, name, sha256_file(staging / name), inputs))
             weights_file, weights_sha, weight_names = weights[topology.ep_rank(rank)]
             ranks.append(RankEntry(rank, weights_file, weights_sha, weight_names, graphs, samples=rank == 0))
         args = models[0].args
@@ -180,6 +181,13 @@ def _expert_shards(config: GraphcConfig, topology: Topology) -> dict[int, Deepse
     experts = load_model_args(config.model.checkpoint).n_routed_experts
     return {ep_rank: load_model(config.model.checkpoint, dtype=dtype, experts=topology.experts(ep_rank, experts))
             for ep_rank in range(topology.ep)}
+
+
+def _rank_copy(capture: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    with warnings.catch_warnings():
+        # torch 2.13's own pytree specs warn about themselves when deep-copied; nothing to act on.
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+        return copy.deepcopy(capture)
 
 
 def _sync_output_signature(program) -> None:

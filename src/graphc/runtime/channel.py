@@ -2,7 +2,8 @@
 
 The leader publishes, once at start-up, the serving parameters every rank must agree on (bucket
 table, context limit, prompt-as-decode size, KV pool), and then every step: the bucket, the token
-ids, positions and logits index, and each rank's block table and slot mapping. Followers copy a
+ids, positions and logits index (the tokens the leader sampled last step are this step's
+ids), and each rank's block table and slot mapping. Followers copy a
 step out and acknowledge it; they never schedule, allocate or sample, and no graph broadcasts.
 
 Layout (int64 words): a header [published step, stop step, start-up length, ack per rank], a
@@ -22,9 +23,14 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
+from graphc.buckets import Bucket
 from graphc.errors import GraphcError
 
 STARTUP_BYTES = 1 << 16
+KINDS = ("prefill", "decode")
+"""Bucket kinds by their number in a slot."""
+HEADER_WORDS = 3
+"""A slot starts with the step's bucket: kind, size, tokens per row."""
 STEP_FIELDS = ("input_ids", "positions", "logits_index", "block_table", "slot_mapping")
 
 
@@ -59,7 +65,7 @@ class StepChannel:
         self.max_rows, self.max_width, self.blocks_per_row = max_rows, max_width, blocks_per_row
         header = 3 + world
         cells = max_rows * max_width
-        self.slot_words = 4 + 3 * cells + max_rows + world * (max_rows * blocks_per_row + cells)
+        self.slot_words = HEADER_WORDS + 3 * cells + max_rows + world * (max_rows * blocks_per_row + cells)
         size = 8 * (header + 2 * self.slot_words) + STARTUP_BYTES
         if rank == 0:
             remove_segment(name)  # a crashed run's leftover of the same name
@@ -110,35 +116,38 @@ class StepChannel:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def publish(self, step: int, kind: int, size: int, rows: int, width: int, fields: dict[str, torch.Tensor]) -> None:
-        """Leader: write step `step` (rank-independent fields [B, Q] / [B]; per-rank ones [world, ...])."""
+    def publish(self, step: int, bucket: Bucket, fields: dict[str, torch.Tensor]) -> None:
+        """Leader: write step `step`, run in `bucket` (rank-independent fields [B, Q] / [B];
+        per-rank ones [world, ...])."""
         self._wait(lambda: all(self.header[3 + r] >= step - 2 for r in range(1, self.world)),
                    f"followers to read step {step - 2}")
         slot = self.slots[step % 2]
-        slot[:4] = (kind, size, rows, width)
-        offset = 4
+        slot[:3] = (KINDS.index(bucket.kind), bucket.size, bucket.tokens_per_row)
+        offset = HEADER_WORDS
         for name in STEP_FIELDS:
             values = fields[name].reshape(-1).numpy()
             slot[offset: offset + values.size] = values
             offset += self._capacity(name)
         self.header[0] = step
 
-    def receive(self, step: int) -> tuple[int, int, int, int, dict[str, torch.Tensor]] | None:
+    def receive(self, step: int) -> tuple[Bucket, dict[str, torch.Tensor]] | None:
         """Follower: wait for step `step`; None once the leader has stopped the job."""
         self._wait(lambda: self.header[0] >= step or 0 <= self.header[1] <= step, f"step {step} from the leader")
         if 0 <= self.header[1] <= step and self.header[0] < step:
             return None
         slot = self.slots[step % 2]
-        kind, size, rows, width = (int(v) for v in slot[:4])
+        kind, size, tokens_per_row = (int(v) for v in slot[:3])
+        bucket = Bucket(KINDS[kind], size, tokens_per_row)
+        rows, width = bucket.rows, bucket.width
         shapes = {"input_ids": (rows, width), "positions": (rows, width), "logits_index": (rows,),
                   "block_table": (self.world, rows, self.blocks_per_row), "slot_mapping": (self.world, rows, width)}
-        fields, offset = {}, 4
+        fields, offset = {}, HEADER_WORDS
         for name in STEP_FIELDS:
             count = int(np.prod(shapes[name]))
             fields[name] = torch.from_numpy(slot[offset: offset + count].copy()).view(shapes[name])
             offset += self._capacity(name)
         self.header[3 + self.rank] = step
-        return kind, size, rows, width, fields
+        return bucket, fields
 
     def stop(self, step: int) -> None:
         """Leader: no step `step` or later will come."""

@@ -9,6 +9,8 @@ never schedule, allocate or sample.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,10 +24,22 @@ from graphc.runtime.loader import LoadedRank, load_rank
 from graphc.runtime.scheduler import Request, Result, Scheduler
 from graphc.sampling import sampler_inputs
 
-__all__ = ["Engine", "Request", "Result"]
+__all__ = ["BucketStats", "Engine", "Request", "Result"]
 
-KINDS = ("prefill", "decode")
-"""Bucket kinds by their number on the channel."""
+@dataclass
+class BucketStats:
+    """Steps run in one bucket: how many, their real and padded tokens, and their wall time."""
+
+    steps: int = 0
+    tokens: int = 0
+    padding: int = 0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, capacity: int, seconds: float) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.padding += capacity - tokens
+        self.seconds += seconds
 
 
 class Engine:
@@ -51,6 +65,8 @@ class Engine:
             )
         self.steps = 0
         """Steps run so far, across `generate` calls: the channel's step numbers."""
+        self.stats: dict[str, BucketStats] = {}
+        """Per bucket name, what the leader's steps ran there (across `generate` calls)."""
         model = manifest.model
         self.kv_pool = torch.zeros(
             model["num_hidden_layers"], self.loaded.num_blocks, manifest.kv_cache["block_size"],
@@ -73,18 +89,18 @@ class Engine:
             requests, prefill=m.buckets["prefill"], decode=m.buckets["decode"],
             context_limit=m.buckets["context_limit"], block_size=m.kv_cache["block_size"],
             num_blocks=self.loaded.num_blocks, max_num_prefilling_tokens=m.runtime["max_num_prefilling_tokens"],
-            eos_token_ids=m.model["eos_token_id"], kv_shards=self.cp,
+            eos_token_ids=m.model["eos_token_id"], kv_shards=self.cp, prompt_as_decode=m.buckets["prompt_as_decode"],
         )
         with torch.no_grad():
             while not scheduler.done:
                 step = scheduler.next_step()
+                started = time.perf_counter()
                 rows = [(s.blocks, tokens, start) for s, tokens, start in step.rows]
                 shards = [step_metadata(rows, step.bucket.width, m.kv_cache["blocks_per_row"],
                                         total_rows=step.bucket.rows, shard=shard) for shard in range(self.cp)]
                 input_ids, positions, _, _, last = shards[0]
                 if self.channel is not None:
-                    self.channel.publish(self.steps, KINDS.index(step.bucket.kind), step.bucket.size,
-                                         step.bucket.rows, step.bucket.width, {
+                    self.channel.publish(self.steps, step.bucket, {
                                              "input_ids": input_ids, "positions": positions, "logits_index": last,
                                              "block_table": torch.stack([shards[r % self.cp][2] for r in range(self.world)]),
                                              "slot_mapping": torch.stack([shards[r % self.cp][3] for r in range(self.world)]),
@@ -97,6 +113,9 @@ class Engine:
                 })
                 scheduler.complete(step, tokens[: len(step.rows)].tolist())
                 self.steps += 1
+                self.stats.setdefault(step.bucket.name, BucketStats()).add(
+                    sum(len(run) for _, run, _ in step.rows), step.bucket.rows * step.bucket.width,
+                    time.perf_counter() - started)
         return [scheduler.results[i] for i in range(len(requests))]
 
     def stop_followers(self) -> None:
@@ -107,12 +126,12 @@ class Engine:
         """Follower: run the leader's steps on this rank's shard until it stops; returns the step count."""
         with torch.no_grad():
             while (message := self.channel.receive(self.steps)) is not None:
-                kind, size, rows, width, fields = message
+                bucket, fields = message
                 # The follower's graph has no sampler; its sampling inputs only keep the signature.
-                self._run(Bucket(KINDS[kind], size), {
+                self._run(bucket, {
                     "input_ids": fields["input_ids"], "positions": fields["positions"],
                     "block_table": fields["block_table"][self.rank], "slot_mapping": fields["slot_mapping"][self.rank],
-                    "logits_index": fields["logits_index"], **sampler_inputs([], [], rows),
+                    "logits_index": fields["logits_index"], **sampler_inputs([], [], bucket.rows),
                 })
                 self.steps += 1
         return self.steps

@@ -73,8 +73,9 @@ def open_engine(artifacts: str, manifest, rank: int, channel_name: str):
     from graphc.runtime.engine import Engine
 
     world = manifest.topology["cp"]
-    channel = StepChannel(channel_name, world, max_rows=max(manifest.buckets["decode"]),
-                          max_width=max(manifest.buckets["prefill"]),
+    buckets = manifest.buckets
+    channel = StepChannel(channel_name, world, max_rows=max(buckets["decode"]),
+                          max_width=max(*buckets["prefill"], buckets["prompt_as_decode"]),
                           blocks_per_row=manifest.kv_cache["blocks_per_row"], rank=rank)
     try:
         engine = Engine(artifacts, rank=rank, channel=channel, manifest=manifest)  # manifest verified by the caller

@@ -46,7 +46,7 @@ class GraphRunner:
     static AOTInductor package silently accepts a wrong shape and returns garbage)."""
 
     def __init__(self, entry: GraphEntry, call: Callable, num_blocks: int):
-        self.bucket = Bucket(entry.kind, entry.size)
+        self.bucket = Bucket(entry.kind, entry.size, entry.tokens_per_row)
         self.call = call
         self.shapes = {name: tuple(num_blocks if s == -1 else s for s in spec.shape)
                        for name, spec in entry.inputs.items()}

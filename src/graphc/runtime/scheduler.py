@@ -6,13 +6,22 @@ Policy, step by step:
    sequence never runs out of blocks (no preemption needed). A request that could never fit (a
    prompt of context_limit tokens or more, or more blocks than the pool holds) fails at once with
    a per-request error; the others are still served.
-2. **Prefill or decode.** If an admitted sequence still has prompt to prefill, and either nothing
-   is decoding or the previous step was a decode, the step prefills the oldest such sequence:
-   one chunk of at most `max_prefill_chunk` tokens (the largest prefill bucket within
-   `max_num_prefilling_tokens`), run in the smallest prefill bucket that holds it. Otherwise the
-   step decodes: up to the largest decode bucket's rows of decoding sequences (rotating, so every
-   sequence advances when there are more), in the smallest decode bucket that holds them.
-   Alternating keeps long prompts from stalling running decodes.
+2. **Which step.** Prompts are split into chunks of at most `max_prefill_chunk` tokens (the
+   largest prefill bucket within `max_num_prefilling_tokens`). With a prompt-as-decode size P,
+   a sequence whose remaining prompt is at most P tokens (a short prompt, or a long prompt's
+   tail) is *short*; other prefilling sequences are *long*. Each step is the first that applies:
+   a. a **prefill** step, if a long sequence waits and either nothing else can run or the
+      previous step was not a prefill: one chunk of the oldest long sequence, in the smallest
+      prefill bucket that holds it;
+   b. a **prompt-as-decode** step, if a short sequence waits: every short sequence (oldest
+      first), then decoding sequences (rotating), up to the largest decode bucket's rows, in the
+      smallest decode bucket that holds them, P tokens per row. Short prompts so join the
+      running decodes instead of taking a prefill step of their own (which would also delay the
+      decodes by a step);
+   c. a **decode** step: up to the largest decode bucket's rows of decoding sequences (rotating,
+      so every sequence advances when there are more), in the smallest decode bucket that
+      holds them.
+   Alternating a/b-c keeps long prompts from stalling running decodes.
 3. **Finishing.** A sequence ends at one of its model's EOS ids, at max_new_tokens, or when
    prompt + generated reaches context_limit; its blocks return to the pool.
 """
@@ -57,6 +66,10 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.prefilled < len(self.request.prompt)
 
+    @property
+    def remaining_prompt(self) -> int:
+        return len(self.request.prompt) - self.prefilled
+
 
 @dataclass(frozen=True)
 class Step:
@@ -68,13 +81,14 @@ class Step:
 class Scheduler:
     def __init__(self, requests: list[Request], *, prefill: list[int], decode: list[int], context_limit: int,
                  block_size: int, num_blocks: int, max_num_prefilling_tokens: int, eos_token_ids: list[int],
-                 kv_shards: int = 1):
+                 kv_shards: int = 1, prompt_as_decode: int = 0):
         """`num_blocks` is each rank's pool; with `kv_shards` context-parallel ranks, a sequence's
         block j lives on rank j % kv_shards and is allocated from that rank's pool."""
         self.prefill, self.decode = sorted(prefill), sorted(decode)
         self.context_limit, self.block_size = context_limit, block_size
         self.eos = set(eos_token_ids)
         self.max_chunk = max_prefill_chunk(self.prefill, max_num_prefilling_tokens)
+        self.prompt_as_decode = prompt_as_decode
         self.kv_shards = kv_shards
         self.allocators = [BlockAllocator(num_blocks) for _ in range(kv_shards)]
         self.allocator = self.allocators[0]
@@ -129,28 +143,34 @@ class Scheduler:
 
     def next_step(self) -> Step:
         self._admit()
-        prefilling = [s for s in self.running if s.prefilling]
+        short = [s for s in self.running if 0 < s.remaining_prompt <= self.prompt_as_decode]
+        long = [s for s in self.running if s.remaining_prompt > self.prompt_as_decode]
         decoding = [s for s in self.running if not s.prefilling]
-        if prefilling and (not decoding or not self._last_was_prefill):
+        if long and (not (short or decoding) or not self._last_was_prefill):
             self._last_was_prefill = True
-            sequence = prefilling[0]
+            sequence = long[0]
             chunk = sequence.request.prompt[sequence.prefilled: sequence.prefilled + self.max_chunk]
-            bucket = Bucket("prefill", smallest_fitting(self.prefill, len(chunk)))
-            return Step(bucket, [(sequence, chunk, sequence.prefilled)])
+            return Step(Bucket("prefill", smallest_fitting(self.prefill, len(chunk))), [(sequence, chunk, sequence.prefilled)])
         self._last_was_prefill = False
-        batch = decoding[: self.decode[-1]]
-        # Rotate so that, with more sequences than the largest bucket, every one advances in turn.
+        short = short[: self.decode[-1]]
+        batch = short + self._rotate(decoding[: self.decode[-1] - len(short)])
+        rows = [(s, s.request.prompt[s.prefilled:], s.prefilled) if s.prefilling
+                else (s, [s.output[-1]], len(s.request.prompt) + len(s.output) - 1) for s in batch]
+        size = smallest_fitting(self.decode, len(batch))
+        return Step(Bucket("decode", size, self.prompt_as_decode if short else 1), rows)
+
+    def _rotate(self, batch: list[Sequence]) -> list[Sequence]:
+        """Move the sequences of this step to the back: with more decoding sequences than a step
+        holds, every one advances in turn."""
         for sequence in batch:
             self.running.remove(sequence)
             self.running.append(sequence)
-        bucket = Bucket("decode", smallest_fitting(self.decode, len(batch)))
-        rows = [(s, [s.output[-1]], len(s.request.prompt) + len(s.output) - 1) for s in batch]
-        return Step(bucket, rows)
+        return batch
 
     def complete(self, step: Step, tokens: list[int]) -> None:
         """Record the step's sampled tokens (one per row; padding rows already dropped)."""
         for (sequence, run, start), token in zip(step.rows, tokens):
-            if step.bucket.kind == "prefill":
+            if sequence.prefilling:
                 sequence.prefilled = start + len(run)
                 if sequence.prefilling:
                     continue  # a middle chunk: its sample is not a generated token
