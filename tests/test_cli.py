@@ -82,7 +82,7 @@ def ckpt(tiny_checkpoints) -> Path:
 @pytest.mark.parametrize(
     "changes, expected",
     [
-        pytest.param({"buckets.prefil": [4]}, "error: buckets.prefil: unknown key; allowed here: prefill,", id="unknown-key"),
+        pytest.param({"buckets.prefil": [4]}, "error: buckets.prefil: unknown key; allowed here: context_limit, prefill,", id="unknown-key"),
         pytest.param({"modle": {}}, "error: modle: unknown key", id="unknown-top-level-key"),
         pytest.param(
             {"kv_cache.block_size": "16"}, "error: kv_cache.block_size: expected an integer, got '16'", id="wrong-type"

@@ -155,7 +155,7 @@ def test_ep_16_accepted_on_16_expert_preset(tiny_checkpoints):
         ({"source": "x.yaml"}, r"^source: unknown key; allowed here: model, buckets, topology,"),
         (
             {"buckets.prefil": [16], "buckets.prefill": DELETE},
-            r"^buckets\.prefil: unknown key; allowed here: prefill, decode, context_limit, prompt_as_decode$",
+            r"^buckets\.prefil: unknown key; allowed here: context_limit, prefill, decode, prompt_as_decode, auto$",
         ),
         ({"model.path": "x"}, r"^model\.path: unknown key; allowed here: checkpoint, dtype$"),
         (
@@ -228,7 +228,7 @@ def test_wrong_type(data, key, value, match):
     "key, match",
     [
         ("buckets.context_limit", r"^buckets\.context_limit: required key is missing \(an integer\)$"),
-        ("buckets.prefill", r"^buckets\.prefill: required key is missing \(a list of an integer\)$"),
+        ("buckets.prefill", r"^buckets\.prefill: required key is missing \(a list of sizes, or plan them with buckets\.auto\)$"),
         ("model.checkpoint", r"^model\.checkpoint: required key is missing \(a path\)$"),
         ("buckets", r"^buckets: required key is missing \(a mapping\)$"),
         ("model", r"^model: required key is missing \(a mapping\)$"),
@@ -412,3 +412,42 @@ def test_load_config_reports_value_errors_with_key_path(tmp_path, ckpt):
     path.write_text(yaml.safe_dump(override(valid_data(ckpt), **{"buckets.prefill": [16, 512]})))
     with pytest.raises(ConfigError, match=r"buckets\.prefill\[1\]: 512"):
         load_config(path)
+
+
+# --- buckets: auto ---------------------------------------------------------------------------------
+
+
+def _auto(data, tmp_path, lengths="3\n5 10\n40 # a comment\n\n120 2\n", **auto):
+    (tmp_path / "lengths.txt").write_text(lengths)
+    buckets = {"context_limit": 256, "auto": {"workload": "lengths.txt", "graphs": 6, "max_decode_batch": 4, **auto}}
+    return override(data, buckets=buckets)
+
+
+def test_auto_buckets_are_planned_from_the_workload(data, tmp_path):
+    from graphc.buckets import plan_buckets
+
+    config = parse(_auto(data, tmp_path), base_dir=tmp_path)
+    plan = plan_buckets({3: 1, 5: 10, 40: 1, 120: 2}, 6, 256, 64, 4)
+    b = config.buckets
+    assert (b.prefill, b.decode, b.prompt_as_decode) == (plan.prefill, plan.decode, plan.prompt_as_decode)
+    assert b.prefill[-1] == 64  # the largest chunk the runtime makes: max_num_prefilling_tokens
+    assert plan.graphs <= 6 and b.decode[-1] == 4
+
+
+@pytest.mark.parametrize("changes, lengths, match", [
+    ({"graphs": 1}, "5\n", r"^buckets\.auto: a budget of 1 graphs cannot hold one prefill and one decode graph"),
+    ({"graphs": 0}, "5\n", r"^buckets\.auto\.graphs: 0 must be a positive integer$"),
+    ({}, "5\nfive\n", r"^buckets\.auto\.workload: .*lengths\.txt:2: expected a prompt length or `length count`"),
+    ({}, "300\n", r"^buckets\.auto: prompt length 300 is outside 1\.\.255 \(context_limit 256\)$"),
+    ({}, "# nothing\n", r"^buckets\.auto\.workload: .*no prompt lengths in the file$"),
+    ({"workload": "missing.txt"}, "5\n", r"^buckets\.auto\.workload: cannot read .*missing\.txt'"),
+])
+def test_bad_auto_buckets_name_the_key(data, tmp_path, changes, lengths, match):
+    with pytest.raises(ConfigError, match=match):
+        parse(_auto(data, tmp_path, lengths, **changes), base_dir=tmp_path)
+
+
+def test_auto_and_explicit_lists_together_are_refused(data, tmp_path):
+    both = override(_auto(data, tmp_path), **{"buckets.prefill": [16]})
+    with pytest.raises(ConfigError, match=r"^buckets\.prefill: give either buckets\.auto or the bucket lists, not both$"):
+        parse(both, base_dir=tmp_path)

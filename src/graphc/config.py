@@ -16,6 +16,8 @@ Example:
       decode: [1, 4, 8]
       prompt_as_decode: 4
       context_limit: 256
+      # or, instead of the three lists, plan them from traffic:
+      # auto: {workload: prompt-lengths.txt, graphs: 12, max_decode_batch: 8}
     kv_cache: {block_size: 16, num_blocks: 64}
     runtime:
       max_num_prefilling_tokens: 64
@@ -34,6 +36,7 @@ from typing import Any, Literal
 
 import yaml
 
+from graphc.buckets import BucketPlan, plan_buckets, read_workload
 from graphc.errors import ConfigError, GraphcError
 from graphc.models.args import model_args_from_hf_config, read_hf_config
 from graphc.sampling import Sampling
@@ -59,16 +62,30 @@ class TopologySection:
 
 
 @dataclass(frozen=True)
+class AutoBucketsSection:
+    """Plan the buckets from traffic (`graphc.buckets.plan_buckets`) instead of listing them."""
+
+    workload: Path
+    """Prompt lengths to plan for: a text file, one length per line (or `length count`)."""
+    graphs: int
+    """Graph budget per rank: prefill, decode and prompt-as-decode graphs together."""
+    max_decode_batch: int
+    """The most sequences decoded together (the largest decode bucket)."""
+
+
+@dataclass(frozen=True)
 class BucketsSection:
-    prefill: list[int]
-    """Prefill chunk sizes in tokens: one graph each. Sorted on load; each <= `context_limit`."""
-    decode: list[int]
-    """Decode batch sizes (sequences per step): one graph each."""
     context_limit: int
     """Longest sequence (prompt + generated tokens) served; <= the model's max positions."""
-    prompt_as_decode: int = 0
-    """Prompts (or chunk tails) of at most this many tokens run through decode-shaped graphs;
-    0 disables the prompt-as-decode bucket."""
+    prefill: list[int] | None = None
+    """Prefill chunk sizes in tokens: one graph each. Sorted on load; each <= `context_limit`."""
+    decode: list[int] | None = None
+    """Decode batch sizes (sequences per step): one graph each."""
+    prompt_as_decode: int | None = None
+    """Prompts (or chunk tails) of at most this many tokens run through [B, P] decode-shaped
+    graphs with the running decodes; 0 (the default) disables it."""
+    auto: AutoBucketsSection | None = None
+    """Instead of `prefill`, `decode` and `prompt_as_decode`: plan them from a workload."""
 
 
 @dataclass(frozen=True)
@@ -128,10 +145,43 @@ def load_config(path: str | Path) -> GraphcConfig:
 
 
 def parse_config(data: Any, base_dir: Path) -> GraphcConfig:
+    """The config with its buckets resolved: lists sorted, or planned when `buckets.auto` is set."""
     config = _build(GraphcConfig, data, "", base_dir)
+    b = config.buckets
+    if b.auto is not None:
+        given = [name for name in ("prefill", "decode", "prompt_as_decode") if getattr(b, name) is not None]
+        if given:
+            raise ConfigError(f"buckets.{given[0]}: give either buckets.auto or the bucket lists, not both")
+        _positive("buckets.context_limit", b.context_limit)
+        _positive("runtime.max_num_prefilling_tokens", config.runtime.max_num_prefilling_tokens)
+        plan = plan_for(b, config.runtime)
+        b = dataclasses.replace(b, prefill=plan.prefill, decode=plan.decode, prompt_as_decode=plan.prompt_as_decode)
+    for name in ("prefill", "decode"):
+        if getattr(b, name) is None:
+            raise ConfigError(f"buckets.{name}: required key is missing (a list of sizes, or plan them with buckets.auto)")
+    config = dataclasses.replace(config, buckets=b)
     validate(config)
-    buckets = dataclasses.replace(config.buckets, prefill=sorted(config.buckets.prefill), decode=sorted(config.buckets.decode))
+    buckets = dataclasses.replace(b, prefill=sorted(b.prefill), decode=sorted(b.decode),
+                                  prompt_as_decode=b.prompt_as_decode or 0)
     return dataclasses.replace(config, buckets=buckets)
+
+
+def plan_for(buckets: BucketsSection, runtime: RuntimeSection) -> BucketPlan:
+    """The planner's answer for `buckets.auto` (errors name the key)."""
+    auto = buckets.auto
+    _positive("buckets.auto.graphs", auto.graphs)
+    _positive("buckets.auto.max_decode_batch", auto.max_decode_batch)
+    try:
+        lengths = read_workload(auto.workload)
+    except OSError as e:
+        raise ConfigError(f"buckets.auto.workload: cannot read {str(auto.workload)!r}: {e.strerror}") from None
+    except ValueError as e:
+        raise ConfigError(f"buckets.auto.workload: {e}") from None
+    try:
+        return plan_buckets(lengths, auto.graphs, buckets.context_limit, runtime.max_num_prefilling_tokens,
+                            auto.max_decode_batch)
+    except ValueError as e:
+        raise ConfigError(f"buckets.auto: {e}") from None
 
 
 def _describe(tp: Any) -> str:
@@ -210,7 +260,7 @@ def validate(config: GraphcConfig) -> None:
                 f"buckets.prefill[{i}]: {size} is larger than buckets.context_limit ({b.context_limit}); "
                 "each prefill chunk must be <= context_limit"
             )
-    if not 0 <= b.prompt_as_decode <= b.context_limit:
+    if b.prompt_as_decode is not None and not 0 <= b.prompt_as_decode <= b.context_limit:
         raise ConfigError(
             f"buckets.prompt_as_decode: {b.prompt_as_decode} must be in 0..context_limit ({b.context_limit})"
         )
