@@ -291,6 +291,39 @@ def inspect(artifacts: Path) -> None:
                        f"{sum(counts.values())} ops; {graphc_ops})")
 
 
+@cli.command()
+@click.argument("model_yaml", type=click.Path(path_type=Path))
+@click.option("--workload", type=click.Path(path_type=Path),
+              help="Prompt lengths (one per line, or `length count`); default: buckets.auto.workload.")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a PNG of the lengths, buckets and waste.")
+def plan(model_yaml, workload, plot_path) -> None:
+    """Dry run before any capture: the bucket table, expected padding, graphs per rank and in
+    all, and the collectives each rank issues per step."""
+    from graphc import plan as planning
+    from graphc.buckets import read_workload
+    from graphc.config import load_config
+    from graphc.models.checkpoint import load_model_args
+
+    config = load_config(model_yaml)
+    source = workload or (config.buckets.auto.workload if config.buckets.auto else None)
+    lengths = None
+    if source is not None:
+        try:
+            lengths = read_workload(source)
+        except OSError as e:
+            raise GraphcError(f"--workload: cannot read {str(source)!r}: {e.strerror}") from None
+        except ValueError as e:
+            raise GraphcError(f"--workload: {e}") from None
+    click.echo(_describe_config(config))
+    for line in planning.describe(config, load_model_args(config.model.checkpoint), lengths):
+        click.echo(line)
+    if plot_path is not None:
+        if lengths is None:
+            raise GraphcError("--plot needs a workload: pass --workload or set buckets.auto.workload")
+        planning.plot(plot_path, config, lengths)
+        click.echo(f"wrote {plot_path}")
+
+
 def _describe_config(config, backend: str | None = None) -> str:
     b, t, kv = config.buckets, config.topology, config.kv_cache
     return "\n".join([
