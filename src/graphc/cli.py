@@ -324,6 +324,37 @@ def plan(model_yaml, workload, plot_path) -> None:
         click.echo(f"wrote {plot_path}")
 
 
+@cli.command()
+@click.argument("model_yaml", type=click.Path(path_type=Path))
+@click.option("--topologies", default="1x1,2x2", show_default=True,
+              help="CPxEP stages, comma-separated; 1x1 always runs first (the reference).")
+@click.option("--backends", default="export", show_default=True, help="Comma-separated: export, inductor.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("sweep-report"), show_default=True,
+              help="Directory for sweep.xml (JUnit), sweep.md, sweep.json and the stages' artifacts.")
+@click.option("--new-tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Tokens generated per prompt.")
+def sweep(model_yaml, topologies, backends, out, new_tokens) -> None:
+    """Compile MODEL_YAML at every topology and backend, run prompts that hit every bucket, and
+    check the tokens against one rank and transformers. Exit status 1 on any mismatch."""
+    from graphc import sweep as sweeping
+    from graphc.config import load_config
+
+    config = load_config(model_yaml)
+    stages_wanted = sweeping.parse_topologies(topologies)
+    backend_list = [b.strip() for b in backends.split(",") if b.strip()]
+    unknown = [b for b in backend_list if b not in ("export", "inductor")]
+    if unknown or not backend_list:
+        raise GraphcError(f"--backends: {unknown[0] if unknown else backends!r} is not a CPU backend; use export, inductor")
+    stages = sweeping.sweep(config, out / "artifacts", stages_wanted, backend_list, new_tokens,
+                            log=lambda line: click.echo(line, err=True))
+    paths = sweeping.write_reports(stages, out)
+    click.echo(sweeping.markdown(stages))
+    click.echo(f"reports: {', '.join(str(p) for p in paths.values())}", err=True)
+    if not sweeping.passed(stages):
+        failed = sum(bool(r.failures) for s in stages for r in s.cases)
+        click.echo(f"sweep failed: {failed} case(s) differ (see {paths['markdown']})", err=True)
+        raise SystemExit(1)
+
+
 def _describe_config(config, backend: str | None = None) -> str:
     b, t, kv = config.buckets, config.topology, config.kv_cache
     return "\n".join([

@@ -19,21 +19,37 @@ import itertools
 import os
 import signal
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
+from graphc.artifact import Manifest, read_manifest
 from graphc.errors import GraphcError
-from graphc.runtime.channel import remove_segment
+from graphc.runtime.channel import StepChannel, remove_segment
+from graphc.runtime.engine import BucketStats, Engine
 from graphc.runtime.scheduler import Request, Result
 
 FAULT_ENV = "GRAPHC_FAULT_INJECTION"
 """Testing hook, "RANK:STEP": that rank kills itself (SIGKILL) when it reaches that step."""
 
 
-def _worker(artifacts: str, batches: list[list[Request]], channel_name: str) -> list[list[Result]] | None:
+@dataclass
+class BatchOutcome:
+    """One batch's results, and what its steps ran in each bucket."""
+
+    results: list[Result]
+    stats: dict[str, BucketStats]
+
+
+def generate_batch(engine: Engine, requests: list[Request]) -> BatchOutcome:
+    """`engine.generate`, with the bucket statistics of this batch alone."""
+    engine.stats = {}
+    return BatchOutcome(engine.generate(requests), engine.stats)
+
+
+def _worker(artifacts: str, batches: list[list[Request]], channel_name: str) -> list[BatchOutcome] | None:
     import torch
     import torch.distributed as dist
 
-    from graphc.artifact import read_manifest
     from graphc.distributed import register_groups
     from graphc.topology import Topology
 
@@ -50,28 +66,25 @@ def _worker(artifacts: str, batches: list[list[Request]], channel_name: str) -> 
         engine = open_engine(artifacts, manifest, rank, channel_name)
         dist.barrier()
         if rank == 0:
-            results = [engine.generate(batch) for batch in batches]
+            outcomes = [generate_batch(engine, batch) for batch in batches]
             engine.stop_followers()
         else:
             engine.follow()
         dist.barrier()  # before teardown: gloo can abort at exit otherwise (shared/PLATFORM.md)
-        return results if rank == 0 else None
+        return outcomes if rank == 0 else None
     finally:
         if engine is not None:
             engine.channel.close()
         dist.destroy_process_group()
 
 
-def open_engine(artifacts: str, manifest, rank: int, channel_name: str):
+def open_engine(artifacts: str, manifest: Manifest, rank: int, channel_name: str) -> Engine:
     """This rank's engine on the job's step channel, once it agrees with the leader on the
     start-up metadata (bucket table, prompt-as-decode size, context limit, KV pool).
 
     Raises:
         GraphcError: this follower's serving parameters differ from the leader's.
     """
-    from graphc.runtime.channel import StepChannel
-    from graphc.runtime.engine import Engine
-
     world = manifest.topology["cp"]
     buckets = manifest.buckets
     channel = StepChannel(channel_name, world, max_rows=max(buckets["decode"]),
@@ -97,9 +110,7 @@ def _arm_fault_injection(rank: int) -> None:
     target, step = (int(v) for v in spec.split(":"))
     if target != rank:
         return
-    from graphc.runtime import engine
-
-    original = engine.Engine._run
+    original = Engine._run
 
     calls = itertools.count(1)
 
@@ -108,7 +119,7 @@ def _arm_fault_injection(rank: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return original(self, bucket, inputs)
 
-    engine.Engine._run = run_then_die
+    Engine._run = run_then_die
 
 
 def serve(artifacts: Path, batches: list[list[Request]], world: int, monitor_interval: float = 0.5) -> list[list[Result]]:
@@ -118,6 +129,12 @@ def serve(artifacts: Path, batches: list[list[Request]], world: int, monitor_int
     Raises:
         GraphcError: a rank failed (named), after every other rank was stopped.
     """
+    return [outcome.results for outcome in serve_batches(artifacts, batches, world, monitor_interval)]
+
+
+def serve_batches(artifacts: Path, batches: list[list[Request]], world: int,
+                  monitor_interval: float = 0.5) -> list[BatchOutcome]:
+    """`serve`, keeping each batch's bucket statistics from the leader."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
