@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from graphc.errors import CheckpointError, GraphcError

@@ -24,3 +24,17 @@ def test_readme_main_command_uses_the_example_config_and_the_venv():
     assert "python3 -m venv .venv" in main[0]
     example = re.search(r"compile (\S+\.yaml)", main[0]).group(1)
     assert (ROOT / example).is_file()
+
+
+def test_ci_and_the_github_workflow_run_sweeps_of_valid_stages():
+    import yaml
+
+    from graphc.sweep import parse_topologies
+
+    assert "graphc sweep examples/tiny.yaml" in (ROOT / ".ci" / "run").read_text()
+    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "sweep.yml").read_text())
+    matrix = workflow["jobs"]["sweep"]["strategy"]["matrix"]
+    assert set(matrix["backend"]) == {"export", "inductor"}
+    assert parse_topologies(",".join(matrix["topology"]))  # every stage parses
+    steps = " ".join(step.get("run", "") for step in workflow["jobs"]["sweep"]["steps"])
+    assert "graphc sweep examples/tiny.yaml" in steps and (ROOT / "examples" / "tiny.yaml").is_file()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import re
 
 import pytest
 import torch
@@ -480,3 +479,16 @@ def test_sampler_inputs_seed_mixing(seed, steps, pad):
     inputs = sampler_inputs([Sampling(temperature=0.5, seed=seed)] * len(steps), steps, rows=len(steps) + pad)
     assert inputs["seed"].tolist() == [seed * SEED_STRIDE + s for s in steps] + [0] * pad
     assert inputs["temperature"].tolist() == [0.5] * len(steps) + [0.0] * pad
+
+
+def test_time_to_first_token_is_recorded_in_the_order_first_tokens_came():
+    scheduler = make([Request(prompt(20), 3), Request(prompt(5), 3), Request(prompt(70), 3)])
+    came = []  # request indices in the order their first token was sampled
+    while not scheduler.done:
+        step = scheduler.next_step()
+        scheduler.complete(step, sampled(step))
+        came += [s.index for s, _, _ in step.rows if s.output and s.index not in came]
+    results = [scheduler.results[i] for i in range(3)]
+    assert results[2].finish_reason == "error" and results[2].first_token_seconds is None  # 70 >= context 64
+    assert came == [0, 1]
+    assert 0 <= results[0].first_token_seconds <= results[1].first_token_seconds

@@ -28,6 +28,7 @@ Policy, step by step:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -52,6 +53,9 @@ class Result:
     finish_reason: str
     """"eos", "length", "context_limit", or "error"."""
     error: str | None = None
+    first_token_seconds: float | None = None
+    """Time to first token: from the scheduler's start (the `generate` call) to this request's
+    first generated token."""
 
 
 @dataclass
@@ -61,6 +65,7 @@ class Sequence:
     blocks: SequenceBlocks
     prefilled: int = 0
     output: list[int] = field(default_factory=list)
+    first_token_seconds: float | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -96,6 +101,7 @@ class Scheduler:
         self.waiting: deque[tuple[int, Request]] = deque()
         self.running: list[Sequence] = []
         self._last_was_prefill = False
+        self.started = time.perf_counter()
         for index, request in enumerate(requests):
             problem = self._never_fits(request)
             if problem:
@@ -175,12 +181,15 @@ class Scheduler:
                 if sequence.prefilling:
                     continue  # a middle chunk: its sample is not a generated token
             sequence.output.append(token)
+            if len(sequence.output) == 1:
+                sequence.first_token_seconds = time.perf_counter() - self.started
             reason = self._finish_reason(sequence)
             if reason:
                 self.running.remove(sequence)
                 for shard, allocator in enumerate(self.allocators):
                     allocator.release(sequence.blocks.shard_blocks(shard))
-                self.results[sequence.index] = Result(sequence.request, sequence.output, reason)
+                self.results[sequence.index] = Result(sequence.request, sequence.output, reason,
+                                                      first_token_seconds=sequence.first_token_seconds)
 
     def _finish_reason(self, sequence: Sequence) -> str | None:
         if sequence.request.stop_at_eos and sequence.output[-1] in self.eos:
