@@ -12,16 +12,15 @@ two barriers / steps, on the slowest rank. Ratios are the result; absolute times
 from __future__ import annotations
 
 import argparse
-import socket
 import time
 import uuid
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from graphc.buckets import Bucket
 from graphc.runtime.channel import StepChannel
+from ranks import run_ranks
 
 BLOCKS_PER_ROW = 16
 
@@ -41,7 +40,7 @@ def timed(fn, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def worker(rank, world, port, args, channel_name, results):
+def worker(rank, world, port, results, args, channel_name):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     channel = StepChannel(channel_name, world, args.rows, args.width, BLOCKS_PER_ROW, rank)
@@ -71,12 +70,6 @@ def worker(rank, world, port, args, channel_name, results):
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
@@ -86,12 +79,9 @@ def main() -> None:
     args = parser.parse_args()
     print(f"per-step host metadata, decode step of {args.rows} x {args.width}, {args.steps} steps")
     for world in args.world:
-        with mp.Manager() as manager:
-            results = manager.dict()
-            mp.start_processes(worker, args=(world, free_port(), args, f"graphc-bench-{uuid.uuid4().hex[:8]}", results),
-                               nprocs=world, start_method="spawn")
-            channel = max(results[r]["channel"] for r in range(world))
-            broadcast = max(results[r]["broadcast"] for r in range(world))
+        results = run_ranks(worker, world, args, f"graphc-bench-{uuid.uuid4().hex[:8]}")
+        channel = max(r["channel"] for r in results)
+        broadcast = max(r["broadcast"] for r in results)
         print(f"world {world}: shared-memory channel {channel * 1e6:8.1f} us/step, broadcast_object_list "
               f"{broadcast * 1e6:8.1f} us/step -> channel is {broadcast / channel:.1f}x cheaper")
 

@@ -16,14 +16,12 @@ slowest rank; its ratio is the result.
 from __future__ import annotations
 
 import argparse
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from graphc import ops
 from graphc.distributed import register_groups
@@ -31,6 +29,7 @@ from graphc.models.checkpoint import load_model
 from graphc.models.deepseek_v3 import Parallelism
 from graphc.models.tiny import make_tiny_checkpoint
 from graphc.topology import Topology
+from ranks import run_ranks
 
 PRESET = "wide-16e"
 SHAPES = {"decode 8x1": (8, 1), "prefill 1x32": (1, 32)}
@@ -61,7 +60,8 @@ class Counter:
         return counted
 
 
-def worker(rank, topology, port, checkpoint, repeats, results):
+def worker(rank, world, port, results, checkpoint, repeats):
+    topology = Topology(world, world)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=topology.world)
     register_groups(topology, rank)
@@ -99,12 +99,6 @@ def worker(rank, topology, port, checkpoint, repeats, results):
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topologies", type=int, nargs="+", default=[2, 4], help="cp = ep = N for each N")
@@ -116,12 +110,7 @@ def main() -> None:
         print(f"{'cp=ep':>5} {'step':>13} {'form':>8} {'expert rows':>11} {'coll. in B':>10} {'coll. out B':>11} "
               f"{'ring sent B':>11} {'time us':>8}")
         for n in args.topologies:
-            topology = Topology(n, n)
-            with mp.Manager() as manager:
-                results = manager.dict()
-                mp.start_processes(worker, args=(topology, free_port(), checkpoint, args.repeats, results),
-                                   nprocs=n, start_method="spawn")
-                per_rank = [results[r] for r in range(n)]
+            per_rank = run_ranks(worker, n, checkpoint, args.repeats)
             for shape_name in SHAPES:
                 rows = {}
                 for form in ("static", "generic"):
