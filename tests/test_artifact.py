@@ -19,7 +19,7 @@ import graphc.emit
 import graphc.pipeline
 import graphc.runtime.loader
 from graphc import __version__
-from graphc.artifact import MANIFEST, ArtifactError, read_manifest, sha256_file
+from graphc.artifact import FORMAT_VERSION, MANIFEST, ArtifactError, read_manifest, sha256_file
 from graphc.buckets import Bucket
 from graphc.config import load_config
 from graphc.errors import GraphcError
@@ -151,7 +151,7 @@ def test_an_untampered_copy_verifies(artifacts):
     assert manifest.torch_version == str(torch.__version__)
 
 
-@pytest.mark.parametrize("version", [2, 0, None, "1"])
+@pytest.mark.parametrize("version", [FORMAT_VERSION + 1, 1, 0, None, str(FORMAT_VERSION)])
 def test_read_manifest_refuses_another_format_version(artifacts, version):
     data = manifest_data(artifacts)
     if version is None:

@@ -16,7 +16,7 @@ from click.testing import CliRunner, Result
 
 import graphc.runtime.loader
 from graphc.pipeline import SPECIALISE
-from graphc.artifact import MANIFEST
+from graphc.artifact import FORMAT_VERSION, MANIFEST
 from graphc.cli import cli
 from graphc.runtime import Engine, Request
 from graphc.sampling import Sampling
@@ -351,7 +351,7 @@ def test_inspect_lists_buckets_graph_files_and_graphc_ops(artifacts):
     manifest = yaml.safe_load((artifacts / MANIFEST).read_text())
     result = ok(invoke("inspect", artifacts))
     assert result.stdout.startswith(f"graphc {manifest['graphc_version']}, torch {manifest['torch_version']}, "
-                                    "backend export, format 1")
+                                    f"backend export, format {FORMAT_VERSION}")
     assert manifest["ranks"][0]["weights"] in result.stdout
     lines = inspect_lines(artifacts)
     assert sorted(lines) == sorted(BUCKETS)

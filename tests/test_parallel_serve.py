@@ -18,10 +18,11 @@ TOPOLOGIES = [  # (cp, ep, static MoE); with ep = 1 the two MoE forms are the sa
 NEW_TOKENS = 12
 # export: two prefill and two decode buckets; prompts of 1, 9 and 40 tokens hit a bucket exactly,
 # fall between buckets and are chunked (32 + 8), and three sequences pad decode-4.
-EXPORT_CASE = ("wide-16e", "standard", [[(5 * i + n) % 250 + 3 for i in range(n)] for n in (1, 9, 40)])
+PROMPTS = [[(5 * i + n) % 250 + 3 for i in range(n)] for n in (1, 9, 40)]
+EXPORT_CASE = ("wide-16e", "standard", PROMPTS)
 # inductor compiles take most of the time: one prefill bucket (8) and one decode bucket (2); the
-# 11-token prompt takes two chunks.
-INDUCTOR_CASE = ("lora-groups", "small", [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]])
+# same prompts then run in 1, 2 and 5 chunks, and three sequences decode in two steps of 2.
+INDUCTOR_CASE = ("lora-groups", "small", PROMPTS)
 
 
 def _check_tokens(compiled, backend, case, cp, ep, static):
@@ -46,7 +47,7 @@ def test_inductor_ranks_serve_the_single_rank_tokens(cp, ep, static, compiled):
 @pytest.mark.slow
 def test_sixteen_ranks_serve_the_single_rank_tokens(compiled):
     """cp = ep = 16 on the 16-expert preset: one routed expert per rank."""
-    _check_tokens(compiled, "export", ("wide-16e", "small", INDUCTOR_CASE[2]), 16, 16, True)
+    _check_tokens(compiled, "export", ("wide-16e", "small", PROMPTS), 16, 16, True)
 
 
 @pytest.mark.parametrize("cp, ep, static", [(2, 2, True), (2, 2, False), (4, 4, True), (4, 4, False)])
