@@ -268,17 +268,6 @@ def test_bf16_and_fp16_stored_tensors_are_accepted(ckpt):
     torch.testing.assert_close(dict(model.named_parameters())[ATTN_WEIGHT], stored[ATTN_WEIGHT].float(), rtol=0, atol=0)
 
 
-def test_fp8_scale_tensor_is_refused(ckpt):
-    scale = ATTN_WEIGHT.removesuffix("weight") + "weight_scale_inv"
-
-    def add(tensors):
-        tensors[scale] = torch.ones(1, 1)
-
-    _edit_tensors(ckpt, add)
-    error = _raises(ckpt, "FP8", scale)
-    assert "bf16" in str(error)
-
-
 def test_unsupported_load_dtype_is_refused(tiny_checkpoints):
     with pytest.raises(CheckpointError, match=r"dtype torch\.float64 is not supported"):
         load_model(tiny_checkpoints[PRESET], dtype=torch.float64)

@@ -19,7 +19,7 @@ OPS = {"attention_combine": "graphc::attention_combine", "all_reduce": "graphc::
 
 @pytest.mark.parametrize("cp, ep, static", [(2, 1, True), (2, 2, True), (2, 2, False), (4, 4, True)])
 def test_collectives_per_step_are_those_of_the_compiled_graphs(cp, ep, static, compiled, tiny_checkpoints):
-    manifest = read_manifest(compiled("wide-16e", "export", "standard", cp, ep, static))
+    manifest = read_manifest(compiled("wide-16e", "export", "small", cp, ep, static))
     args = load_model_args(tiny_checkpoints["wide-16e"])
     for rank in manifest.ranks:
         for graph in rank.graphs:
@@ -65,4 +65,5 @@ def test_plot_without_a_workload_is_an_error(tmp_path, tiny_checkpoints):
     result = CliRunner().invoke(cli, ["plan", str(tmp_path / "model.yaml"), "--plot", str(tmp_path / "p.png")])
     assert result.exit_code == EXIT_BAD_INPUT
     assert result.stderr.strip() == "error: --plot needs a workload: pass --workload or set buckets.auto.workload"
+    assert result.stdout == ""  # refused before any report
     assert not (tmp_path / "p.png").exists()

@@ -43,13 +43,16 @@ def checkpoint() -> None:
 @click.option("--preset", default=None, help="Architecture preset (default: lora-groups); see --list-presets.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-def make_tiny(out: Path, preset: str | None, seed: int, force: bool) -> None:
+@click.option("--fp8-block", type=click.IntRange(min=1), default=None,
+              help="Store the projection weights as FP8 with NxN scale blocks (DeepSeek's release format uses 128).")
+def make_tiny(out: Path, preset: str | None, seed: int, force: bool, fp8_block: int | None) -> None:
     """Write a tiny random DeepSeek-V3 checkpoint (config.json + model.safetensors) to OUT."""
     from graphc.models.tiny import DEFAULT_PRESET, make_tiny_checkpoint
 
     preset = preset or DEFAULT_PRESET
-    path = make_tiny_checkpoint(out, preset=preset, seed=seed, force=force)
-    click.echo(f"wrote tiny checkpoint (preset {preset}, seed {seed}) to {path}")
+    path = make_tiny_checkpoint(out, preset=preset, seed=seed, force=force, fp8_block=fp8_block)
+    fp8 = f", FP8 in {fp8_block}x{fp8_block} blocks" if fp8_block else ""
+    click.echo(f"wrote tiny checkpoint (preset {preset}, seed {seed}{fp8}) to {path}")
 
 
 @checkpoint.command("presets")
@@ -306,6 +309,8 @@ def plan(model_yaml, workload, plot_path) -> None:
 
     config = load_config(model_yaml)
     source = workload or (config.buckets.auto.workload if config.buckets.auto else None)
+    if plot_path is not None and source is None:
+        raise GraphcError("--plot needs a workload: pass --workload or set buckets.auto.workload")
     lengths = None
     if source is not None:
         try:
@@ -318,8 +323,6 @@ def plan(model_yaml, workload, plot_path) -> None:
     for line in planning.describe(config, load_model_args(config.model.checkpoint), lengths):
         click.echo(line)
     if plot_path is not None:
-        if lengths is None:
-            raise GraphcError("--plot needs a workload: pass --workload or set buckets.auto.workload")
         planning.plot(plot_path, config, lengths)
         click.echo(f"wrote {plot_path}")
 

@@ -2,7 +2,9 @@
 
 The on-disk names are the HF / DeepSeek ones. graphc's module uses the same names except the routed
 experts, which it stacks: `model.layers.{i}.mlp.experts.{e}.gate_proj.weight` for e in 0..E-1
-becomes `model.layers.{i}.mlp.experts.gate_proj` [E, I, D].
+becomes `model.layers.{i}.mlp.experts.gate_proj` [E, I, D]. FP8 block-quantised weights (DeepSeek's
+release format: a float8_e4m3fn `X.weight` with its `X.weight_scale_inv`) are dequantised exactly
+on load (models/fp8.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import Tensor
 from graphc.errors import CheckpointError
 from graphc.models.args import ModelArgs, model_args_from_hf_config, read_hf_config
 from graphc.models.deepseek_v3 import ROUTER_FP32_SUFFIXES, DeepseekV3
+from graphc.models.fp8 import FP8, SCALE_SUFFIX, dequantize
 
 STACKED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
 LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
@@ -124,14 +127,13 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     if dtype not in SUPPORTED_DTYPES:
         raise CheckpointError(f"dtype {dtype} is not supported; supported: float32, bfloat16, float16")
     files = _tensor_files(checkpoint_dir)
-    fp8_scales = [n for n in files if n.endswith("weight_scale_inv")]
-    if fp8_scales:
-        raise CheckpointError(
-            f"{checkpoint_dir}: FP8 block-quantised weights ({fp8_scales[0]}, ...) are not supported yet; "
-            "convert the checkpoint to bf16 first"
-        )
+    block = _fp8_block(checkpoint_dir, files)
     expected = expected_tensors(args)
     stored = {n for n in files if not is_multi_token_prediction(n, args)}
+    stray_scales = sorted(n for n in stored if n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) not in expected)
+    if stray_scales:
+        raise CheckpointError(f"{checkpoint_dir}: scale tensor(s) of no expected weight: {_summarise(stray_scales)}")
+    stored = {n for n in stored if not n.endswith(SCALE_SUFFIX)}
     missing = sorted(set(expected) - stored)
     if missing:
         raise CheckpointError(f"{checkpoint_dir}: missing tensor(s) {_summarise(missing)}")
@@ -153,7 +155,7 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
             if name == "lm_head.weight" and args.tie_word_embeddings:
                 continue
             target = torch.float32 if name.endswith(ROUTER_FP32_SUFFIXES) else dtype
-            parts = [_read_tensor(handles, files[n], n, expected[n]).to(device=device, dtype=target)
+            parts = [_read_tensor(handles, files, n, expected[n], block).to(device=device, dtype=target)
                      for n in hf_tensor_names(name, experts)]
             state[name] = torch.stack(parts) if STACKED_EXPERT.match(name) else parts[0]
     if args.tie_word_embeddings:
@@ -164,14 +166,42 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     return model.requires_grad_(False).eval()  # inference only: no autograd bookkeeping
 
 
-def _read_tensor(handles: dict, path: Path, name: str, shape: tuple[int, ...]) -> Tensor:
+def _fp8_block(checkpoint_dir: Path, files: dict[str, Path]) -> tuple[int, int] | None:
+    """The FP8 scale block shape from config.json, if the checkpoint holds scales."""
+    if not any(n.endswith(SCALE_SUFFIX) for n in files):
+        return None
+    quantization = read_hf_config(checkpoint_dir).get("quantization_config") or {}
+    block = quantization.get("weight_block_size")
+    if quantization.get("quant_method") != "fp8" or not (
+            isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointError(
+            f"{checkpoint_dir}/config.json: the checkpoint holds FP8 scales ({SCALE_SUFFIX}) but quantization_config "
+            f"is {quantization or 'missing'}; expected quant_method 'fp8' and weight_block_size [rows, cols]")
+    return block[0], block[1]
+
+
+def _read_tensor(handles: dict, files: dict[str, Path], name: str, shape: tuple[int, ...],
+                 fp8_block: tuple[int, int] | None) -> Tensor:
+    path = files[name]
     tensor = handles[path].get_tensor(name)
     if tuple(tensor.shape) != shape:
         raise CheckpointError(
             f"{path.name}: tensor {name} has shape {list(tensor.shape)}, expected {list(shape)} from config.json"
         )
+    if tensor.dtype == FP8:
+        scale_name = name + SCALE_SUFFIX
+        if scale_name not in files or fp8_block is None:
+            raise CheckpointError(f"{path.name}: tensor {name} is float8_e4m3fn but {scale_name} is missing")
+        try:
+            return dequantize(tensor, handles[files[scale_name]].get_tensor(scale_name), fp8_block)
+        except ValueError as e:
+            raise CheckpointError(f"{files[scale_name].name}: {scale_name}: {e}") from None
+    if name + SCALE_SUFFIX in files:
+        raise CheckpointError(f"{path.name}: {name}{SCALE_SUFFIX} scales {name}, which is stored as {tensor.dtype}, "
+                              "not float8_e4m3fn")
     if tensor.dtype not in SUPPORTED_DTYPES:
-        raise CheckpointError(f"{path.name}: tensor {name} has dtype {tensor.dtype}; supported: float32, bfloat16, float16")
+        raise CheckpointError(f"{path.name}: tensor {name} has dtype {tensor.dtype}; supported: float32, bfloat16, "
+                              "float16, and float8_e4m3fn with block scales")
     return tensor
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,6 +24,7 @@ from safetensors.torch import save_file
 from graphc.errors import GraphcError
 from graphc.models.args import model_args_from_hf_config
 from graphc.models.checkpoint import expected_tensors
+from graphc.models.fp8 import SCALE_SUFFIX, quantize
 
 BASE_CONFIG: dict[str, Any] = {
     "architectures": ["DeepseekV3ForCausalLM"],
@@ -98,6 +100,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_PRESET = "lora-groups"
 
+FP8_QUANTISED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?\w+_proj\.weight$")
+"""The weights DeepSeek's FP8 releases quantise: the decoder layers' linear projections."""
 MTP_EXTRA_TENSORS = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",
                      "shared_head.norm.weight", "shared_head.head.weight")
 
@@ -153,9 +157,23 @@ def byte_level_tokenizer():
     return tokenizer
 
 
-def make_tiny_checkpoint(out: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0, force: bool = False) -> Path:
+def quantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """DeepSeek's FP8 release layout: every projection weight of the decoder layers (attention,
+    dense and expert MLPs) as float8_e4m3fn with block scales; embeddings, norms, the router and
+    the head stay as they are."""
+    out = {}
+    for name, tensor in tensors.items():
+        if FP8_QUANTISED.match(name):
+            out[name], out[name + SCALE_SUFFIX] = quantize(tensor, block)
+        else:
+            out[name] = tensor
+    return out
+
+
+def make_tiny_checkpoint(out: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0, force: bool = False,
+                         fp8_block: int | None = None) -> Path:
     """Write config.json, model.safetensors and a byte-level tokenizer.json for `preset` into
-    `out`, atomically.
+    `out`, atomically; with `fp8_block`, projection weights are FP8 with fp8_block^2 scale blocks.
 
     Raises:
         GraphcError: unknown preset, or `out` exists and `force` is not set.
@@ -164,7 +182,13 @@ def make_tiny_checkpoint(out: str | Path, preset: str = DEFAULT_PRESET, seed: in
     config = preset_config(preset)
     if out.exists() and not force:
         raise GraphcError(f"output {str(out)!r} already exists; pass --force to replace it")
+    if fp8_block is not None and fp8_block < 1:
+        raise GraphcError(f"fp8 block size {fp8_block} must be a positive integer")
     tensors = tiny_tensors(config, seed)
+    if fp8_block is not None:
+        tensors = quantize_fp8(tensors, (fp8_block, fp8_block))
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [fp8_block, fp8_block]}
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

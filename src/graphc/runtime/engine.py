@@ -26,6 +26,7 @@ from graphc.sampling import sampler_inputs
 
 __all__ = ["BucketStats", "Engine", "Request", "Result"]
 
+
 @dataclass
 class BucketStats:
     """Steps run in one bucket: how many, their real and padded tokens, and their wall time."""
@@ -101,10 +102,10 @@ class Engine:
                 input_ids, positions, _, _, last = shards[0]
                 if self.channel is not None:
                     self.channel.publish(self.steps, step.bucket, {
-                                             "input_ids": input_ids, "positions": positions, "logits_index": last,
-                                             "block_table": torch.stack([shards[r % self.cp][2] for r in range(self.world)]),
-                                             "slot_mapping": torch.stack([shards[r % self.cp][3] for r in range(self.world)]),
-                                         })
+                        "input_ids": input_ids, "positions": positions, "logits_index": last,
+                        "block_table": torch.stack([shards[r % self.cp][2] for r in range(self.world)]),
+                        "slot_mapping": torch.stack([shards[r % self.cp][3] for r in range(self.world)]),
+                    })
                 sampling = sampler_inputs([s.request.sampling for s, _, _ in step.rows],
                                           [len(s.output) for s, _, _ in step.rows], step.bucket.rows)
                 tokens = self._run(step.bucket, {

@@ -1,0 +1,56 @@
+"""DeepSeek's FP8 weight format: float8_e4m3fn weights with one fp32 scale per block.
+
+A quantised weight `W` [R, C] is stored as `W_q` (float8_e4m3fn) and `W.weight_scale_inv`
+[ceil(R / br), ceil(C / bc)] (fp32), with the block shape [br, bc] in config.json's
+`quantization_config.weight_block_size` ([128, 128] in DeepSeek's releases). Dequantisation is
+exact: every element is W_q * its block's scale, computed in fp32 (an fp8 value times an fp32
+scale is exactly representable in fp32 unless it under- or overflows), and the last row and
+column of blocks are ragged where R or C is not a multiple of the block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+SCALE_SUFFIX = "_scale_inv"
+"""A quantised weight `X.weight` has its scales in `X.weight_scale_inv`."""
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """The scale tensor's shape for a weight of `shape`."""
+    rows, cols = shape
+    return math.ceil(rows / block[0]), math.ceil(cols / block[1])
+
+
+def dequantize(weight: Tensor, scale_inv: Tensor, block: tuple[int, int]) -> Tensor:
+    """fp32 W = W_q * scale of its block, for W_q [R, C] and scale_inv [ceil(R/br), ceil(C/bc)].
+
+    Raises:
+        ValueError: the scales do not tile the weight with this block.
+    """
+    if weight.dim() != 2 or tuple(scale_inv.shape) != scale_grid(tuple(weight.shape), block):
+        raise ValueError(f"scales {list(scale_inv.shape)} do not tile a weight of {list(weight.shape)} in "
+                         f"{list(block)} blocks; expected {list(scale_grid(tuple(weight.shape), block))}")
+    rows, cols = weight.shape
+    scales = scale_inv.float().repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    return weight.float() * scales
+
+
+def quantize(weight: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """(W_q, scale_inv) for an fp32 weight: each block scaled so its largest magnitude maps to
+    the largest float8_e4m3fn value (an all-zero block keeps scale 1)."""
+    rows, cols = weight.shape
+    grid = scale_grid((rows, cols), block)
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1], dtype=torch.float32)
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.view(grid[0], block[0], grid[1], block[1])
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    expanded = scale_inv.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    quantized = (weight.float() / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return quantized, scale_inv
