@@ -113,7 +113,8 @@ def optimal_buckets(histogram: Histogram, count: int, limit: int) -> list[int]:
     Exact: some optimal set puts every bucket but the largest on an occurring length (moving a
     bucket down to the largest length it holds only removes padding), so a dynamic programme
     over the sorted distinct lengths — best[j][i]: the least waste for the lengths up to the i-th
-    with j buckets, the last at the i-th length — finds it in O(count x m^2) for m lengths.
+    with j buckets, the last at the i-th length — finds it; each layer of the programme takes
+    O(m log m) cost evaluations for m distinct lengths (`_next_layer`).
     """
     if count < 1:
         raise ValueError(f"need at least one bucket, not {count}")
