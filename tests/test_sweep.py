@@ -68,10 +68,22 @@ def test_a_wrong_bucket_fails_the_sweep_and_is_named(model_path, tmp_path, monke
     messages = [f.get("message") for f in failures]
     assert messages and all("decode-4" in m and "differ from transformers" in m for m in messages)
     markdown = (tmp_path / "sweep.md").read_text()
-    assert "| decode-4 | ✗ prompt-as-decode (P=4) with running decodes; decode-4 full; decode-4 padded ·" in markdown
+    assert "| decode-4 | ✗ decode-4x4: 3 short prompt(s) with a running decode; decode-4 full; decode-4 padded ·" in markdown
     # decode-4x4 ran only in a case that also needed decode-4: both are suspects, nothing else is
     assert "Suspect buckets (run only by failing cases):\n- export 1x1: decode-4, decode-4x4\n" in markdown
     assert "| decode-1x4 | ✓" in markdown  # a bucket only passing cases ran stays green
+
+
+def test_buckets_the_runtime_cannot_reach_are_reported(tmp_path, tiny_checkpoints, monkeypatch):
+    """prefill-32 above a prefilling budget of 16: prompts are chunked by 8, so nothing runs it."""
+    config = model_yaml(tiny_checkpoints["lora-groups"], {**BUCKETS, "prompt_as_decode": 0})
+    config["runtime"]["max_num_prefilling_tokens"] = 16
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(config))
+    stages = sweep(load_config(tmp_path / "model.yaml"), tmp_path / "work", [(1, 1)], ["export"], log=lambda line: None)
+    assert stages[0].unexercised == ["prefill-32"]
+    from graphc.sweep import markdown
+
+    assert "Compiled but never run" in markdown(stages) and "- export 1x1: prefill-32" in markdown(stages)
 
 
 def test_topologies_parse_sorted_with_the_reference_first():

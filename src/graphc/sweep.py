@@ -4,8 +4,8 @@ transformers — the bucket-sweep CI job.
 For each backend, topologies run small to large world sizes (1x1 first: it is the reference).
 Each stage compiles once (through the compile cache) and serves every case in one job. Cases
 are chosen from the bucket table so that every bucket runs: each prefill bucket hit exactly and
-between sizes, a chunked prompt, prompt-as-decode prompts and tails with running decodes, and
-every decode batch size filled and padded. Greedy fp32 tokens must equal the 1x1 stage's, and
+between sizes, a chunked prompt, a prompt-as-decode tail, every [B, P] graph (short prompts
+joining a running decode), and every decode batch size filled and padded. Greedy fp32 tokens must equal the 1x1 stage's, and
 transformers' (`DeepseekV3ForCausalLM`, when installed and the model is fp32) per prompt.
 
 Reports: JUnit XML (a test suite per backend and topology, a test case per case, failures naming
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from graphc.buckets import max_prefill_chunk
+from graphc.buckets import all_buckets, max_prefill_chunk
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
 
@@ -53,6 +53,8 @@ class Stage:
     topology: str
     cases: list[CaseResult]
     cores_note: str | None
+    unexercised: list[str] = field(default_factory=list)
+    """Compiled buckets no case ran (the runtime cannot reach them with this config)."""
 
 
 def parse_topologies(text: str) -> list[tuple[int, int]]:
@@ -95,8 +97,15 @@ def sweep_cases(config: GraphcConfig, vocab: int, new_tokens: int) -> list[Case]
         previous = size
     cases.append(case(f"chunked ({chunk} + {max(p + 1, 1)})", [chunk + max(p + 1, 1)]))
     if p >= 1:
-        cases.append(case(f"prompt-as-decode (P={p}) with running decodes", [chunk, p, 1]))
         cases.append(case(f"chunked with a prompt-as-decode tail ({chunk} + {p})", [chunk + p]))
+    if p > 1:  # every [B, P] graph: B - 1 short prompts join one running decode (B = 1: alone)
+        for batch in b.decode:
+            shorts = [p if i % 2 == 0 else 1 for i in range(max(1, batch - 1))]
+            if batch == 1:
+                cases.append(case(f"decode-1x{p}: a short prompt alone", shorts))
+            else:
+                cases.append(case(f"decode-{batch}x{p}: {batch - 1} short prompt(s) with a running decode",
+                                  [chunk, *shorts]))
     previous = 0
     for batch in b.decode:
         short = p + 1  # long enough to prefill: the decode steps then run b sequences together
@@ -215,7 +224,12 @@ def sweep(config: GraphcConfig, workdir: Path, topologies: list[tuple[int, int]]
                 compare(results, external, "transformers")
             failed = sum(bool(r.failures) for r in results)
             log(f"[{backend} {name}] {len(results) - failed}/{len(results)} cases matched")
-            stages.append(Stage(backend, name, results, note))
+            ran = {bucket for r in results for bucket in r.buckets}
+            unexercised = [b.name for b in all_buckets(config.buckets.prefill, config.buckets.decode,
+                                                       config.buckets.prompt_as_decode) if b.name not in ran]
+            if unexercised:
+                log(f"[{backend} {name}] note: no case ran {', '.join(unexercised)}")
+            stages.append(Stage(backend, name, results, note, unexercised))
     return stages
 
 
@@ -280,6 +294,10 @@ def markdown(stages: list[Stage]) -> str:
                 for s in stages for r in s.cases for f in r.failures]
     if notes:
         lines += ["", "Core availability:", *notes]
+    unexercised = [f"- {s.backend} {s.topology}: {', '.join(s.unexercised)}" for s in stages if s.unexercised]
+    if unexercised:
+        lines += ["", "Compiled but never run (unreachable with this config, e.g. a prefill bucket above "
+                  "runtime.max_num_prefilling_tokens):", *unexercised]
     if suspects:
         lines += ["", "Suspect buckets (run only by failing cases):", *suspects]
     lines += ["", "Failures:" if failures else "All cases matched.", *failures]
