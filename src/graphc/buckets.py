@@ -266,7 +266,10 @@ def plan_buckets(prompt_lengths: Histogram, graphs: int, context_limit: int, max
     ladder_total = sum(padding_waste(chunks, ladder).values())
     ladder_match = next(n for n in range(1, len(ladder) + 1)
                         if sum(padding_waste(chunks, optimal_buckets(chunks, n, max_chunk)).values()) <= ladder_total)
-    per_request = lambda waste: {b: w / requests for b, w in waste.items()}  # noqa: E731
+
+    def per_request(waste: dict[int, int]) -> dict[int, float]:
+        return {b: w / requests for b, w in waste.items()}
+
     return BucketPlan(
         prefill=prefill, decode=decode, prompt_as_decode=prompt_as_decode,
         prefill_waste=per_request(padding_waste(chunks, prefill)), ladder=ladder,

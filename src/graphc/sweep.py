@@ -289,7 +289,7 @@ def markdown(stages: list[Stage]) -> str:
             cells.append(f"{mark} · pad {padding:.0%} · {1000 * cell['seconds'] / max(1, cell['steps']):.1f} ms")
         lines.append(f"| {bucket} | " + " | ".join(cells) + " |")
     notes = [f"- {s.backend} {s.topology}: {s.cores_note}" for s in stages if s.cores_note]
-    suspects = [f"- {s.backend} {s.topology}: {', '.join(suspect_buckets(s))}" for s in stages if suspect_buckets(s)]
+    suspects = [f"- {s.backend} {s.topology}: {', '.join(names)}" for s in stages if (names := suspect_buckets(s))]
     failures = [f"- {s.backend} {s.topology} / {r.case} (buckets {', '.join(r.buckets)}): {f}"
                 for s in stages for r in s.cases for f in r.failures]
     if notes:
