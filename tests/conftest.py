@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from graphc.models.tiny import PRESETS, make_tiny_checkpoint, preset_config
-from support import TEST_BUCKETS, model_yaml
+from support import SPARSE_TOPK, SPARSE_V32, TEST_BUCKETS, model_yaml, rewrite_config
 
 # Lines the tests want a reader of the CI log to see (agreement rates, margins, noise floors).
 _REPORT: list[str] = []
@@ -28,24 +29,31 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """graphc `make-tiny` output for every preset."""
+    """graphc `make-tiny` output for every preset, and SPARSE_V32: the v32 preset with an index_topk
+    below the tests' contexts, so its attention is sparse."""
     root = tmp_path_factory.mktemp("tiny")
-    return {name: make_tiny_checkpoint(root / name, preset=name, seed=0) for name in PRESETS}
+    made = {name: make_tiny_checkpoint(root / name, preset=name, seed=0) for name in PRESETS}
+    made[SPARSE_V32] = shutil.copytree(made["v32"], root / SPARSE_V32)
+    rewrite_config(made[SPARSE_V32], index_topk=SPARSE_TOPK)
+    return made
 
 
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """For every preset, a model initialised *by transformers* and written by its `save_pretrained`."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("hf")
     out = {}
     for name in PRESETS:
         config = preset_config(name)
+        model_type = config["model_type"]
         # A wider init than transformers' default 0.02 keeps tiny-model logits decisive.
         config = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "dtype")}
+        if model_type == "deepseek_v32":  # its config has no such field (MLA is always interleaved)
+            config.pop("rope_interleave")
         torch.manual_seed(1)
-        model = DeepseekV3ForCausalLM(DeepseekV3Config(**config, initializer_range=0.15))
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config, initializer_range=0.15))
         with torch.no_grad():  # transformers initialises the correction bias to zeros; make it matter
             for layer in model.model.layers:
                 if hasattr(layer.mlp, "gate"):

@@ -27,10 +27,16 @@ def override(data: dict, **changes) -> dict:
             node[last] = value
     return data
 
-def load_hf(path: Path, dtype: torch.dtype = torch.float32):
-    from transformers import DeepseekV3ForCausalLM
+SPARSE_V32 = "v32-sparse"
+"""The `tiny_checkpoints` entry of the v32 preset with index_topk = SPARSE_TOPK."""
+SPARSE_TOPK = 16
 
-    return DeepseekV3ForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+def load_hf(path: Path, dtype: torch.dtype = torch.float32):
+    """transformers' model for the checkpoint's architecture (DeepseekV3ForCausalLM or V32)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 def rewrite_config(path: Path, **changes) -> None:

@@ -26,7 +26,7 @@ from graphc.models.checkpoint import (
     load_model,
     load_model_args,
 )
-from graphc.models.deepseek_v3 import ROUTER_FP32_SUFFIXES, rope_inverse_frequencies
+from graphc.models.deepseek_v3 import FP32_SUFFIXES, rope_inverse_frequencies
 from graphc.models.tiny import PRESETS, preset_config
 
 PRESET = "lora-groups"
@@ -276,12 +276,30 @@ def test_unsupported_load_dtype_is_refused(tiny_checkpoints):
 # --- config and directory ------------------------------------------------------------------------------
 
 
+def test_a_v3_checkpoint_labelled_v32_is_refused_naming_the_indexer_tensors(ckpt):
+    _write_config(ckpt, {**_config(ckpt), "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32"})
+    _raises(ckpt, "missing tensor(s)", "model.layers.0.self_attn.indexer.k_norm.bias")
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"q_lora_rank": None}, "the indexer (index_* fields) needs q_lora_rank"),
+    ({"index_head_dim": 8}, "index_head_dim (8) must exceed qk_rope_head_dim (8)"),
+    ({"index_topk": 0}, "index_n_heads, index_head_dim and index_topk (16, 32, 0) must all be positive integers"),
+    ({"mlp_layer_types": ["sparse", "sparse", "sparse"]}, "mlp_layer_types ['sparse', 'sparse', 'sparse'] is not "
+                                                           "supported; graphc runs first_k_dense_replace (1) dense"),
+])
+def test_impossible_v32_configs_are_refused(changes, message):
+    config = {**preset_config("v32"), **changes}
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        model_args_from_hf_config(config)
+
+
 @pytest.mark.parametrize(
     ("architectures", "model_type", "named"),
     [
-        (["DeepseekV32ForCausalLM"], "deepseek_v32", "DeepseekV32ForCausalLM"),
+        (["DeepseekV2ForCausalLM"], "deepseek_v2", "DeepseekV2ForCausalLM"),
         (["LlamaForCausalLM"], "llama", "LlamaForCausalLM"),
-        (None, "deepseek_v32", "model_type 'deepseek_v32'"),
+        (None, "deepseek_v2", "model_type 'deepseek_v2'"),
     ],
 )
 def test_unsupported_architecture_is_refused_by_name(ckpt, architectures, model_type, named):
@@ -417,7 +435,7 @@ def test_tied_embeddings_do_not_expect_lm_head(ckpt):
 
 
 def _is_router(name: str) -> bool:
-    return name.endswith(ROUTER_FP32_SUFFIXES)
+    return name.endswith(FP32_SUFFIXES)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -160,10 +160,10 @@ def test_generate_missing_checkpoint_dir(tmp_path):
 def test_generate_unsupported_architecture(tmp_path, ckpt):
     copy = copy_checkpoint(ckpt, tmp_path)
     config = json.loads((copy / "config.json").read_text())
-    config.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32")
+    config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
     (copy / "config.json").write_text(json.dumps(config))
     line = error_line(invoke("generate", write_yaml(tmp_path, copy), "--prompt-ids", "1,2,3"))
-    assert line.startswith("error: model.checkpoint: config.json: architecture DeepseekV32ForCausalLM is not supported"), line
+    assert line.startswith("error: model.checkpoint: config.json: architecture Qwen3MoeForCausalLM is not supported"), line
     assert "DeepseekV3ForCausalLM" in line  # says what is supported
 
 

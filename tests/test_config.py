@@ -157,7 +157,7 @@ def test_ep_16_accepted_on_16_expert_preset(tiny_checkpoints):
             {"buckets.prefil": [16], "buckets.prefill": DELETE},
             r"^buckets\.prefil: unknown key; allowed here: context_limit, prefill, decode, prompt_as_decode, auto$",
         ),
-        ({"model.path": "x"}, r"^model\.path: unknown key; allowed here: checkpoint, dtype$"),
+        ({"model.path": "x"}, r"^model\.path: unknown key; allowed here: checkpoint, dtype, sparse_probabilities$"),
         (
             {"runtime.sampling.temprature": 0.5},
             r"^runtime\.sampling\.temprature: unknown key; allowed here: temperature, top_k, top_p, seed$",
@@ -200,6 +200,8 @@ def test_unknown_keys_of_mixed_types(data):
         ("buckets.prefill", 16, r"^buckets\.prefill: expected a list of an integer, got 16$"),
         ("buckets.decode", {"a": 1}, r"^buckets\.decode: expected a list of an integer, got \{'a': 1\}$"),
         ("model.dtype", "float16", r"^model\.dtype: 'float16' is not allowed; expected one of 'float32', 'bfloat16'$"),
+        ("model.sparse_probabilities", "fp16",
+         r"^model\.sparse_probabilities: 'fp16' is not allowed; expected one of 'bf16', 'fp32'$"),
         (
             "backend",
             "tensorrt",
@@ -212,7 +214,7 @@ def test_unknown_keys_of_mixed_types(data):
     ],
     ids=[
         "str-for-int", "bool-for-int", "bool-in-list", "list-for-mapping", "str-for-mapping", "none-for-mapping",
-        "float-for-int", "float-in-list", "int-for-list", "mapping-for-list", "bad-dtype", "bad-backend",
+        "float-for-int", "float-in-list", "int-for-list", "mapping-for-list", "bad-dtype", "bad-sparse-probabilities", "bad-backend",
         "str-for-float", "bool-for-float", "int-for-path", "empty-path",
     ],
 )

@@ -11,22 +11,28 @@ from graphc.buckets import Bucket
 from graphc.cli import EXIT_BAD_INPUT, cli
 from graphc.models.checkpoint import load_model_args
 from graphc.plan import step_collectives
-from support import TEST_BUCKETS, model_yaml
+from support import SPARSE_V32, TEST_BUCKETS, model_yaml
 
 OPS = {"attention_combine": "graphc::attention_combine", "all_reduce": "graphc::all_reduce",
-       "moe_dispatch": "graphc::moe_dispatch", "moe_combine": "graphc::moe_combine"}
+       "moe_dispatch": "graphc::moe_dispatch", "moe_combine": "graphc::moe_combine",
+       "index_topk_combine": "graphc::index_topk_combine"}
 
 
-@pytest.mark.parametrize("cp, ep, static", [(2, 1, True), (2, 2, True), (2, 2, False), (4, 4, True)])
-def test_collectives_per_step_are_those_of_the_compiled_graphs(cp, ep, static, compiled, tiny_checkpoints):
-    manifest = read_manifest(compiled("wide-16e", "export", "small", cp, ep, static))
-    args = load_model_args(tiny_checkpoints["wide-16e"])
+@pytest.mark.parametrize("preset, cp, ep, static", [
+    ("wide-16e", 2, 1, True), ("wide-16e", 2, 2, True), ("wide-16e", 2, 2, False), ("wide-16e", 4, 4, True),
+    (SPARSE_V32, 2, 2, True),  # sparse attention: a top-k combine per layer too
+])
+def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, cp, ep, static, compiled, tiny_checkpoints):
+    manifest = read_manifest(compiled(preset, "export", "small", cp, ep, static))
+    args = load_model_args(tiny_checkpoints[preset])
+    slots = manifest.kv_cache["blocks_per_row"] * manifest.kv_cache["block_size"]
     for rank in manifest.ranks:
         for graph in rank.graphs:
             bucket = Bucket(graph.kind, graph.size, graph.tokens_per_row)
             counts = manifest.extra["op_counts"][f"{bucket.name} rank {rank.rank}"]
             in_graph = {op: n for op, n in counts.items() if op in OPS.values()}
-            planned = {OPS[c.op]: c.count for c in step_collectives(args, cp, ep, bucket, "float32", static)}
+            planned = {OPS[c.op]: c.count
+                       for c in step_collectives(args, cp, ep, bucket, "float32", static, context_slots=slots)}
             assert planned == in_graph, (bucket.name, rank.rank)
 
 
@@ -37,6 +43,15 @@ def test_payloads_follow_the_tokens_of_the_bucket(tiny_checkpoints):
     assert (moe.op, moe.bytes_in) == ("all_reduce", 12 * 64 * 2)
     generic = step_collectives(args, 2, 2, Bucket("prefill", 8), "float32", static_moe=False)
     assert [(c.op, c.bytes_in) for c in generic[1:]] == [("moe_dispatch", 8 * 64 * 4), ("moe_combine", 2 * 8 * 64 * 4)]
+
+
+def test_sparse_attention_adds_the_top_k_candidates(tiny_checkpoints):
+    args = load_model_args(tiny_checkpoints[SPARSE_V32])  # index_topk 16
+    [topk, attention, _] = step_collectives(args, 2, 2, Bucket("prefill", 8), "float32", context_slots=64)
+    assert (topk.op, topk.group, topk.count) == ("index_topk_combine", "cp", 3)
+    assert topk.bytes_in == 8 * 16 * (8 + 4)  # [T, k] int64 positions + fp32 scores
+    [short, *_] = step_collectives(args, 2, 2, Bucket("prefill", 8), "float32", context_slots=8)
+    assert short.bytes_in == 8 * 8 * 12  # k is capped by the context the block table holds
 
 
 @pytest.fixture

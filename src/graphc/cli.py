@@ -114,7 +114,8 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise GraphcError(f"prompt {i}: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
-    model = load_model(config.model.checkpoint, dtype=getattr(torch, config.model.dtype))
+    model = load_model(config.model.checkpoint, dtype=getattr(torch, config.model.dtype),
+                       sparse_probabilities=config.model.sparse_probabilities)
     click.echo(_describe_config(config), err=True)  # echoed once everything is known to be valid
     s = config.runtime.sampling
     outputs = run_generate(
@@ -325,6 +326,29 @@ def plan(model_yaml, workload, plot_path) -> None:
     if plot_path is not None:
         planning.plot(plot_path, config, lengths)
         click.echo(f"wrote {plot_path}")
+
+
+@cli.command()
+@click.argument("model_yaml", type=click.Path(path_type=Path))
+@click.option("--layer", type=int, required=True, help="Decoder layer to probe (0-based).")
+@click.option("--tokens", type=click.IntRange(min=1), default=None,
+              help="Length of the probe prefill; default: the largest prefill bucket.")
+@click.option("--tolerance", type=click.FloatRange(min=0), default=None,
+              help="Relative difference that counts (max |diff| / max |reference|); default by dtype.")
+def probe(model_yaml, layer, tokens, tolerance) -> None:
+    """Run one layer of the compiled graph and the float64 reference side by side, op by op, and
+    name the first op whose output differs beyond the tolerance. Exits 1 if that op is not at a
+    known rounding point (bf16 P, bf16 routed partials, a cast to a narrower float)."""
+    from graphc import probe as probing
+    from graphc.config import load_config
+
+    config = load_config(model_yaml)
+    click.echo(_describe_config(config))
+    report = probing.probe(config, layer, tokens, tolerance)
+    for line in report.lines():
+        click.echo(line)
+    if report.first is not None and report.first.rounding_point is None:
+        raise SystemExit(1)
 
 
 @cli.command()

@@ -51,6 +51,11 @@ class ModelSection:
     """Directory of an HF-layout checkpoint (config.json + safetensors); relative to the YAML file."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and activation dtype; the router always runs in float32."""
+    sparse_probabilities: Literal["bf16", "fp32"] | None = None
+    """DeepSeek-V3.2 sparse attention only: the precision of the softmax probabilities P in the
+    P @ V product. 'bf16' rounds P as FlashMLA's sparse kernel does (its denominator still sums the
+    fp32 values); 'fp32' keeps P in fp32, as the public reference implementations do. Default:
+    'bf16' for a bfloat16 model, 'fp32' for a float32 one."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ PADDING_SLOT = -1
 _LIBRARY = torch.library.Library("graphc", "DEF")
 
 
-def _define(schema: str, kernel, fake):
+def define_op(schema: str, kernel, fake):
     """Register `graphc::<schema>` with its kernel (all devices) and fake; return the op."""
     name = schema.split("(", 1)[0]
     _LIBRARY.define(schema)
@@ -55,11 +55,56 @@ def kv_write_reference(kv_pool: Tensor, layer: int, kv: Tensor, slot_mapping: Te
     kv_pool[layer].view(-1, width)[slots[real]] = kv.reshape(-1, width)[real].to(kv_pool.dtype)
 
 
-kv_write = _define(
+kv_write = define_op(
     "kv_write(Tensor(a!) kv_pool, int layer, Tensor kv, Tensor slot_mapping) -> ()",
     kv_write_reference,
     lambda kv_pool, layer, kv, slot_mapping: None,
 )
+
+
+def context_block_table(block_table: Tensor, positions: Tensor, block_size: int, shard: int = 0,
+                        num_shards: int = 1) -> Tensor:
+    """This shard's columns of the block table, with every entry past its row's context replaced by
+    block 0, so whatever the table holds there (stale ids, garbage) never indexes the pool.
+
+    A row's context is positions 0..max(positions[b]); under context parallelism local column i is
+    the row's logical block i * num_shards + shard. Keys read through the replaced entries are
+    masked by the caller's causal mask (they sit past every query's position). A kernel with
+    dynamic loop bounds would skip those blocks; a static-shape graph reads a fixed number and
+    makes them harmless instead.
+
+    Args:
+        block_table: [B, M] pool block of each row's logical blocks (this shard's, when sharded).
+        positions: [B, Q] absolute position of each query token.
+        block_size: S, tokens per pool block.
+        shard, num_shards: this rank's place in the context-parallel group.
+
+    Returns:
+        [B, ceil(M / num_shards)] pool block ids, each a block of the row's context or 0.
+    """
+    local_blocks = -(-block_table.shape[1] // num_shards)
+    logical = torch.arange(local_blocks, device=block_table.device) * num_shards + shard  # [M']
+    context_end = positions.amax(dim=1, keepdim=True)  # [B, 1] the row's last position
+    holds_context = logical[None, :] * block_size <= context_end  # [B, M']
+    return torch.where(holds_context, block_table[:, :local_blocks], 0)
+
+
+def read_context_keys(kv_pool: Tensor, layer: int, block_table: Tensor, positions: Tensor, shard: int = 0,
+                      num_shards: int = 1) -> tuple[Tensor, Tensor]:
+    """Every cached vector of this shard's blocks of each row's context, in logical order.
+
+    Returns:
+        keys: [B, K, C] in the pool dtype, K = ceil(M / num_shards) * S; slots past the context hold
+            block 0's vectors (mask them with `key_positions`).
+        key_positions: [K] the absolute position of each local key.
+    """
+    block_size, cached_dim = kv_pool.shape[2:]
+    table = context_block_table(block_table, positions, block_size, shard, num_shards)  # [B, M']
+    keys = kv_pool[layer][table].reshape(table.shape[0], -1, cached_dim)  # [B, K, C]
+    local = torch.arange(keys.shape[1], device=keys.device)  # [K]
+    # Local key k sits in the row's logical block (k // S) * num_shards + shard.
+    key_positions = ((local // block_size) * num_shards + shard) * block_size + local % block_size  # [K]
+    return keys, key_positions
 
 
 def paged_mla_attention_reference(
@@ -93,7 +138,8 @@ def paged_mla_attention_reference(
         kv_pool: [L, N, S, C] the paged pool.
         layer: which layer's cache to read.
         block_table: [B, M] pool block of each row's i-th S positions (of this shard's blocks
-            when sharded; only the first ceil(M / num_shards) columns are read).
+            when sharded; only the first ceil(M / num_shards) columns are read, and only those
+            holding the row's context are dereferenced: `context_block_table`).
         positions: [B, Q] absolute position of each query.
         softmax_scale: multiplier of the scores before softmax.
         shard, num_shards: this rank's place in the context-parallel group.
@@ -103,20 +149,13 @@ def paged_mla_attention_reference(
         lse: [B, Q, H] fp32 log-sum-exp of the scaled scores, so partial attentions over disjoint
             key sets can be combined exactly.
     """
-    num_blocks, block_size, cached_dim = kv_pool.shape[1:]
-    latent_dim = q_latent.shape[-1]
-    rows = block_table.shape[0]
-    local_blocks = -(-block_table.shape[1] // num_shards)
-    table = block_table[:, :local_blocks]  # [B, M'] this shard's blocks of each row
-    keys = kv_pool[layer][table.clamp(0, num_blocks - 1)]  # [B, M', S, C]
-    keys = keys.reshape(rows, local_blocks * block_size, cached_dim).float()  # [B, K, C]
-    latent, k_rope = keys.split([latent_dim, cached_dim - latent_dim], dim=-1)  # [B, K, R], [B, K, P]
+    latent_dim, rope_dim = q_latent.shape[-1], q_rope.shape[-1]
+    keys, key_positions = read_context_keys(kv_pool, layer, block_table, positions, shard, num_shards)
+    keys = keys.float()  # [B, K, C]
+    latent, k_rope = keys[..., :latent_dim], keys[..., latent_dim : latent_dim + rope_dim]  # [B, K, R], [B, K, P]
     scores = torch.einsum("bqhr,bkr->bqhk", q_latent.float(), latent)  # [B, Q, H, K]
     scores = scores + torch.einsum("bqhp,bkp->bqhk", q_rope.float(), k_rope)
     scores = scores * softmax_scale
-    local = torch.arange(keys.shape[1], device=keys.device)  # [K]
-    # Local key k sits in the row's logical block (k // S) * num_shards + shard.
-    key_positions = ((local // block_size) * num_shards + shard) * block_size + local % block_size  # [K]
     visible = key_positions[None, None, None, :] <= positions[:, :, None, None]  # [B, Q, 1, K]
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, Q, H]; -inf where no key of this shard is visible
@@ -125,7 +164,7 @@ def paged_mla_attention_reference(
     return out.to(q_latent.dtype).contiguous(), lse.contiguous()
 
 
-paged_mla_attention = _define(
+paged_mla_attention = define_op(
     "paged_mla_attention(Tensor q_latent, Tensor q_rope, Tensor kv_pool, int layer, Tensor block_table, "
     "Tensor positions, float softmax_scale, int shard=0, int num_shards=1) -> (Tensor, Tensor)",
     paged_mla_attention_reference,
@@ -134,7 +173,7 @@ paged_mla_attention = _define(
 )
 
 
-def _all_gather(tensor: Tensor, pg) -> Tensor:
+def all_gather_group(tensor: Tensor, pg) -> Tensor:
     """[G, *tensor.shape]: every rank's tensor, in rank order."""
     gathered = tensor.new_empty((pg.size() * tensor.shape[0], *tensor.shape[1:]))
     torch.distributed.all_gather_single(gathered, tensor.contiguous(), group=pg)
@@ -158,12 +197,12 @@ def _attention_combine(out: Tensor, lse: Tensor, group: str) -> Tensor:
     pg = process_group(group)
     if pg is None:
         return out.clone(memory_format=torch.contiguous_format)
-    outs, lses = (_all_gather(t, pg) for t in (out, lse))  # [G, B, Q, H, R], [G, B, Q, H]
+    outs, lses = (all_gather_group(t, pg) for t in (out, lse))  # [G, B, Q, H, R], [G, B, Q, H]
     weights = torch.exp(lses - torch.logsumexp(lses, dim=0))  # [G, B, Q, H]; position 0 is always seen
     return (weights[..., None] * outs.float()).sum(dim=0).to(out.dtype).contiguous()
 
 
-attention_combine = _define("attention_combine(Tensor out, Tensor lse, str group) -> Tensor", _attention_combine,
+attention_combine = define_op("attention_combine(Tensor out, Tensor lse, str group) -> Tensor", _attention_combine,
                             lambda out, lse, group: out.new_empty(out.shape))
 
 
@@ -184,10 +223,10 @@ def _moe_dispatch(hidden: Tensor, group: str, group_size: int = 1) -> Tensor:
     pg = process_group(group) if group_size > 1 else None
     if pg is None:
         return hidden.clone(memory_format=torch.contiguous_format)
-    return _all_gather(hidden, pg).reshape(-1, hidden.shape[-1])
+    return all_gather_group(hidden, pg).reshape(-1, hidden.shape[-1])
 
 
-moe_dispatch = _define("moe_dispatch(Tensor hidden, str group, int group_size=1) -> Tensor", _moe_dispatch,
+moe_dispatch = define_op("moe_dispatch(Tensor hidden, str group, int group_size=1) -> Tensor", _moe_dispatch,
                        lambda hidden, group, group_size=1: hidden.new_empty(
                            (hidden.shape[0] * group_size, *hidden.shape[1:])))
 
@@ -211,7 +250,7 @@ def _moe_combine(partial: Tensor, group: str, group_size: int = 1) -> Tensor:
     return out
 
 
-moe_combine = _define("moe_combine(Tensor partial, str group, int group_size=1) -> Tensor", _moe_combine,
+moe_combine = define_op("moe_combine(Tensor partial, str group, int group_size=1) -> Tensor", _moe_combine,
                       lambda partial, group, group_size=1: partial.new_empty(
                           (partial.shape[0] // group_size, *partial.shape[1:])))
 
@@ -225,7 +264,7 @@ def _all_reduce(partial: Tensor, group: str) -> Tensor:
     return out
 
 
-all_reduce = _define("all_reduce(Tensor partial, str group) -> Tensor", _all_reduce,
+all_reduce = define_op("all_reduce(Tensor partial, str group) -> Tensor", _all_reduce,
                      lambda partial, group: partial.new_empty(partial.shape))
 
 
@@ -238,7 +277,7 @@ def expert_shard_reference(combine: Tensor, shard: int = 0, num_shards: int = 1)
     return combine[:, shard * width : (shard + 1) * width].contiguous()
 
 
-expert_shard = _define("expert_shard(Tensor combine, int shard=0, int num_shards=1) -> Tensor", expert_shard_reference,
+expert_shard = define_op("expert_shard(Tensor combine, int shard=0, int num_shards=1) -> Tensor", expert_shard_reference,
                        lambda combine, shard=0, num_shards=1: combine.new_empty(
                            (combine.shape[0], combine.shape[1] // num_shards)))
 
@@ -281,6 +320,6 @@ def _sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, s
     return torch.where(temperature > 0, sampled, greedy)
 
 
-sample = _define("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed) -> Tensor",
+sample = define_op("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed) -> Tensor",
                  _sample, lambda logits, temperature, top_k, top_p, seed: logits.new_empty(
                      logits.shape[:-1], dtype=torch.int64))

@@ -99,7 +99,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         captured = {bucket: capture_bucket(models[0], bucket, blocks_per_row, kv.num_blocks, kv.block_size, parallel)
                     for bucket in buckets}
         # 3. Specialise each program for each rank.
-        passes = [(name, run) for name, run in SPECIALISE if backend in BACKEND_SPECIFIC.get(name, (backend,))]
+        passes = backend_passes(backend)
         manager = PassManager(passes, verify, verify=options.verify_passes,
                               disabled=options.disabled_passes & {name for name, _ in passes},
                               dump_dir=options.dump_graphs)
@@ -107,7 +107,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         for rank in range(topology.world):
             for bucket, capture in captured.items():
                 # Every rank specialises its own copy; the capture stays rank-agnostic.
-                program = _rank_copy(capture) if topology.world > 1 else capture
+                program = copy_program(capture) if topology.world > 1 else capture
                 ctx = PassContext(topology, rank, bucket, blocks_per_row)
                 log = manager.run(program.graph_module, ctx)
                 _sync_output_signature(program)
@@ -162,6 +162,11 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
     return manifest
 
 
+def backend_passes(backend: str) -> list:
+    """The SPECIALISE passes `backend` runs, in order."""
+    return [(name, run) for name, run in SPECIALISE if backend in BACKEND_SPECIFIC.get(name, (backend,))]
+
+
 def _check_rank_agreement(programs, buckets, topology: Topology) -> None:
     """Every rank of a bucket must issue the same collectives, in the same order, on the same
     groups with the same shapes, or the job hangs; refuse to emit graphs that would not."""
@@ -175,15 +180,17 @@ def _check_rank_agreement(programs, buckets, topology: Topology) -> None:
 
 def _expert_shards(config: GraphcConfig, topology: Topology) -> dict[int, DeepseekV3]:
     """The model of each expert-parallel rank (ep_rank -> module holding its experts)."""
-    dtype = getattr(torch, config.model.dtype)
+    dtype, sparse = getattr(torch, config.model.dtype), config.model.sparse_probabilities
     if topology.ep == 1:
-        return {0: load_model(config.model.checkpoint, dtype=dtype)}
+        return {0: load_model(config.model.checkpoint, dtype=dtype, sparse_probabilities=sparse)}
     experts = load_model_args(config.model.checkpoint).n_routed_experts
-    return {ep_rank: load_model(config.model.checkpoint, dtype=dtype, experts=topology.experts(ep_rank, experts))
+    return {ep_rank: load_model(config.model.checkpoint, dtype=dtype, experts=topology.experts(ep_rank, experts),
+                                sparse_probabilities=sparse)
             for ep_rank in range(topology.ep)}
 
 
-def _rank_copy(capture: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+def copy_program(capture: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """A deep copy for passes to edit (each rank's, `graphc probe`'s) without touching `capture`."""
     with warnings.catch_warnings():
         # torch 2.13's own pytree specs warn about themselves when deep-copied; nothing to act on.
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)

@@ -32,13 +32,16 @@ class Collective:
 
 
 def step_collectives(args: ModelArgs, cp: int, ep: int, bucket: Bucket, dtype: str,
-                     static_moe: bool = True) -> list[Collective]:
+                     static_moe: bool = True, context_slots: int | None = None) -> list[Collective]:
     """The collectives of one step in `bucket` on any rank (every rank issues the same ones).
 
     Attention: one `attention_combine` per layer over cp, all-gathering the fp32 partial output
     [T, H, R] and its log-sum-exp [T, H]. MoE layers over ep: the static form all-reduces the
     routed output [T, D]; the generic form all-gathers the tokens [T, D] and reduce-scatters
-    [T * ep, D]. A group of one rank issues nothing (the pass lowers it away).
+    [T * ep, D]. Sparse attention (V3.2) adds one `index_topk_combine` per layer over cp,
+    all-gathering each token's k candidate positions (int64) and scores (fp32), k =
+    min(index_topk, context_slots), context_slots being the block table's token capacity. A group
+    of one rank issues nothing (the pass lowers it away).
     """
     tokens = bucket.rows * bucket.width
     moe_layers = args.num_hidden_layers - args.first_k_dense_replace
@@ -46,6 +49,9 @@ def step_collectives(args: ModelArgs, cp: int, ep: int, bucket: Bucket, dtype: s
     out: list[Collective] = []
     if cp > 1:
         heads = args.num_attention_heads
+        if args.sparse_attention:
+            selected = min(args.index_topk, context_slots or args.index_topk)
+            out.append(Collective("index_topk_combine", "cp", args.num_hidden_layers, tokens * selected * (8 + 4)))
         out.append(Collective("attention_combine", "cp", args.num_hidden_layers, tokens * heads * (args.kv_lora_rank + 1) * 4))
     if ep > 1 and moe_layers:
         if static_moe:
@@ -83,7 +89,8 @@ def describe(config: GraphcConfig, args: ModelArgs, workload: Histogram | None) 
                                                     "only the leader's sample)" if world > 1 else "")]
     lines.append(f"collectives per step, every rank (cp={t.cp}, ep={t.ep}, static MoE):")
     for bucket in buckets:
-        calls = step_collectives(args, t.cp, t.ep, bucket, config.model.dtype)
+        slots = -(-config.buckets.context_limit // config.kv_cache.block_size) * config.kv_cache.block_size
+        calls = step_collectives(args, t.cp, t.ep, bucket, config.model.dtype, context_slots=slots)
         text = ", ".join(f"{c.count} x {c.op}({c.group}) of {_bytes(c.bytes_in)}" for c in calls) or "none"
         lines.append(f"  {bucket.name:14s} {text}")
     return lines

@@ -1,4 +1,4 @@
-"""`ModelArgs`: the DeepSeek-V3 hyper-parameters graphc needs, read from an HF `config.json`."""
+"""`ModelArgs`: the DeepSeek-V3 / V3.2 hyper-parameters graphc needs, read from an HF `config.json`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ from typing import Any
 
 from graphc.errors import CheckpointError
 
-SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
-SUPPORTED_MODEL_TYPES = ("deepseek_v3",)
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
+SPARSE_MODEL_TYPE = "deepseek_v32"
+INDEXER_DEFAULTS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
+"""transformers' `DeepseekV32Config` defaults (the released model's values), for config.json files
+that leave them out."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,14 @@ class ModelArgs:
     """Token ids that end generation."""
     rope: RopeArgs = field(default_factory=RopeArgs)
     """Rotary embedding settings."""
+    index_n_heads: int | None = None
+    """DeepSeek-V3.2's lightning indexer: its query heads. None (with the two below) is dense MLA
+    (DeepSeek-V3)."""
+    index_head_dim: int | None = None
+    """Width of the indexer's query heads and of its one cached key per token; its first
+    `qk_rope_head_dim` dims are roped (half-split layout)."""
+    index_topk: int | None = None
+    """Keys each query attends to under sparse attention (all visible keys when fewer)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -122,6 +134,16 @@ class ModelArgs:
              f"first_k_dense_replace ({self.first_k_dense_replace}) must be in 0..num_hidden_layers "
              f"({self.num_hidden_layers})"),
         ]
+        indexer = (self.index_n_heads, self.index_head_dim, self.index_topk)
+        if any(v is not None for v in indexer):
+            checks += [
+                (all(v is not None and v > 0 for v in indexer),
+                 f"index_n_heads, index_head_dim and index_topk ({', '.join(map(str, indexer))}) must all be "
+                 "positive integers"),
+                (self.q_lora_rank is not None, "the indexer (index_* fields) needs q_lora_rank; it reads the q latent"),
+                (self.index_head_dim is None or self.index_head_dim > self.qk_rope_head_dim,
+                 f"index_head_dim ({self.index_head_dim}) must exceed qk_rope_head_dim ({self.qk_rope_head_dim})"),
+            ]
         for ok, message in checks:
             if not ok:
                 raise CheckpointError(f"config.json: {message}")
@@ -131,9 +153,15 @@ class ModelArgs:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def sparse_attention(self) -> bool:
+        """DeepSeek Sparse Attention: an indexer picks each query's keys (DeepSeek-V3.2)."""
+        return self.index_topk is not None
+
+    @property
     def kv_cache_dim(self) -> int:
-        """Width of one cached token: the normalised latent followed by the roped shared key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
+        """Width of one cached token: the normalised latent, the roped shared key, and under sparse
+        attention the indexer's key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim + (self.index_head_dim or 0)
 
     @property
     def softmax_scale(self) -> float:
@@ -188,6 +216,15 @@ def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
     missing = [k for k in required if config.get(k) is None]
     if missing:
         raise CheckpointError(f"config.json: missing required field(s) {', '.join(missing)}")
+    first_dense = config.get("first_k_dense_replace") or 0
+    layer_types = config.get("mlp_layer_types")
+    implied = ["dense"] * first_dense + ["sparse"] * (config["num_hidden_layers"] - first_dense)
+    if layer_types is not None and list(layer_types) != implied:
+        raise CheckpointError(f"config.json: mlp_layer_types {layer_types} is not supported; graphc runs "
+                              f"first_k_dense_replace ({first_dense}) dense layers, then MoE layers")
+    indexer = {}
+    if model_type == SPARSE_MODEL_TYPE or "DeepseekV32ForCausalLM" in architectures:
+        indexer = {k: default if config.get(k) is None else config[k] for k, default in INDEXER_DEFAULTS.items()}
     eos = config.get("eos_token_id")
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
     return ModelArgs(
@@ -209,7 +246,7 @@ def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
         topk_group=config.get("topk_group") or 1,
         norm_topk_prob=bool(config.get("norm_topk_prob", True)),
         routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
-        first_k_dense_replace=config.get("first_k_dense_replace") or 0,
+        first_k_dense_replace=first_dense,
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         num_nextn_predict_layers=config.get("num_nextn_predict_layers") or 0,
@@ -218,6 +255,7 @@ def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
         attention_bias=bool(config.get("attention_bias", False)),
         eos_token_id=eos_ids,
         rope=_rope_args(config),
+        **indexer,
     )
 
 

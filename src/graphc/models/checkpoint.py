@@ -20,7 +20,7 @@ from torch import Tensor
 
 from graphc.errors import CheckpointError
 from graphc.models.args import ModelArgs, model_args_from_hf_config, read_hf_config
-from graphc.models.deepseek_v3 import ROUTER_FP32_SUFFIXES, DeepseekV3
+from graphc.models.deepseek_v3 import FP32_SUFFIXES, DeepseekV3
 from graphc.models.fp8 import FP8, SCALE_SUFFIX, dequantize
 
 STACKED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
@@ -108,7 +108,7 @@ def _summarise(names: list[str], limit: int = 5) -> str:
 
 
 def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               experts: range | None = None) -> DeepseekV3:
+               experts: range | None = None, sparse_probabilities: str | None = None) -> DeepseekV3:
     """Build `DeepseekV3` from an HF-layout checkpoint.
 
     Args:
@@ -116,6 +116,8 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
         dtype: parameter dtype; the router stays fp32.
         device: where the parameters go; every tensor is checked to be there afterwards.
         experts: the routed experts to load (an expert-parallel rank's share); all by default.
+        sparse_probabilities: P's precision in sparse attention (V3.2 only): "bf16" as FlashMLA's
+            kernel, "fp32" as the reference; by default "bf16" for a bfloat16 model, else "fp32".
 
     Raises:
         CheckpointError: unsupported architecture, missing/unexpected tensor, wrong shape or dtype.
@@ -147,14 +149,15 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     if experts.start < 0 or experts.stop > args.n_routed_experts or not len(experts):
         raise CheckpointError(f"experts {experts} are not a share of the checkpoint's {args.n_routed_experts}")
     with torch.device("meta"):
-        model = DeepseekV3(args, local_experts=len(experts))
+        model = DeepseekV3(args, local_experts=len(experts),
+                           sparse_probabilities=sparse_probabilities or default_sparse_probabilities(dtype))
     state: dict[str, Tensor] = {}
     with contextlib.ExitStack() as stack:
         handles = {path: stack.enter_context(safe_open(path, "pt")) for path in sorted(set(files.values()))}
         for name in model.state_dict():
             if name == "lm_head.weight" and args.tie_word_embeddings:
                 continue
-            target = torch.float32 if name.endswith(ROUTER_FP32_SUFFIXES) else dtype
+            target = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
             parts = [_read_tensor(handles, files, n, expected[n], block).to(device=device, dtype=target)
                      for n in hf_tensor_names(name, experts)]
             state[name] = torch.stack(parts) if STACKED_EXPERT.match(name) else parts[0]
@@ -164,6 +167,21 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     model.model.rotary_emb.to(device)
     _check_device(model, torch.device(device))
     return model.requires_grad_(False).eval()  # inference only: no autograd bookkeeping
+
+
+def fp8_tensors(checkpoint_dir: str | Path) -> list[str]:
+    """Names of the tensors the checkpoint stores as float8_e4m3fn (reads the headers only)."""
+    files = _tensor_files(Path(checkpoint_dir))
+    found = []
+    for path in sorted(set(files.values())):
+        with safe_open(path, "pt") as f:
+            found += [n for n in f.keys() if f.get_slice(n).get_dtype() == "F8_E4M3"]
+    return sorted(found)
+
+
+def default_sparse_probabilities(dtype: torch.dtype) -> str:
+    """The kernel's bf16-rounded P for a bf16 model; fp32 P (the reference's) otherwise."""
+    return "bf16" if dtype == torch.bfloat16 else "fp32"
 
 
 def _fp8_block(checkpoint_dir: Path, files: dict[str, Path]) -> tuple[int, int] | None:

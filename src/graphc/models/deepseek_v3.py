@@ -1,4 +1,4 @@
-"""DeepSeek-V3 on one device, over a paged KV cache.
+"""DeepSeek-V3 and V3.2 on one device, over a paged KV cache.
 
 Every forward is one *step* in a uniform layout: B rows (sequences) of Q tokens each. A prefill
 chunk is B = 1, Q = chunk; a decode step is B = batch, Q = 1. Each token carries its absolute
@@ -9,9 +9,14 @@ cache, MoE dispatch/combine) are `graphc::` ops, so the module never imports `to
 Parameter names are the HF checkpoint names, except the routed experts, which are stacked into
 [E, ...] tensors (see `checkpoint.py`).
 
+DeepSeek-V3.2 (`args.sparse_attention`) adds a lightning indexer to every attention layer: it
+caches one key per token beside the MLA latent, scores every visible key for each query, and MLA
+attends only to each query's top `index_topk` keys (`graphc.sparse_ops`).
+
 Shape letters: B rows, Q tokens per row, T = B*Q tokens, D hidden, H heads, R kv_lora_rank,
-P qk_rope_head_dim, C = R + P, E routed experts, K experts per token, I expert width, V vocab,
-L layers, N pool blocks, S block size, M blocks per row.
+P qk_rope_head_dim, C = R + P (+ J under sparse attention), E routed experts, K experts per token, I expert width, V vocab,
+L layers, N pool blocks, S block size, M blocks per row, I indexer heads, J indexer head width,
+k keys selected per query.
 """
 
 from __future__ import annotations
@@ -23,14 +28,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphc import ops
+from graphc import ops, sparse_ops
 from graphc.models.args import ModelArgs, RopeArgs, yarn_mscale
 
-ROUTER_FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-"""Router parameters stay fp32 whatever the model dtype, as DeepSeek (and transformers) keep them."""
+FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "self_attn.indexer.weights_proj.weight")
+"""Parameters that stay fp32 whatever the model dtype, as DeepSeek (and transformers) keep them:
+the router, and the indexer's per-head weights."""
+
+SPARSE_PROBABILITIES = ("bf16", "fp32")
+"""Precision of P in sparse attention's P @ V: FlashMLA's bf16 rounding, or the reference's fp32."""
 
 LATENT_NORM_EPS = 1e-6
 """The q and kv LoRA norms use a fixed eps, not `rms_norm_eps` (DeepSeek and transformers alike)."""
+
+INDEXER_NORM_EPS = 1e-6
+"""The indexer key's LayerNorm eps (fixed in DeepSeek-V3.2 and transformers)."""
 
 
 @dataclass(frozen=True)
@@ -114,16 +126,22 @@ class RotaryEmbedding(nn.Module):
         return (angles.cos() * self.attention_factor).to(dtype), (angles.sin() * self.attention_factor).to(dtype)
 
     def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """Rotate x [..., P]; cos/sin broadcast against x[..., P/2].
+        """Rotate x [..., P] in the model's layout (see `rotate`)."""
+        return rotate(x, cos, sin, self.interleave)
 
-        Interleaved pairs come out de-interleaved ([rotated evens, rotated odds]); queries and keys
-        get the same permutation, so their dot products are unchanged.
-        """
-        if self.interleave:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
+    """Rotate x [..., P]; cos/sin broadcast against x[..., P/2].
+
+    Interleaved pairs come out de-interleaved ([rotated evens, rotated odds]); queries and keys
+    get the same permutation, so their dot products are unchanged. Otherwise the two halves are
+    the pairs (the layout of V3.2's indexer).
+    """
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class MLP(nn.Module):
@@ -226,15 +244,70 @@ class MoE(nn.Module):
         return (routed + self.shared_experts(tokens)).view_as(x)
 
 
+class Indexer(nn.Module):
+    """DeepSeek-V3.2's lightning indexer: picks the keys each query's sparse attention reads.
+
+    Its key (one per token, J wide, cached after the MLA part of the slot) is LayerNorm(W_k x)
+    with its first P dims roped in the half-split layout; its I query heads come from the q
+    latent. A key's score is sum over heads of w_i * relu(q_i . k / sqrt(J)), w = W_w x / sqrt(I)
+    in fp32. (DeepSeek's kernel also rotates q and k by a Hadamard transform, which preserves the
+    dot products, and quantises them to FP8; like transformers, graphc scores in full precision.)
+    """
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
+        self.rope_dim = args.qk_rope_head_dim
+        self.key_offset = args.kv_lora_rank + args.qk_rope_head_dim  # where its key sits in a cached slot
+        self.wq_b = nn.Linear(args.q_lora_rank, self.heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=INDEXER_NORM_EPS)
+        self.weights_proj = nn.Linear(args.hidden_size, self.heads, bias=False)
+
+    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        roped, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([rotate(roped, cos, sin, interleave=False), rest], dim=-1)
+
+    def key(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [B, Q, D] -> the tokens' indexer keys [B, Q, J], to cache."""
+        return self._rope(self.k_norm(self.wk(x)), cos, sin)
+
+    def select(self, x: Tensor, q_latent: Tensor, cos: Tensor, sin: Tensor, step: "StepInputs") -> Tensor:
+        """Each query's top-k visible keys, over the whole context-parallel group.
+
+        Args:
+            x: [B, Q, D] the layer's normalised input.
+            q_latent: [B, Q, q_lora_rank] the normalised q LoRA latent.
+
+        Returns:
+            [B, Q, k] absolute key positions, best first (`sparse_ops.NO_KEY` padding).
+        """
+        rows, width = x.shape[:2]
+        q = self._rope(self.wq_b(q_latent).view(rows, width, self.heads, self.head_dim),
+                       cos[:, :, None], sin[:, :, None])  # [B, Q, I, J]
+        head_weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads**-0.5  # [B, Q, I]
+        parallel, block_size = step.parallel, step.kv_pool.shape[2]
+        logits = sparse_ops.paged_indexer_logits(
+            q, head_weights, step.kv_pool, self.layer, step.block_table, step.positions, self.key_offset,
+            self.head_dim**-0.5, parallel.cp_rank, parallel.cp,
+        )  # [B, Q, K] this shard's keys
+        # A static width: the bucket's block table bounds the context.
+        k = min(self.topk, step.block_table.shape[1] * block_size)
+        positions, scores = sparse_ops.index_candidates(logits, k, block_size, parallel.cp_rank, parallel.cp)
+        return sparse_ops.index_topk_combine(positions, scores, "cp")  # [B, Q, k] the group's top-k
+
+
 class Attention(nn.Module):
     """Multi-head latent attention in DeepSeek's absorbed form over the paged latent cache.
 
-    The cache holds, per token, the normalised KV latent [R] and the roped shared key [P]. The
-    key up-projection W_uk is folded into the query and the value up-projection W_uv applied
-    after attention, so keys and values are never expanded per head.
+    The cache holds, per token, the normalised KV latent [R] and the roped shared key [P] (then,
+    under sparse attention, the indexer's key [J]). The key up-projection W_uk is folded into the
+    query and the value up-projection W_uv applied after attention, so keys and values are never
+    expanded per head.
     """
 
-    def __init__(self, args: ModelArgs, layer: int, rotary: RotaryEmbedding):
+    def __init__(self, args: ModelArgs, layer: int, rotary: RotaryEmbedding, sparse_probabilities: str = "fp32"):
         super().__init__()
         self.layer = layer
         self.rotary = rotary
@@ -249,10 +322,13 @@ class Attention(nn.Module):
             self.q_a_proj = nn.Linear(args.hidden_size, args.q_lora_rank, bias=args.attention_bias)
             self.q_a_layernorm = RMSNorm(args.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(args.q_lora_rank, q_width, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(args.hidden_size, args.kv_cache_dim, bias=args.attention_bias)
+        self.kv_a_proj_with_mqa = nn.Linear(args.hidden_size, args.kv_lora_rank + self.rope_dim, bias=args.attention_bias)
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, args.hidden_size, bias=args.attention_bias)
+        if args.sparse_attention:
+            self.indexer = Indexer(args, layer)
+            self.bf16_probabilities = sparse_probabilities == "bf16"
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: "StepInputs") -> Tensor:
         """x [B, Q, D] -> [B, Q, D]; writes this layer's KV for the step's tokens first."""
@@ -260,7 +336,8 @@ class Attention(nn.Module):
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_lora = self.q_a_layernorm(self.q_a_proj(x))  # [B, Q, q_lora_rank]
+            q = self.q_b_proj(q_lora)
         q = q.view(rows, width, self.num_heads, -1)  # [B, Q, H, nope + P]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rope = self.rotary.apply(q_rope, cos[:, :, None], sin[:, :, None])  # [B, Q, H, P]
@@ -268,26 +345,36 @@ class Attention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [B, Q, R]
         k_rope = self.rotary.apply(k_rope, cos, sin)  # [B, Q, P]
-        ops.kv_write(step.kv_pool, self.layer, torch.cat([latent, k_rope], dim=-1), step.slot_mapping)
+        cached = [latent, k_rope] + ([self.indexer.key(x, cos, sin)] if hasattr(self, "indexer") else [])
+        ops.kv_write(step.kv_pool, self.layer, torch.cat(cached, dim=-1), step.slot_mapping)  # [B, Q, C]
 
         kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = kv_b.split([self.nope_dim, self.v_dim], dim=1)  # [H, nope, R], [H, V, R]
         # The absorbed projections run in fp32: in bf16 they would round the latent query and the
         # latent output, two roundings the unabsorbed form does not have.
         q_latent = torch.einsum("bqhn,hnr->bqhr", q_nope.float(), w_uk.float())  # [B, Q, H, R]
-        out_latent, lse = ops.paged_mla_attention(
-            q_latent, q_rope, step.kv_pool, self.layer, step.block_table, step.positions, self.softmax_scale,
-            step.parallel.cp_rank, step.parallel.cp,
-        )  # [B, Q, H, R] fp32, [B, Q, H]
+        parallel = step.parallel
+        if hasattr(self, "indexer"):
+            selected = self.indexer.select(x, q_lora, cos, sin, step)  # [B, Q, k]
+            out_latent, lse = sparse_ops.sparse_mla_attention(
+                q_latent, q_rope, step.kv_pool, self.layer, step.block_table, step.positions, selected,
+                self.softmax_scale, self.bf16_probabilities, parallel.cp_rank, parallel.cp,
+            )  # [B, Q, H, R] fp32, [B, Q, H]
+        else:
+            out_latent, lse = ops.paged_mla_attention(
+                q_latent, q_rope, step.kv_pool, self.layer, step.block_table, step.positions, self.softmax_scale,
+                parallel.cp_rank, parallel.cp,
+            )  # [B, Q, H, R] fp32, [B, Q, H]
         out_latent = ops.attention_combine(out_latent, lse, "cp")  # the CP group's shards, combined
         out = torch.einsum("bqhr,hvr->bqhv", out_latent, w_uv.float()).to(x.dtype)  # [B, Q, H, V]
         return self.o_proj(out.reshape(rows, width, self.num_heads * self.v_dim))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, rotary: RotaryEmbedding, local_experts: int | None = None):
+    def __init__(self, args: ModelArgs, layer: int, rotary: RotaryEmbedding, local_experts: int | None = None,
+                 sparse_probabilities: str = "fp32"):
         super().__init__()
-        self.self_attn = Attention(args, layer, rotary)
+        self.self_attn = Attention(args, layer, rotary, sparse_probabilities)
         hidden = args.intermediate_size
         self.mlp = MoE(args, local_experts) if args.is_moe_layer(layer) else MLP(args.hidden_size, hidden)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -322,11 +409,11 @@ class StepInputs:
 class Backbone(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
 
-    def __init__(self, args: ModelArgs, local_experts: int | None = None):
+    def __init__(self, args: ModelArgs, local_experts: int | None = None, sparse_probabilities: str = "fp32"):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.rotary_emb = RotaryEmbedding(args.rope, args.qk_rope_head_dim)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, self.rotary_emb, local_experts)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, self.rotary_emb, local_experts, sparse_probabilities)
                                     for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -334,11 +421,14 @@ class Backbone(nn.Module):
 class DeepseekV3(nn.Module):
     """DeepSeek-V3 causal LM over a paged KV pool; one call is one step."""
 
-    def __init__(self, args: ModelArgs, local_experts: int | None = None):
-        """`local_experts`: routed experts this rank holds (all of them by default)."""
+    def __init__(self, args: ModelArgs, local_experts: int | None = None, sparse_probabilities: str = "fp32"):
+        """`local_experts`: routed experts this rank holds (all of them by default).
+        `sparse_probabilities`: one of SPARSE_PROBABILITIES, for sparse attention (V3.2)."""
         super().__init__()
+        if sparse_probabilities not in SPARSE_PROBABILITIES:
+            raise ValueError(f"sparse_probabilities {sparse_probabilities!r}; expected one of {SPARSE_PROBABILITIES}")
         self.args = args
-        self.model = Backbone(args, local_experts)
+        self.model = Backbone(args, local_experts, sparse_probabilities)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     @property

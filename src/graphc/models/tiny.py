@@ -1,6 +1,7 @@
 """Tiny random DeepSeek-V3 checkpoints in real HF layout, for tests, CI and the README's demo.
 
-The presets together exercise every architecture feature graphc implements: q LoRA on and off,
+The presets together exercise every architecture feature graphc implements: DeepSeek-V3.2's
+sparse attention indexer, q LoRA on and off,
 group-limited routing and plain top-k, dense first layers or none, YaRN with and without an
 mscale attention factor, interleaved and half-split RoPE, normalised and raw top-k weights,
 several shared experts, and a multi-token-prediction layer stored after the main layers (as
@@ -97,11 +98,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         "topk_group": 2,
         "first_k_dense_replace": 0,
     },
+    # DeepSeek-V3.2: a lightning indexer (16 heads of 32) picks each query's keys. index_topk covers
+    # every tiny context, so attention is dense, as `DeepseekV32ForCausalLM` computes it; the sparse
+    # tests lower index_topk.
+    "v32": {
+        "architectures": ["DeepseekV32ForCausalLM"],
+        "model_type": "deepseek_v32",
+        "index_n_heads": 16,
+        "index_head_dim": 32,
+        "index_topk": 2048,
+    },
 }
 DEFAULT_PRESET = "lora-groups"
 
-FP8_QUANTISED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?\w+_proj\.weight$")
-"""The weights DeepSeek's FP8 releases quantise: the decoder layers' linear projections."""
+FP8_QUANTISED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(?!weights_proj)(\w+_proj|wq_b|wk)\.weight$")
+"""The weights DeepSeek's FP8 releases quantise: the decoder layers' linear projections (the
+indexer's too, but not its per-head weights, which stay in full precision)."""
 MTP_EXTRA_TENSORS = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",
                      "shared_head.norm.weight", "shared_head.head.weight")
 

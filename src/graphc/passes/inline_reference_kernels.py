@@ -1,4 +1,5 @@
-"""Replace the paged attention (and expert-shard) ops with the ATen ops of their reference kernels.
+"""Replace the paged attention ops (dense, and V3.2's indexer, top-k candidates and sparse attention)
+and the expert-shard op with the ATen ops of their reference kernels.
 
 For the CPU backends a custom op is a Python kernel: called from an AOTInductor package it costs
 a round trip into the interpreter per layer per step, and inductor cannot fuse across it. Inlined,
@@ -21,11 +22,16 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphc.ops import expert_shard_reference, paged_mla_attention_reference
+from graphc.sparse_ops import (index_candidates_reference, paged_indexer_logits_reference,
+                               sparse_mla_attention_reference)
 from graphc.passes.manager import GraphInvariantError, PassContext, PassResult
 from graphc.passes.verifier import graphc_op
 
 REFERENCE_KERNELS = {
     "graphc::paged_mla_attention": paged_mla_attention_reference,
+    "graphc::paged_indexer_logits": paged_indexer_logits_reference,
+    "graphc::index_candidates": index_candidates_reference,
+    "graphc::sparse_mla_attention": sparse_mla_attention_reference,
     # A column slice of the combine matrix once the rank's shard is set: no reason to leave Python.
     "graphc::expert_shard": expert_shard_reference,
 }
@@ -64,12 +70,18 @@ def inline_reference_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> Pass
                     result = inner.args[0]
                 elif inner.op != "placeholder":
                     env[inner] = graph.node_copy(inner, lambda n: env[n])
+                    # Where the inlined ops came from, for `graphc probe` and graph dumps.
+                    env[inner].meta.update(graphc_inlined_from=graphc_op(node), stack_trace=node.meta.get("stack_trace"))
+        # Each inlined output records the node it stands for, so `graphc probe` can pair it with
+        # the captured graph's.
         if isinstance(result, torch.fx.Node):  # one output: its users take the inlined value
+            env[result].meta["graphc_replaces"] = node.name
             node.replace_all_uses_with(env[result])
         else:  # several: each is read through a getitem
             for user in list(node.users):
                 if user.target is not operator.getitem:
                     raise GraphInvariantError("op output used other than through getitem", user)
+                env[result[user.args[1]]].meta["graphc_replaces"] = user.name
                 user.replace_all_uses_with(env[result[user.args[1]]])
                 graph.erase_node(user)
         graph.erase_node(node)

@@ -9,7 +9,8 @@ from graphc.capture import POOL_BLOCKS_DIM, STEP_INPUTS
 from graphc.passes.manager import GraphInvariantError, PassContext
 from graphc.topology import GROUPS
 
-COLLECTIVE_OPS = ("graphc::moe_dispatch", "graphc::moe_combine", "graphc::attention_combine", "graphc::all_reduce")
+COLLECTIVE_OPS = ("graphc::moe_dispatch", "graphc::moe_combine", "graphc::attention_combine", "graphc::all_reduce",
+                  "graphc::index_topk_combine")
 """Ops that move data between ranks; each names its group in its `group` argument."""
 
 

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
+import graphc.sparse_ops  # noqa: F401  (and the sparse-attention ops of V3.2 graphs)
 from graphc.artifact import GraphEntry, Manifest, RankEntry, read_manifest
 from graphc.buckets import Bucket
 from graphc.errors import GraphcError
