@@ -287,6 +287,8 @@ def test_a_v3_checkpoint_labelled_v32_is_refused_naming_the_indexer_tensors(ckpt
     ({"index_topk": 0}, "index_n_heads, index_head_dim and index_topk (16, 32, 0) must all be positive integers"),
     ({"mlp_layer_types": ["sparse", "sparse", "sparse"]}, "mlp_layer_types ['sparse', 'sparse', 'sparse'] is not "
                                                            "supported; graphc runs first_k_dense_replace (1) dense"),
+    ({"layer_types": ["indexed_attention", "full_attention", "indexed_attention"]},
+     "layer_types ['full_attention', 'indexed_attention'] is not supported"),
 ])
 def test_impossible_v32_configs_are_refused(changes, message):
     config = {**preset_config("v32"), **changes}

@@ -63,17 +63,17 @@ def test_selection_matches_transformers_up_to_near_ties(tiny_checkpoints, monkey
     path = tiny_checkpoints[SPARSE_V32]
     ours, theirs = load_model(path), load_hf(path)
     recorder = SelectionRecorder(monkeypatch)
-    _prefill(ours, PROMPT)
+    logits = _prefill(ours, PROMPT)
     hf_selected = []
     for layer in theirs.model.layers:
         layer.self_attn.indexer.register_forward_hook(lambda module, inputs, out: hf_selected.append(out[0]))
     with torch.no_grad():
-        theirs(torch.tensor([PROMPT]))
+        hf_logits = theirs(torch.tensor([PROMPT])).logits[0]
 
     shared = total = near_ties = 0
-    for layer, (logits, selected, expected) in enumerate(zip(recorder.logits, recorder.selected, hf_selected)):
+    for layer, (index_logits, selected, expected) in enumerate(zip(recorder.logits, recorder.selected, hf_selected)):
         for q in range(len(PROMPT)):
-            scores = logits[0, q]  # [K] by position
+            scores = index_logits[0, q]  # [K] by position
             ours_set = {p for p in selected[0, q].tolist() if p != sparse_ops.NO_KEY}
             # transformers takes min(k, T) keys of all T, masked ones included when fewer are visible.
             theirs_set = {p for p in expected[q].tolist() if p <= q}
@@ -96,8 +96,28 @@ def test_selection_matches_transformers_up_to_near_ties(tiny_checkpoints, monkey
     report(f"v32 sparse (index_topk {SPARSE_TOPK}, {len(PROMPT)}-token prompt) vs transformers: index-set overlap "
            f"{shared}/{total} = {shared / total:.4f}, {near_ties} query-layers differ (all within the noise floor "
            f"{NOISE_FLOOR:g} of the k-th score); greedy tokens agree for {agreeing} of 24")
-    if near_ties == 0:
-        assert actual == expected_tokens  # the same keys everywhere: fp32 must give the same tokens
+    if near_ties == 0:  # the same keys everywhere: fp32 must give the same logits and tokens
+        torch.testing.assert_close(logits, hf_logits, rtol=1e-4, atol=1e-4 * hf_logits.abs().max().item())
+        assert actual == expected_tokens
+
+
+def test_block_table_past_the_context_is_never_read(tiny_checkpoints):
+    """A prefill then a decode step whose block table holds out-of-range ids past the context."""
+    model = load_model(tiny_checkpoints[SPARSE_V32])
+    tokens = PROMPT[:30]  # 4 blocks of 8, in a table of 16
+    seq = SequenceBlocks(8)
+    seq.reserve(len(tokens) + 1, BlockAllocator(16))
+    outputs = []
+    for garbage in (False, True):
+        pool = model.new_kv_pool(16, 8)
+        steps = [(tokens[:-1], 0), (tokens[-1:], len(tokens) - 1)]
+        for run, start in steps:
+            ids, positions, table, slots, last = step_metadata([(seq, run, start)], len(run), 16)
+            if garbage:
+                table[:, len(seq.blocks):] = torch.tensor([10**12, -3, 16, 99, -1, 2**40] * 2)
+            with torch.no_grad():
+                outputs.append(model(ids, positions, table, slots, pool, last))
+    assert all(torch.equal(a, b) for a, b in zip(outputs[:2], outputs[2:]))
 
 
 BLOCK_SIZE, BLOCKS_PER_SHARD, BLOCKS_PER_ROW = 4, 12, 14

@@ -222,6 +222,10 @@ def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
     if layer_types is not None and list(layer_types) != implied:
         raise CheckpointError(f"config.json: mlp_layer_types {layer_types} is not supported; graphc runs "
                               f"first_k_dense_replace ({first_dense}) dense layers, then MoE layers")
+    attention_types = set(config.get("layer_types") or [])
+    if attention_types - {"indexed_attention"}:
+        raise CheckpointError(f"config.json: layer_types {sorted(attention_types)} is not supported; graphc runs "
+                              "'indexed_attention' (DeepSeek-V3.2's) in every layer")
     indexer = {}
     if model_type == SPARSE_MODEL_TYPE or "DeepseekV32ForCausalLM" in architectures:
         indexer = {k: default if config.get(k) is None else config[k] for k, default in INDEXER_DEFAULTS.items()}
