@@ -10,6 +10,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphc.distributed import register_groups
+from graphc.models.checkpoint import load_model
+from graphc.models.deepseek_v3 import Parallelism
+from graphc.paged import BlockAllocator, SequenceBlocks, step_metadata
 from graphc.topology import Topology
 
 
@@ -44,3 +47,32 @@ def run_ranks(topology: Topology, fn, *args) -> list:
         if isinstance(result, BaseException):
             raise result
     return out
+
+
+def greedy_on_rank(rank: int, topology: Topology, checkpoint: str, static_moe: bool, prompt: list[int], chunk: int,
+                   decode_steps: int, block_size: int, blocks_per_shard: int, blocks_per_row: int):
+    """The eager model on `rank`: chunked prefill of `prompt`, then greedy decode, with the rank's
+    share of the cache and the experts; every rank runs the same host logic (as the leader would).
+    Returns (the logits of every decode step [decode_steps, V], the tokens)."""
+    n_experts = load_model(checkpoint).args.n_routed_experts if topology.ep > 1 else None
+    model = load_model(checkpoint, experts=topology.experts(rank, n_experts) if n_experts else None)
+    parallel = Parallelism(cp_rank=topology.cp_rank(rank), cp=topology.cp, ep_rank=topology.ep_rank(rank),
+                           ep=topology.ep, tokens_replicated=static_moe)
+    pool = model.new_kv_pool(blocks_per_shard, block_size)
+    seq = SequenceBlocks(block_size, num_shards=topology.cp)
+    seq.reserve(len(prompt) + decode_steps, [BlockAllocator(blocks_per_shard) for _ in range(topology.cp)])
+    logits, tokens = [], []
+
+    def step(run, start):
+        ids, positions, table, slots, last = step_metadata(
+            [(seq, run, start)], len(run), blocks_per_row, shard=topology.cp_rank(rank))
+        with torch.no_grad():
+            return model(ids, positions, table, slots, pool, last, parallel=parallel)[0]
+
+    for start in range(0, len(prompt), chunk):
+        out = step(prompt[start : start + chunk], start)
+    for i in range(decode_steps):
+        logits.append(out)
+        tokens.append(int(out.argmax()))
+        out = step([tokens[-1]], len(prompt) + i)
+    return torch.stack(logits), tokens

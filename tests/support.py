@@ -63,6 +63,8 @@ TEST_BUCKETS = {
     "alternative": {"prefill": [16], "decode": [3], "prompt_as_decode": 0, "context_limit": 128},
     # "standard" plus prompt-as-decode graphs ([1, 4] and [4, 4]): the same tokens must come out.
     "prompt_as_decode": {"prefill": [8, 32], "decode": [1, 4], "prompt_as_decode": 4, "context_limit": 128},
+    # Prompt-as-decode with the fewest graphs (prefill-32, decode-4, decode-4x4): for multi-rank runs.
+    "prompt_as_decode_small": {"prefill": [32], "decode": [4], "prompt_as_decode": 4, "context_limit": 128},
     # The fewest graphs (one prefill, one decode): for the inductor multi-rank runs, whose compiles
     # dominate the suite's time.
     "small": {"prefill": [8], "decode": [2], "prompt_as_decode": 0, "context_limit": 64},

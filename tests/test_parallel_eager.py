@@ -12,11 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphc.models.checkpoint import load_model
-from graphc.models.deepseek_v3 import Parallelism
-from graphc.paged import BlockAllocator, SequenceBlocks, step_metadata
 from graphc.topology import Topology
-from multirank import run_ranks
+from multirank import greedy_on_rank, run_ranks
 
 BLOCK_SIZE, BLOCKS_PER_SHARD, BLOCKS_PER_ROW = 4, 10, 12
 PROMPT = [(11 * i) % 250 + 3 for i in range(30)]  # 8 blocks of 4: every shard owns some
@@ -24,30 +21,8 @@ CHUNK, DECODE_STEPS = 13, 6
 
 
 def generate_on_rank(rank: int, topology: Topology, checkpoint: str, static_moe: bool):
-    """Chunked prefill then greedy decode with `rank`'s share of the cache and the experts; every
-    rank runs the same host logic (as the leader would). Returns (logits per step, tokens)."""
-    n_experts = load_model(checkpoint).args.n_routed_experts if topology.ep > 1 else None
-    model = load_model(checkpoint, experts=topology.experts(rank, n_experts) if n_experts else None)
-    parallel = Parallelism(cp_rank=topology.cp_rank(rank), cp=topology.cp, ep_rank=topology.ep_rank(rank),
-                           ep=topology.ep, tokens_replicated=static_moe)
-    pool = model.new_kv_pool(BLOCKS_PER_SHARD, BLOCK_SIZE)
-    seq = SequenceBlocks(BLOCK_SIZE, num_shards=topology.cp)
-    seq.reserve(len(PROMPT) + DECODE_STEPS, [BlockAllocator(BLOCKS_PER_SHARD) for _ in range(topology.cp)])
-    logits, tokens = [], []
-
-    def step(run, start):
-        ids, positions, table, slots, last = step_metadata(
-            [(seq, run, start)], len(run), BLOCKS_PER_ROW, shard=topology.cp_rank(rank))
-        with torch.no_grad():
-            return model(ids, positions, table, slots, pool, last, parallel=parallel)[0]
-
-    for start in range(0, len(PROMPT), CHUNK):
-        out = step(PROMPT[start : start + CHUNK], start)
-    for i in range(DECODE_STEPS):
-        logits.append(out)
-        tokens.append(int(out.argmax()))
-        out = step([tokens[-1]], len(PROMPT) + i)
-    return torch.stack(logits), tokens
+    return greedy_on_rank(rank, topology, checkpoint, static_moe, PROMPT, CHUNK, DECODE_STEPS,
+                          BLOCK_SIZE, BLOCKS_PER_SHARD, BLOCKS_PER_ROW)
 
 
 @pytest.fixture(scope="module")

@@ -58,9 +58,9 @@ def test_prompts_served_together_equal_each_served_alone(backend, compiled):
     assert together == [serve(artifacts, [p])[0] for p in prompts()]
 
 
-@pytest.mark.parametrize("backend", ["export", "inductor"])
-def test_tokens_do_not_depend_on_the_bucket_set(backend, compiled, reference):
-    assert serve(compiled("lora-groups", backend, "alternative"), prompts()) == reference("lora-groups")
+def test_tokens_do_not_depend_on_the_bucket_set(compiled, reference):
+    # Bucket choice is host logic, the same whatever the backend: export only.
+    assert serve(compiled("lora-groups", "export", "alternative"), prompts()) == reference("lora-groups")
 
 
 def test_runtime_imports_nothing_from_the_compiler_side():

@@ -18,12 +18,11 @@ import torch
 from graphc import sparse_ops
 from graphc.generate import PagedKV, generate
 from graphc.models.checkpoint import load_model
-from graphc.models.deepseek_v3 import Parallelism
 from graphc.paged import BlockAllocator, SequenceBlocks, step_metadata
 from graphc.runtime import Engine, Request
 from graphc.runtime.launch import serve
 from graphc.topology import Topology
-from multirank import run_ranks
+from multirank import greedy_on_rank, run_ranks
 from support import SPARSE_TOPK, SPARSE_V32, hf_greedy, load_hf
 
 PROMPT = [(7 * i + 3) % 250 + 2 for i in range(60)]
@@ -128,28 +127,10 @@ CHUNK, DECODE_STEPS = 13, 6
 def sparse_generate_on_rank(rank: int, topology: Topology, checkpoint: str):
     """Chunked prefill then greedy decode with `rank`'s share of the cache and experts.
     Returns (tokens, every layer's top-k of every step)."""
-    experts = topology.experts(rank, 8) if topology.ep > 1 else None
-    model = load_model(checkpoint, experts=experts)
-    parallel = Parallelism(cp_rank=topology.cp_rank(rank), cp=topology.cp, ep_rank=topology.ep_rank(rank),
-                           ep=topology.ep, tokens_replicated=True)
     with pytest.MonkeyPatch.context() as patch:
         recorder = SelectionRecorder(patch)
-        pool = model.new_kv_pool(BLOCKS_PER_SHARD, BLOCK_SIZE)
-        seq = SequenceBlocks(BLOCK_SIZE, num_shards=topology.cp)
-        seq.reserve(len(CP_PROMPT) + DECODE_STEPS, [BlockAllocator(BLOCKS_PER_SHARD) for _ in range(topology.cp)])
-
-        def step(run, start):
-            ids, positions, table, slots, last = step_metadata(
-                [(seq, run, start)], len(run), BLOCKS_PER_ROW, shard=topology.cp_rank(rank))
-            with torch.no_grad():
-                return model(ids, positions, table, slots, pool, last, parallel=parallel)[0]
-
-        for start in range(0, len(CP_PROMPT), CHUNK):
-            out = step(CP_PROMPT[start : start + CHUNK], start)
-        tokens = []
-        for i in range(DECODE_STEPS):
-            tokens.append(int(out.argmax()))
-            out = step([tokens[-1]], len(CP_PROMPT) + i)
+        _, tokens = greedy_on_rank(rank, topology, checkpoint, True, CP_PROMPT, CHUNK, DECODE_STEPS, BLOCK_SIZE,
+                                   BLOCKS_PER_SHARD, BLOCKS_PER_ROW)
         return tokens, [s.tolist() for s in recorder.selected]
 
 

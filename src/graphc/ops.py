@@ -101,10 +101,14 @@ def read_context_keys(kv_pool: Tensor, layer: int, block_table: Tensor, position
     block_size, cached_dim = kv_pool.shape[2:]
     table = context_block_table(block_table, positions, block_size, shard, num_shards)  # [B, M']
     keys = kv_pool[layer][table].reshape(table.shape[0], -1, cached_dim)  # [B, K, C]
-    local = torch.arange(keys.shape[1], device=keys.device)  # [K]
+    return keys, shard_key_positions(keys.shape[1], block_size, shard, num_shards, keys.device)
+
+
+def shard_key_positions(count: int, block_size: int, shard: int, num_shards: int, device=None) -> Tensor:
+    """[count] the absolute position of each of a shard's local keys, in local order."""
+    local = torch.arange(count, device=device)
     # Local key k sits in the row's logical block (k // S) * num_shards + shard.
-    key_positions = ((local // block_size) * num_shards + shard) * block_size + local % block_size  # [K]
-    return keys, key_positions
+    return ((local // block_size) * num_shards + shard) * block_size + local % block_size
 
 
 def paged_mla_attention_reference(

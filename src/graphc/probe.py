@@ -1,7 +1,8 @@
 """`graphc probe`: where does the compiled model start to differ from the reference?
 
-One decoder layer is captured on its own (a prefill of the probe prompt, one rank) and run twice,
-op by op:
+One decoder layer is captured on its own (a prefill of the probe prompt, on one rank: collectives
+are identities there; what a topology changes is `graphc sweep`'s to check) and run twice, op by
+op:
 
 - the **reference**: the captured graph, before any graphc pass, in float64, with every graphc op
   running its reference kernel at reference numerics (sparse attention's P in full precision);
@@ -22,8 +23,8 @@ sides read, not in any op.
 from __future__ import annotations
 
 import inspect
-import re
 import operator
+import re
 from dataclasses import dataclass, field
 
 import torch

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from graphc.distributed import process_group
-from graphc.ops import all_gather_group, context_block_table, define_op, read_context_keys
+from graphc.ops import all_gather_group, context_block_table, define_op, read_context_keys, shard_key_positions
 
 NO_KEY = -1
 """A selection slot that holds no key (fewer visible keys than k)."""
@@ -103,8 +103,7 @@ def index_candidates_reference(logits: Tensor, k: int, block_size: int, shard: i
         scores: [B, Q, k] fp32 their scores (-inf for NO_KEY).
     """
     rows, queries, local = logits.shape
-    index = torch.arange(local, device=logits.device)  # [K], ascending position on every shard
-    key_positions = ((index // block_size) * num_shards + shard) * block_size + index % block_size
+    key_positions = shard_key_positions(local, block_size, shard, num_shards, logits.device)  # [K], ascending
     if local < k:  # a shard may hold fewer keys than are selected
         pad = logits.new_full((rows, queries, k - local), float("-inf"))
         logits = torch.cat([logits, pad], dim=-1)  # [B, Q, k]
