@@ -23,7 +23,7 @@ import torch
 from graphc.generate import PagedKV, generate
 from graphc.models.checkpoint import load_model
 from graphc.models.tiny import PRESETS
-from support import hf_greedy, load_hf
+from support import SPARSE_V32, hf_greedy, load_hf
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], list(range(10, 47)), [9, 8, 7, 6, 5, 4, 3, 2]]
 NEW_TOKENS = 32
@@ -41,7 +41,7 @@ def _perturbed(model, seed: int):
     return copy
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", [*PRESETS, SPARSE_V32])  # V3.2 sparse: FlashMLA's bf16 P (the default in bf16)
 def test_bf16_disagreements_are_inside_the_reference_noise_floor(preset, tiny_checkpoints, report):
     path = tiny_checkpoints[preset]
     ours = load_model(path, dtype=torch.bfloat16)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from graphc import sparse_ops
+from graphc.artifact import read_manifest
 from graphc.generate import PagedKV, generate
 from graphc.models.checkpoint import load_model
 from graphc.paged import BlockAllocator, SequenceBlocks, step_metadata
@@ -164,8 +165,9 @@ def eager_tokens(tiny_checkpoints):
 
 @pytest.mark.parametrize("backend", ["export", "inductor"])
 def test_compiled_sparse_model_gives_the_eager_tokens(backend, compiled, eager_tokens):
-    results = Engine(compiled(SPARSE_V32, backend, "small")).generate(_requests())
-    assert [r.output_ids for r in results] == eager_tokens
+    artifacts = compiled(SPARSE_V32, backend, "small")
+    assert [r.output_ids for r in Engine(artifacts).generate(_requests())] == eager_tokens
+    assert read_manifest(artifacts).model["sparse_probabilities"] == "fp32"  # an fp32 model's default
 
 
 @pytest.mark.parametrize("cp, ep", [(2, 2), (4, 2)])

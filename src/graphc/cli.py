@@ -281,7 +281,8 @@ def inspect(artifacts: Path) -> None:
     m = read_manifest(artifacts)
     click.echo(f"graphc {m.graphc_version}, torch {m.torch_version}, backend {m.backend}, "
                f"format {m.format_version}")
-    click.echo(f"model {m.model_fingerprint[:16]} ({m.model['dtype']}); topology {m.topology}")
+    sparse = f", sparse attention P {m.model['sparse_probabilities']}" if "sparse_probabilities" in m.model else ""
+    click.echo(f"model {m.model_fingerprint[:16]} ({m.model['dtype']}{sparse}); topology {m.topology}")
     click.echo(f"buckets {m.buckets}; kv_cache {m.kv_cache}")
     for rank in m.ranks:
         size = (artifacts / rank.weights).stat().st_size

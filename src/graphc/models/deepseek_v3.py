@@ -428,6 +428,7 @@ class DeepseekV3(nn.Module):
         if sparse_probabilities not in SPARSE_PROBABILITIES:
             raise ValueError(f"sparse_probabilities {sparse_probabilities!r}; expected one of {SPARSE_PROBABILITIES}")
         self.args = args
+        self.sparse_probabilities = sparse_probabilities
         self.model = Backbone(args, local_experts, sparse_probabilities)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
