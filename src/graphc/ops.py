@@ -90,17 +90,19 @@ def context_block_table(block_table: Tensor, positions: Tensor, block_size: int,
 
 
 def read_context_keys(kv_pool: Tensor, layer: int, block_table: Tensor, positions: Tensor, shard: int = 0,
-                      num_shards: int = 1) -> tuple[Tensor, Tensor]:
-    """Every cached vector of this shard's blocks of each row's context, in logical order.
+                      num_shards: int = 1, dims: slice = slice(None)) -> tuple[Tensor, Tensor]:
+    """`dims` of every cached vector of this shard's blocks of each row's context, in logical order
+    (only those dims are gathered: the indexer reads its 128 of DeepSeek-V3.2's 704).
 
     Returns:
-        keys: [B, K, C] in the pool dtype, K = ceil(M / num_shards) * S; slots past the context hold
-            block 0's vectors (mask them with `key_positions`).
+        keys: [B, K, C'] in the pool dtype, K = ceil(M / num_shards) * S; slots past the context
+            hold block 0's vectors (mask them with `key_positions`).
         key_positions: [K] the absolute position of each local key.
     """
-    block_size, cached_dim = kv_pool.shape[2:]
+    block_size = kv_pool.shape[2]
     table = context_block_table(block_table, positions, block_size, shard, num_shards)  # [B, M']
-    keys = kv_pool[layer][table].reshape(table.shape[0], -1, cached_dim)  # [B, K, C]
+    cached = kv_pool[layer, :, :, dims]  # [N, S, C']
+    keys = cached[table].reshape(table.shape[0], -1, cached.shape[-1])  # [B, K, C']
     return keys, shard_key_positions(keys.shape[1], block_size, shard, num_shards, keys.device)
 
 
@@ -154,9 +156,10 @@ def paged_mla_attention_reference(
             key sets can be combined exactly.
     """
     latent_dim, rope_dim = q_latent.shape[-1], q_rope.shape[-1]
-    keys, key_positions = read_context_keys(kv_pool, layer, block_table, positions, shard, num_shards)
-    keys = keys.float()  # [B, K, C]
-    latent, k_rope = keys[..., :latent_dim], keys[..., latent_dim : latent_dim + rope_dim]  # [B, K, R], [B, K, P]
+    keys, key_positions = read_context_keys(kv_pool, layer, block_table, positions, shard, num_shards,
+                                            slice(0, latent_dim + rope_dim))
+    keys = keys.float()  # [B, K, R + P]
+    latent, k_rope = keys[..., :latent_dim], keys[..., latent_dim:]  # [B, K, R], [B, K, P]
     scores = torch.einsum("bqhr,bkr->bqhk", q_latent.float(), latent)  # [B, Q, H, K]
     scores = scores + torch.einsum("bqhp,bkp->bqhk", q_rope.float(), k_rope)
     scores = scores * softmax_scale

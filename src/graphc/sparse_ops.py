@@ -58,8 +58,9 @@ def paged_indexer_logits_reference(
     Returns:
         [B, Q, K] fp32 scores of this shard's keys, -inf where not visible.
     """
-    keys, key_positions = read_context_keys(kv_pool, layer, block_table, positions, shard, num_shards)
-    index_keys = keys[..., key_offset:].float()  # [B, K, J]
+    index_keys, key_positions = read_context_keys(kv_pool, layer, block_table, positions, shard, num_shards,
+                                                  slice(key_offset, None))
+    index_keys = index_keys.float()  # [B, K, J]
     scores = torch.einsum("bqij,bkj->bqik", q_index.float(), index_keys) * softmax_scale  # [B, Q, I, K]
     logits = torch.einsum("bqik,bqi->bqk", torch.relu(scores), head_weights.float())  # [B, Q, K]
     visible = key_positions[None, None, :] <= positions[:, :, None]  # [B, Q, K]
@@ -185,7 +186,7 @@ def sparse_mla_attention_reference(
         out: [B, Q, H, R] in the query dtype (0 where this shard holds none of the keys).
         lse: [B, Q, H] fp32 (-inf where this shard holds none of the keys).
     """
-    block_size, cached_dim = kv_pool.shape[2:]
+    block_size = kv_pool.shape[2]
     latent_dim, rope_dim = q_latent.shape[-1], q_rope.shape[-1]
     rows, queries, k = selected.shape
     block = selected // block_size  # [B, Q, k] logical block of each selected key
@@ -194,8 +195,8 @@ def sparse_mla_attention_reference(
     column = torch.where(here, block // num_shards, 0).view(rows, -1)  # [B, Q*k]
     pool_block = table.gather(1, column).view(rows, queries, k)  # [B, Q, k]
     slots = torch.where(here, pool_block * block_size + selected % block_size, 0)  # [B, Q, k]
-    keys = kv_pool[layer].reshape(-1, cached_dim)[slots].float()  # [B, Q, k, C]
-    latent, k_rope = keys[..., :latent_dim], keys[..., latent_dim : latent_dim + rope_dim]  # [B, Q, k, R], [.., P]
+    keys = kv_pool[layer, :, :, : latent_dim + rope_dim].reshape(-1, latent_dim + rope_dim)[slots].float()
+    latent, k_rope = keys[..., :latent_dim], keys[..., latent_dim:]  # [B, Q, k, R], [B, Q, k, P]
     scores = torch.einsum("bqhr,bqkr->bqhk", q_latent.float(), latent)  # [B, Q, H, k]
     scores = (scores + torch.einsum("bqhp,bqkp->bqhk", q_rope.float(), k_rope)) * softmax_scale
     scores = scores.masked_fill(~here[:, :, None, :], float("-inf"))
