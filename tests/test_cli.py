@@ -255,6 +255,25 @@ def test_make_tiny_unknown_preset_lists_presets(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_make_tiny_index_topk_only_for_presets_with_an_indexer(tmp_path):
+    line = error_line(invoke("checkpoint", "make-tiny", tmp_path / "x", "--index-topk", "8"))
+    assert line == "error: --index-topk: preset 'lora-groups' has no sparse-attention indexer; presets with one: v32"
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_v32_example_generates_with_sparse_attention(tmp_path):
+    """examples/tiny-v32.yaml with the checkpoint its header says how to make."""
+    made = invoke("checkpoint", "make-tiny", tmp_path / "build" / "tiny-v32-ckpt", "--preset", "v32", "--index-topk", "32")
+    assert made.exit_code == 0 and "index_topk 32" in made.stdout, made.output
+    assert json.loads((tmp_path / "build" / "tiny-v32-ckpt" / "config.json").read_text())["index_topk"] == 32
+    (tmp_path / "examples").mkdir()
+    example = shutil.copy(Path(__file__).parents[1] / "examples" / "tiny-v32.yaml", tmp_path / "examples")
+    result = invoke("generate", example, "--prompt-ids", ",".join(str(i % 250 + 2) for i in range(80)),
+                    "--max-new-tokens", "4")
+    assert result.exit_code == 0, result.output
+    assert len(result.stdout.strip().splitlines()[-1].split()) == 4  # the 4 new token ids
+
+
 # --- happy path ----------------------------------------------------------------------------------
 
 

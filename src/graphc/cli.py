@@ -45,14 +45,19 @@ def checkpoint() -> None:
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--fp8-block", type=click.IntRange(min=1), default=None,
               help="Store the projection weights as FP8 with NxN scale blocks (DeepSeek's release format uses 128).")
-def make_tiny(out: Path, preset: str | None, seed: int, force: bool, fp8_block: int | None) -> None:
-    """Write a tiny random DeepSeek-V3 checkpoint (config.json + model.safetensors) to OUT."""
+@click.option("--index-topk", type=click.IntRange(min=1), default=None,
+              help="DeepSeek-V3.2 presets: keys each query attends to (below the context: sparse attention).")
+def make_tiny(out: Path, preset: str | None, seed: int, force: bool, fp8_block: int | None,
+              index_topk: int | None) -> None:
+    """Write a tiny random DeepSeek-V3 / V3.2 checkpoint (config.json + model.safetensors) to OUT."""
     from graphc.models.tiny import DEFAULT_PRESET, make_tiny_checkpoint
 
     preset = preset or DEFAULT_PRESET
-    path = make_tiny_checkpoint(out, preset=preset, seed=seed, force=force, fp8_block=fp8_block)
+    path = make_tiny_checkpoint(out, preset=preset, seed=seed, force=force, fp8_block=fp8_block,
+                                index_topk=index_topk)
     fp8 = f", FP8 in {fp8_block}x{fp8_block} blocks" if fp8_block else ""
-    click.echo(f"wrote tiny checkpoint (preset {preset}, seed {seed}{fp8}) to {path}")
+    sparse = f", index_topk {index_topk}" if index_topk else ""
+    click.echo(f"wrote tiny checkpoint (preset {preset}, seed {seed}{fp8}{sparse}) to {path}")
 
 
 @checkpoint.command("presets")

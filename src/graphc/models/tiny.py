@@ -183,12 +183,14 @@ def quantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int]) -> di
 
 
 def make_tiny_checkpoint(out: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0, force: bool = False,
-                         fp8_block: int | None = None) -> Path:
+                         fp8_block: int | None = None, index_topk: int | None = None) -> Path:
     """Write config.json, model.safetensors and a byte-level tokenizer.json for `preset` into
-    `out`, atomically; with `fp8_block`, projection weights are FP8 with fp8_block^2 scale blocks.
+    `out`, atomically; with `fp8_block`, projection weights are FP8 with fp8_block^2 scale blocks;
+    `index_topk` replaces a V3.2 preset's (a value below the context makes attention sparse).
 
     Raises:
-        GraphcError: unknown preset, or `out` exists and `force` is not set.
+        GraphcError: unknown preset, `index_topk` for a preset without an indexer, or `out`
+            exists and `force` is not set.
     """
     out = Path(out)
     config = preset_config(preset)
@@ -196,6 +198,14 @@ def make_tiny_checkpoint(out: str | Path, preset: str = DEFAULT_PRESET, seed: in
         raise GraphcError(f"output {str(out)!r} already exists; pass --force to replace it")
     if fp8_block is not None and fp8_block < 1:
         raise GraphcError(f"fp8 block size {fp8_block} must be a positive integer")
+    if index_topk is not None:
+        if "index_topk" not in config:
+            with_indexer = [name for name in PRESETS if "index_topk" in PRESETS[name]]
+            raise GraphcError(f"--index-topk: preset {preset!r} has no sparse-attention indexer; "
+                              f"presets with one: {', '.join(with_indexer)}")
+        if index_topk < 1:
+            raise GraphcError(f"--index-topk: {index_topk} must be a positive integer")
+        config["index_topk"] = index_topk
     tensors = tiny_tensors(config, seed)
     if fp8_block is not None:
         tensors = quantize_fp8(tensors, (fp8_block, fp8_block))
