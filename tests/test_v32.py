@@ -7,7 +7,7 @@
   equal transformers'.)
 - Context parallel on real gloo ranks: every layer's top-k at cp = 2 and 4 is cp = 1's, and the
   tokens are cp = 1's.
-- Compiled and served (export, and inductor on one rank): the eager tokens, at cp = 1, 2, 4.
+- Compiled and served (export, and inductor on one rank): the eager tokens, at cp = 1 and 2.
 """
 
 from __future__ import annotations
@@ -170,8 +170,9 @@ def test_compiled_sparse_model_gives_the_eager_tokens(backend, compiled, eager_t
     assert read_manifest(artifacts).model["sparse_probabilities"] == "fp32"  # an fp32 model's default
 
 
-@pytest.mark.parametrize("cp, ep", [(2, 2), (4, 2)])
-def test_compiled_ranks_serve_the_eager_tokens(cp, ep, compiled, eager_tokens):
-    artifacts = compiled(SPARSE_V32, "export", "small", cp, ep)
-    [results] = serve(artifacts, [_requests()], world=cp)
+def test_compiled_ranks_serve_the_eager_tokens(compiled, eager_tokens):
+    """The top-k combine as a compiled collective, served by one process per rank (cp = 4 is the
+    eager test's above: the same ops, a larger group)."""
+    artifacts = compiled(SPARSE_V32, "export", "small", 2, 2)
+    [results] = serve(artifacts, [_requests()], world=2)
     assert [r.output_ids for r in results] == eager_tokens
