@@ -176,9 +176,12 @@ def _to_reference(value):
 def _reference_arguments(node: torch.fx.Node, env: dict) -> tuple[tuple, dict]:
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
     args, kwargs = _to_reference(args), {k: _to_reference(v) for k, v in kwargs.items()}
-    if graphc_op(node) == "graphc::sparse_mla_attention":
-        args = tuple(False if i == 8 else a for i, a in enumerate(args))  # bf16_probabilities: the reference's fp32 P
-        kwargs = {**kwargs, **({"bf16_probabilities": False} if "bf16_probabilities" in kwargs else {})}
+    if graphc_op(node) == "graphc::sparse_mla_attention":  # the reference's numerics: P in fp32
+        index = [a.name for a in node.target._schema.arguments].index("bf16_probabilities")
+        if index < len(args):
+            args = (*args[:index], False, *args[index + 1:])
+        else:
+            kwargs["bf16_probabilities"] = False
     return args, kwargs
 
 

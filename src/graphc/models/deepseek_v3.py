@@ -14,9 +14,9 @@ caches one key per token beside the MLA latent, scores every visible key for eac
 attends only to each query's top `index_topk` keys (`graphc.sparse_ops`).
 
 Shape letters: B rows, Q tokens per row, T = B*Q tokens, D hidden, H heads, R kv_lora_rank,
-P qk_rope_head_dim, C = R + P (+ J under sparse attention), E routed experts, K experts per token, I expert width, V vocab,
-L layers, N pool blocks, S block size, M blocks per row, I indexer heads, J indexer head width,
-k keys selected per query.
+P qk_rope_head_dim, C = R + P (+ J under sparse attention), E routed experts, K experts per
+token, I expert width, V vocab, L layers, N pool blocks, S block size, M blocks per row, G indexer
+heads, J indexer head width, k keys selected per query.
 """
 
 from __future__ import annotations
@@ -248,8 +248,8 @@ class Indexer(nn.Module):
     """DeepSeek-V3.2's lightning indexer: picks the keys each query's sparse attention reads.
 
     Its key (one per token, J wide, cached after the MLA part of the slot) is LayerNorm(W_k x)
-    with its first P dims roped in the half-split layout; its I query heads come from the q
-    latent. A key's score is sum over heads of w_i * relu(q_i . k / sqrt(J)), w = W_w x / sqrt(I)
+    with its first P dims roped in the half-split layout; its G query heads come from the q
+    latent. A key's score is sum over heads of w_g * relu(q_g . k / sqrt(J)), w = W_w x / sqrt(G)
     in fp32. (DeepSeek's kernel also rotates q and k by a Hadamard transform, which preserves the
     dot products, and quantises them to FP8; like transformers, graphc scores in full precision.)
     """
@@ -285,8 +285,8 @@ class Indexer(nn.Module):
         """
         rows, width = x.shape[:2]
         q = self._rope(self.wq_b(q_latent).view(rows, width, self.heads, self.head_dim),
-                       cos[:, :, None], sin[:, :, None])  # [B, Q, I, J]
-        head_weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads**-0.5  # [B, Q, I]
+                       cos[:, :, None], sin[:, :, None])  # [B, Q, G, J]
+        head_weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads**-0.5  # [B, Q, G]
         parallel, block_size = step.parallel, step.kv_pool.shape[2]
         logits = sparse_ops.paged_indexer_logits(
             q, head_weights, step.kv_pool, self.layer, step.block_table, step.positions, self.key_offset,
