@@ -31,17 +31,9 @@ from graphc.models.checkpoint import load_model
 from graphc.models.tiny import make_tiny_checkpoint
 from graphc.pipeline import CompileOptions, compile
 from graphc.runtime import Engine, Request
+from timing import best_of
 
 PROMPT, LONG_PROMPT, NEW = 16, 128, 65
-
-
-def best_of(repeats, fn):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def prompts(batch, length):

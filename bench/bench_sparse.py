@@ -17,13 +17,13 @@ dense cost over k selected keys.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from graphc.ops import paged_mla_attention_reference
 from graphc.sparse_ops import (index_candidates_reference, paged_indexer_logits_reference,
                                sparse_mla_attention_reference)
+from timing import best_of
 
 HEADS, LATENT, ROPE, INDEX_HEADS, INDEX_DIM, TOPK, BLOCK = 128, 512, 64, 64, 128, 2048, 64
 SCALE = (128 + 64) ** -0.5
@@ -38,17 +38,6 @@ def sparse(q_latent, q_rope, q_index, weights, pool, table, positions, bf16: boo
                                             INDEX_DIM**-0.5)
     selected, _ = index_candidates_reference(logits, TOPK, BLOCK)
     return sparse_mla_attention_reference(q_latent, q_rope, pool, 0, table, positions, selected, SCALE, bf16)
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()  # warm-up (and compile)
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:
@@ -68,11 +57,12 @@ def main() -> None:
         q_latent, q_rope = torch.randn(1, 1, HEADS, LATENT), torch.randn(1, 1, HEADS, ROPE)
         q_index, weights = torch.randn(1, 1, INDEX_HEADS, INDEX_DIM), torch.randn(1, 1, INDEX_HEADS)
         with torch.no_grad():
-            t_dense = best_of(lambda: dense_step(q_latent, q_rope, pool, table, positions), args.repeats)
-            t_sparse = best_of(lambda: sparse_step(q_latent, q_rope, q_index, weights, pool, table, positions, False),
-                               args.repeats)
-            t_bf16 = best_of(lambda: sparse_step(q_latent, q_rope, q_index, weights, pool, table, positions, True),
-                             args.repeats)
+            # Two warm-up calls: the first compiles.
+            t_dense = best_of(args.repeats, lambda: dense_step(q_latent, q_rope, pool, table, positions), warmup=2)
+            t_sparse = best_of(args.repeats, lambda: sparse_step(q_latent, q_rope, q_index, weights, pool, table,
+                                                                 positions, False), warmup=2)
+            t_bf16 = best_of(args.repeats, lambda: sparse_step(q_latent, q_rope, q_index, weights, pool, table,
+                                                               positions, True), warmup=2)
         per_key = HEADS * (LATENT + ROPE) + HEADS * LATENT
         macs = context * per_key / (context * INDEX_HEADS * INDEX_DIM + min(TOPK, context) * per_key)
         print(f"{context:>8} {t_dense * 1e3:>9.2f} {t_sparse * 1e3:>10.2f} {t_bf16 * 1e3:>10.2f} "
