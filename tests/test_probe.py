@@ -58,8 +58,7 @@ def test_a_perturbed_aten_op_is_named(tiny_checkpoints):
     compiled = compile_layer(program, backend_passes("export"), Bucket("prefill", 24), 3)
     silu = next(n for n in compiled.graph.nodes if n.target is torch.ops.aten.silu.default)
     silu.target = lambda x: torch.ops.aten.silu.default(x) * (1 + 1e-3)  # a lowering 0.1% off
-    report = compare(compiled, program, run_reference(program, inputs), inputs, torch.float32, 1e-5,
-                     ProbeReport(1, torch.float32, 1e-5, 24))
+    report = compare(compiled, program, run_reference(program, inputs), inputs, ProbeReport(1, torch.float32, 1e-5, 24))
     assert report.first is not None and report.first.node == silu.name
     assert report.first.rounding_point is None
     assert report.first.relative == pytest.approx(1e-3, rel=0.05)

@@ -22,6 +22,7 @@ sides read, not in any op.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 import re
@@ -197,12 +198,18 @@ def run_reference(program, inputs: list) -> dict:
     return env
 
 
+@functools.cache
+def _source_lines(function) -> tuple[str, range]:
+    """The file and line numbers of `function`'s source (read once)."""
+    lines, start = inspect.getsourcelines(function)
+    return inspect.getsourcefile(function), range(start, start + len(lines))
+
+
 def _within(node: torch.fx.Node, function) -> bool:
     """Whether the model source line that produced `node` lies in `function`."""
-    lines, start = inspect.getsourcelines(function)
-    file = inspect.getsourcefile(function)
+    file, lines = _source_lines(function)
     trace = node.meta.get("stack_trace") or ""
-    return any(f'File "{file}", line {n},' in trace for n in range(start, start + len(lines)))
+    return any(f'File "{file}", line {n},' in trace for n in lines)
 
 
 def _rounding_point(node: torch.fx.Node, reference_nodes: dict, dtype: torch.dtype) -> str | None:
@@ -248,9 +255,10 @@ def _difference(compiled: Tensor, reference: Tensor) -> tuple[float, float]:
     return worst, worst / scale if scale > 0 else worst
 
 
-def compare(compiled_program, reference_program, reference_env: dict, inputs: list, dtype: torch.dtype,
-            tolerance: float, report: ProbeReport) -> ProbeReport:
-    """Run `compiled_program` op by op on the reference's inputs; fill `report`."""
+def compare(compiled_program, reference_program, reference_env: dict, inputs: list,
+            report: ProbeReport) -> ProbeReport:
+    """Run `compiled_program` op by op on the reference's inputs; fill `report` (its dtype and
+    tolerance say what the compiled side runs in and what counts)."""
     reference_nodes = {n.name: n for n in reference_program.graph.nodes}
     own: dict = {}
     placeholders = [n for n in compiled_program.graph.nodes if n.op == "placeholder"]
@@ -277,11 +285,11 @@ def compare(compiled_program, reference_program, reference_env: dict, inputs: li
             continue  # tuples (their getitems are compared), and ops that return nothing
         report.compared += 1
         max_abs, relative = _difference(out, reference)
-        point = _rounding_point(node, reference_nodes, dtype)
+        point = _rounding_point(node, reference_nodes, report.dtype)
         found = OpDifference(node.name, str(node.target), _source(node), max_abs, relative, point)
         if point and relative > 0:
             report.rounding_points.append(found)
-        if relative > tolerance and report.first is None:
+        if relative > report.tolerance and report.first is None:
             report.first = found
     return report
 
@@ -322,4 +330,4 @@ def probe(config, layer: int, tokens: int | None = None, tolerance: float | None
     report = ProbeReport(layer, dtype, tolerance if tolerance is not None else DEFAULT_TOLERANCE[dtype], length,
                          fp8_weights=[n.removeprefix(prefix) for n in fp8_tensors(config.model.checkpoint)
                                       if n.startswith(prefix)])
-    return compare(compiled, program, run_reference(program, inputs), inputs, dtype, report.tolerance, report)
+    return compare(compiled, program, run_reference(program, inputs), inputs, report)
