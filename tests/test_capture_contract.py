@@ -15,8 +15,17 @@ from graphc.models.checkpoint import load_model
 from graphc.paged import BlockAllocator, SequenceBlocks, step_metadata
 
 
+ROUTED_EXPERT_OPS = {
+    "dense": {"graphc::expert_shard": 1},
+    "gather": {"graphc::expert_routes": 1},
+    "grouped": {"graphc::expert_routes": 1, "graphc::grouped_mm": 2},
+}
+"""Per MoE layer, the graphc ops of each routed-expert form."""
+
+
 @pytest.mark.parametrize("preset", ["lora-groups", "direct-q-yarn"])
-def test_export_keeps_graphc_ops_as_single_nodes_and_matches_eager(preset, tiny_checkpoints):
+@pytest.mark.parametrize("moe_form", list(ROUTED_EXPERT_OPS))
+def test_export_keeps_graphc_ops_as_single_nodes_and_matches_eager(preset, moe_form, tiny_checkpoints):
     model = load_model(tiny_checkpoints[preset])
     args = model.args
     seq = SequenceBlocks(16)
@@ -24,7 +33,8 @@ def test_export_keeps_graphc_ops_as_single_nodes_and_matches_eager(preset, tiny_
     inputs = step_metadata([(seq, list(range(3, 11)), 0)], width=8, blocks_per_row=4)
     ids, positions, table, slots, last = inputs
     with torch.no_grad():
-        exported = torch.export.export(model, (ids, positions, table, slots, model.new_kv_pool(4, 16), last))
+        exported = torch.export.export(model, (ids, positions, table, slots, model.new_kv_pool(4, 16), last),
+                                       {"moe_form": moe_form})
     counts = Counter(
         node.target.name() for node in exported.graph.nodes
         if node.op == "call_function" and str(node.target).startswith("graphc.")
@@ -36,11 +46,11 @@ def test_export_keeps_graphc_ops_as_single_nodes_and_matches_eager(preset, tiny_
         "graphc::attention_combine": args.num_hidden_layers,
         "graphc::moe_dispatch": moe_layers,
         "graphc::moe_combine": moe_layers,
-        "graphc::expert_shard": moe_layers,
+        **{op: n * moe_layers for op, n in ROUTED_EXPERT_OPS[moe_form].items()},
     }
     eager_pool, exported_pool = model.new_kv_pool(4, 16), model.new_kv_pool(4, 16)
     with torch.no_grad():
-        expected = model(ids, positions, table, slots, eager_pool, last)
-        actual = exported.module()(ids, positions, table, slots, exported_pool, last)
+        expected = model(ids, positions, table, slots, eager_pool, last, moe_form=moe_form)
+        actual = exported.module()(ids, positions, table, slots, exported_pool, last, moe_form=moe_form)
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
     torch.testing.assert_close(exported_pool, eager_pool, rtol=0, atol=0)

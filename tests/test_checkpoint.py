@@ -119,12 +119,18 @@ def test_every_preset_loads_with_stored_values(preset, tiny_checkpoints):
 
     moe = config["first_k_dense_replace"]  # first MoE layer
     experts = config["n_routed_experts"]
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        stacked = f"model.layers.{moe}.mlp.experts.{proj}"
-        per_expert = [stored[f"model.layers.{moe}.mlp.experts.{e}.{proj}.weight"] for e in range(experts)]
+    def per_expert(proj):
+        return [stored[f"model.layers.{moe}.mlp.experts.{e}.{proj}.weight"] for e in range(experts)]
+
+    # Stored as the graphs read them: gate and up fused per expert, gate rows first.
+    fused = {"gate_up_proj": [torch.cat(pair) for pair in zip(per_expert("gate_proj"), per_expert("up_proj"))],
+             "down_proj": per_expert("down_proj")}
+    for param, parts in fused.items():
+        stacked = f"model.layers.{moe}.mlp.experts.{param}"
+        projections = ("gate_proj", "up_proj") if param == "gate_up_proj" else ("down_proj",)
         assert hf_tensor_names(stacked, experts) == [f"model.layers.{moe}.mlp.experts.{e}.{proj}.weight"
-                                                     for e in range(experts)]
-        torch.testing.assert_close(params[stacked], torch.stack(per_expert), rtol=0, atol=0)
+                                                     for e in range(experts) for proj in projections]
+        torch.testing.assert_close(params[stacked], torch.stack(parts), rtol=0, atol=0)
     bias = f"model.layers.{moe}.mlp.gate.e_score_correction_bias"
     torch.testing.assert_close(state[bias], stored[bias], rtol=0, atol=0)
 
@@ -135,7 +141,8 @@ def test_every_stored_main_tensor_is_loaded(tiny_checkpoints, reference_model):
     args = reference_model.args
     for name, value in reference_model.state_dict().items():
         names = hf_tensor_names(name, args.n_routed_experts)
-        expected = torch.stack([stored[n] for n in names]) if len(names) > 1 else stored[names[0]]
+        # Stacked experts: per-expert projections in order, fused ones (gate, up) adjacent.
+        expected = torch.stack([stored[n] for n in names]).view(value.shape) if len(names) > 1 else stored[names[0]]
         torch.testing.assert_close(value, expected, rtol=0, atol=0, msg=name)
 
 

@@ -84,7 +84,8 @@ def test_loading_dequantises_every_weight_exactly(fp8_checkpoint):
     expected = direct_dequantize(stored["model.layers.1.self_attn.q_a_proj.weight"],
                                  stored["model.layers.1.self_attn.q_a_proj.weight" + SCALE_SUFFIX], (BLOCK, BLOCK))
     assert torch.equal(q_a, expected)
-    expert = params["model.layers.1.mlp.experts.up_proj"][3]
+    intermediate = params["model.layers.1.mlp.experts.down_proj"].shape[-1]
+    expert = params["model.layers.1.mlp.experts.gate_up_proj"][3, intermediate:]  # expert 3's up rows
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
     assert torch.equal(expert, dequantize(stored[name], stored[name + SCALE_SUFFIX], (BLOCK, BLOCK)))
     assert torch.equal(params["lm_head.weight"], stored["lm_head.weight"])

@@ -27,7 +27,7 @@ import yaml
 from graphc import __version__
 from graphc.errors import GraphcError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "manifest.yaml"
 
 
@@ -57,6 +57,8 @@ class GraphEntry:
     inputs: dict[str, TensorSpec]
     """Step inputs (not weights) by name, with the shape the graph was compiled for; a dim of -1
     is the pool's block count, which is sized at run time."""
+    moe_form: str
+    """The routed experts' formulation the graph computes (`graphc.models.moe_forms.MOE_FORMS`)."""
 
 
 @dataclass(frozen=True)

@@ -53,19 +53,20 @@ class StepGraph(torch.nn.Module):
         logits: [B, V] the logits it was sampled from.
     """
 
-    def __init__(self, model: DeepseekV3, parallel: Parallelism = Parallelism()):
+    def __init__(self, model: DeepseekV3, parallel: Parallelism = Parallelism(), moe_form: str | None = None):
         super().__init__()
         # Held in a list so nn.Module does not register it: its tensors must reach the graph as
         # inputs, not as lifted parameters.
         self._model = [model]
         self.weight_names = weight_names(model)
         self.parallel = parallel
+        self.moe_form = moe_form
 
     def forward(self, weights: list[Tensor], input_ids, positions, block_table, slot_mapping, kv_pool,
                 logits_index, temperature, top_k, top_p, seed) -> tuple[Tensor, Tensor]:
         logits = torch.func.functional_call(
             self._model[0], dict(zip(self.weight_names, weights)),
-            (input_ids, positions, block_table, slot_mapping, kv_pool, logits_index), {"parallel": self.parallel},
+            (input_ids, positions, block_table, slot_mapping, kv_pool, logits_index), {"parallel": self.parallel, "moe_form": self.moe_form},
         )  # [B, V]
         return ops.sample(logits, temperature, top_k, top_p, seed), logits
 
@@ -90,14 +91,15 @@ def example_step_inputs(bucket: Bucket, blocks_per_row: int, kv_pool_shape: tupl
 
 
 def capture_bucket(model: DeepseekV3, bucket: Bucket, blocks_per_row: int, num_blocks: int,
-                   block_size: int, parallel: Parallelism = Parallelism()) -> ExportedProgram:
+                   block_size: int, parallel: Parallelism = Parallelism(), moe_form: str | None = None) -> ExportedProgram:
     """Export the step for one bucket shape.
 
-    `parallel` fixes what changes shapes (group sizes, the MoE form; `model` holds one rank's
-    share of the experts); the rank-specific numbers it carries are rank 0's, and the
-    `specialise_rank` pass rewrites them for the other ranks.
+    `parallel` fixes what changes shapes (group sizes, static or generic MoE; `model` holds one
+    rank's share of the experts); the rank-specific numbers it carries are rank 0's, and the
+    `specialise_rank` pass rewrites them for the other ranks. `moe_form` fixes the routed
+    experts' formulation (`MOE_FORMS`; by default the model's rule for the bucket's size).
     """
-    step = StepGraph(model, parallel)
+    step = StepGraph(model, parallel, moe_form)
     args = model.args
     pool_shape = (args.num_hidden_layers, num_blocks, block_size, args.kv_cache_dim)
     inputs = example_step_inputs(bucket, blocks_per_row, pool_shape, model.dtype)

@@ -282,6 +282,7 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
 def inspect(artifacts: Path) -> None:
     """Show ARTIFACTS' buckets, graphs, sizes and op counts (verifies hashes first)."""
     from graphc.artifact import read_manifest
+    from graphc.buckets import Bucket
 
     m = read_manifest(artifacts)
     click.echo(f"graphc {m.graphc_version}, torch {m.torch_version}, backend {m.backend}, "
@@ -294,11 +295,11 @@ def inspect(artifacts: Path) -> None:
         click.echo(f"rank {rank.rank}: weights {rank.weights} ({size / 1e6:.2f} MB), "
                    f"{'samples' if rank.samples else 'no sampler'}")
         for g in rank.graphs:
-            label = f"{g.kind}-{g.size}"
+            label = Bucket(g.kind, g.size, g.tokens_per_row).name
             counts = m.extra.get("op_counts", {}).get(f"{label} rank {rank.rank}", {})
             graphc_ops = ", ".join(f"{op} x{n}" for op, n in sorted(counts.items()) if op.startswith("graphc::"))
             click.echo(f"  {label:12s} {g.file} ({(artifacts / g.file).stat().st_size / 1e6:.2f} MB; "
-                       f"{sum(counts.values())} ops; {graphc_ops})")
+                       f"MoE {g.moe_form}; {sum(counts.values())} ops; {graphc_ops})")
 
 
 @cli.command()

@@ -56,6 +56,12 @@ class ModelSection:
     P @ V product. 'bf16' rounds P as FlashMLA's sparse kernel does (its denominator still sums the
     fp32 values); 'fp32' keeps P in fp32, as the public reference implementations do. Default:
     'bf16' for a bfloat16 model, 'fp32' for a float32 one."""
+    moe_form: Literal["auto", "dense", "gather", "grouped"] = "auto"
+    """The routed experts' formulation in every compiled graph: 'gather' (each routed token reads
+    its experts' weights by id; for decode-sized steps), 'grouped' (routes sorted by expert, one
+    GEMM per expert; for prefill-sized steps), 'dense' (every expert on every token: the
+    reference), or 'auto', which picks gather or grouped per bucket by expert weight reads
+    (`graphc.models.moe_forms.moe_form_for`). All are exact; `graphc plan` shows the choice."""
 
 
 @dataclass(frozen=True)

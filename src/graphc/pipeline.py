@@ -23,6 +23,7 @@ from graphc.errors import GraphcError
 from graphc.emit import CompileJob, compile_all, program_key
 from graphc.models.checkpoint import load_model, load_model_args
 from graphc.models.deepseek_v3 import DeepseekV3, Parallelism
+from graphc.models.moe_forms import step_moe_form
 from graphc.passes.dead_code_elimination import dead_code_elimination
 from graphc.passes.inline_reference_kernels import inline_reference_kernels
 from graphc.passes.lower_trivial_collectives import lower_trivial_collectives
@@ -96,7 +97,12 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         parallel = Parallelism(cp=topology.cp, ep=topology.ep,
                                tokens_replicated=topology.ep > 1 and "static_moe" not in options.disabled_passes)
         buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode)
-        captured = {bucket: capture_bucket(models[0], bucket, blocks_per_row, kv.num_blocks, kv.block_size, parallel)
+        args = models[0].args
+        moe_forms = {bucket: step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
+                                           args.n_routed_experts, topology.ep, parallel.tokens_replicated)
+                     for bucket in buckets}
+        captured = {bucket: capture_bucket(models[0], bucket, blocks_per_row, kv.num_blocks, kv.block_size, parallel,
+                                           moe_forms[bucket])
                     for bucket in buckets}
         # 3. Specialise each program for each rank.
         passes = backend_passes(backend)
@@ -130,10 +136,10 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                 name = f"graphs/{compiled[key].name}"
                 if not (staging / name).exists():
                     shutil.copyfile(compiled[key], staging / name)
-                graphs.append(GraphEntry(bucket.kind, bucket.size, bucket.tokens_per_row, name, sha256_file(staging / name), inputs))
+                graphs.append(GraphEntry(bucket.kind, bucket.size, bucket.tokens_per_row, name, sha256_file(staging / name),
+                                         inputs, moe_forms[bucket]))
             weights_file, weights_sha, weight_names = weights[topology.ep_rank(rank)]
             ranks.append(RankEntry(rank, weights_file, weights_sha, weight_names, graphs, samples=rank == 0))
-        args = models[0].args
         tokenizer = config.model.checkpoint / "tokenizer.json"
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, staging / "tokenizer.json")

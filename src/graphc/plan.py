@@ -17,6 +17,7 @@ from graphc.buckets import (Bucket, Histogram, all_buckets, chunk_histogram, max
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
 from graphc.models.args import ModelArgs
+from graphc.models.moe_forms import step_moe_form
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -87,12 +88,14 @@ def describe(config: GraphcConfig, args: ModelArgs, workload: Histogram | None) 
     lines += [f"graphs: {len(buckets)} per rank x {world} rank(s) = {len(buckets) * world} in all, "
               f"{len(buckets) * world} distinct" + (" (each rank's are specialised to its KV shard and experts; "
                                                     "only the leader's sample)" if world > 1 else "")]
-    lines.append(f"collectives per step, every rank (cp={t.cp}, ep={t.ep}, static MoE):")
+    lines.append(f"routed-expert form and collectives per step, every rank (cp={t.cp}, ep={t.ep}, static MoE):")
     for bucket in buckets:
         slots = -(-config.buckets.context_limit // config.kv_cache.block_size) * config.kv_cache.block_size
         calls = step_collectives(args, t.cp, t.ep, bucket, config.model.dtype, context_slots=slots)
         text = ", ".join(f"{c.count} x {c.op}({c.group}) of {_bytes(c.bytes_in)}" for c in calls) or "none"
-        lines.append(f"  {bucket.name:14s} {text}")
+        form = step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
+                             args.n_routed_experts, t.ep, tokens_replicated=True)
+        lines.append(f"  {bucket.name:14s} MoE {form:8s} {text}")
     return lines
 
 

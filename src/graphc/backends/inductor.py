@@ -6,7 +6,9 @@ from pathlib import Path
 
 import torch
 
-import graphc.ops  # noqa: F401  (registers graphc:: ops before the program is loaded)
+import graphc.moe_ops  # noqa: F401  (registers graphc:: ops before the program is loaded)
+import graphc.ops  # noqa: F401
+import graphc.sparse_ops  # noqa: F401
 
 
 def compile_program(program: Path, out: Path) -> None:

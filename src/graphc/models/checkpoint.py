@@ -1,8 +1,10 @@
 """Load HF-layout DeepSeek-V3 checkpoints (`config.json` + safetensors) into `DeepseekV3`.
 
 The on-disk names are the HF / DeepSeek ones. graphc's module uses the same names except the routed
-experts, which it stacks: `model.layers.{i}.mlp.experts.{e}.gate_proj.weight` for e in 0..E-1
-becomes `model.layers.{i}.mlp.experts.gate_proj` [E, I, D]. FP8 block-quantised weights (DeepSeek's
+experts, which it stacks in the layout the compiled graphs read: `model.layers.{i}.mlp.experts.{e}.
+gate_proj.weight` and `up_proj.weight` for e in 0..E-1 become `model.layers.{i}.mlp.experts.gate_up_proj`
+[E, 2I, D] (each expert's gate rows, then its up rows), and `down_proj.weight` becomes `down_proj`
+[E, D, I]. FP8 block-quantised weights (DeepSeek's
 release format: a float8_e4m3fn `X.weight` with its `X.weight_scale_inv`) are dequantised exactly
 on load (models/fp8.py).
 """
@@ -23,7 +25,9 @@ from graphc.models.args import ModelArgs, model_args_from_hf_config, read_hf_con
 from graphc.models.deepseek_v3 import FP32_SUFFIXES, DeepseekV3
 from graphc.models.fp8 import FP8, SCALE_SUFFIX, dequantize
 
-STACKED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+STACKED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+"""Each stacked expert parameter's checkpoint projections, concatenated along rows in this order."""
 LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -37,8 +41,9 @@ def hf_tensor_names(graphc_name: str, experts: int | range) -> list[str]:
     (`experts`: how many routed experts, or which ones)."""
     stacked = STACKED_EXPERT.match(graphc_name)
     if stacked:
-        prefix, proj = stacked.groups()
-        return [f"{prefix}.{e}.{proj}.weight" for e in (range(experts) if isinstance(experts, int) else experts)]
+        prefix, fused = stacked.groups()
+        return [f"{prefix}.{e}.{proj}.weight" for e in (range(experts) if isinstance(experts, int) else experts)
+                for proj in EXPERT_PROJECTIONS[fused]]
     return [graphc_name]
 
 
@@ -51,7 +56,12 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         if name == "lm_head.weight" and args.tie_word_embeddings:
             continue
         names = hf_tensor_names(name, args.n_routed_experts)
-        shape = tuple(tensor.shape[1:]) if STACKED_EXPERT.match(name) else tuple(tensor.shape)
+        stacked = STACKED_EXPERT.match(name)
+        if stacked:  # [E, rows, cols] from per-expert [rows / parts, cols] projections
+            rows, cols = tensor.shape[1:]
+            shape = (rows // len(EXPERT_PROJECTIONS[stacked.group(2)]), cols)
+        else:
+            shape = tuple(tensor.shape)
         shapes.update({n: shape for n in names})
     return shapes
 
@@ -160,7 +170,11 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
             target = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
             parts = [_read_tensor(handles, files, n, expected[n], block).to(device=device, dtype=target)
                      for n in hf_tensor_names(name, experts)]
-            state[name] = torch.stack(parts) if STACKED_EXPERT.match(name) else parts[0]
+            stacked = STACKED_EXPERT.match(name)
+            if stacked:
+                per_expert = len(EXPERT_PROJECTIONS[stacked.group(2)])
+                parts = [torch.cat(parts[i:i + per_expert]) for i in range(0, len(parts), per_expert)]
+            state[name] = torch.stack(parts) if stacked else parts[0]
     if args.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)

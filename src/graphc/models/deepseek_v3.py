@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphc import ops, sparse_ops
+from graphc import moe_ops, ops, sparse_ops
 from graphc.models.args import ModelArgs, RopeArgs, yarn_mscale
+from graphc.models.moe_forms import MOE_FORMS, moe_form_for
 
 FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "self_attn.indexer.weights_proj.weight")
 """Parameters that stay fp32 whatever the model dtype, as DeepSeek (and transformers) keep them:
@@ -195,31 +196,75 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """The routed experts as stacked weights, computed densely over static shapes.
+    """The routed experts as stacked weights, in one of three static-shape forms (`MOE_FORMS`).
 
-    Every expert runs on every token and a [T, E] combine matrix (zero off the chosen experts)
-    weighs the results: no data-dependent shapes, so one graph serves every routing. Expert
-    parallelism shards the E axis: a rank holds E_local = E / ep experts, and `graphc::expert_shard`
-    picks their columns of the combine matrix.
+    - `dense`: every expert on every token, weighed by a [T, E'] combine matrix zero off the
+      chosen experts; reads every expert's weights. The reference.
+    - `gather`: each route (token, chosen expert) reads its expert's weights by id and computes
+      one row: T*K expert reads, no sort. For decode-sized steps.
+    - `grouped`: the routes sorted by expert, one GEMM per expert over its rows
+      (`graphc::grouped_mm`), unsorted and weighed: T*K rows of compute, each used expert read
+      once. For prefill-sized steps.
+
+    Expert parallelism shards E: a rank holds E' = E / ep experts. The dense form picks its
+    experts' columns of the combine matrix (`graphc::expert_shard`); the sparse forms renumber
+    the routes to local ids (`graphc::expert_routes`): off-shard routes get weight 0, and the
+    grouped form computes no row for them.
+
+    Weights are stored in the layout the forms read: gate and up fused into one [E', 2I, D]
+    matrix per expert (one gather, one GEMM), down as [E', D, I]; both reduce over their
+    contiguous last dim, and the grouped form reads them through transposed views.
     """
 
     def __init__(self, args: ModelArgs, local_experts: int | None = None):
         super().__init__()
         self.n_routed_experts = args.n_routed_experts
         experts, dim, hidden = local_experts or args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
-        self.gate_proj = nn.Parameter(torch.empty(experts, hidden, dim))  # [E, I, D]
-        self.up_proj = nn.Parameter(torch.empty(experts, hidden, dim))  # [E, I, D]
-        self.down_proj = nn.Parameter(torch.empty(experts, dim, hidden))  # [E, D, I]
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * hidden, dim))  # [E', F, D]: gate rows, then up
+        self.down_proj = nn.Parameter(torch.empty(experts, dim, hidden))  # [E', D, I]
 
-    def forward(self, x: Tensor, weights: Tensor, ids: Tensor, parallel: Parallelism) -> Tensor:
-        """x [T, D], weights/ids [T, K] -> [T, D] (this rank's experts' share)."""
-        combine = torch.zeros(x.shape[0], self.n_routed_experts, dtype=weights.dtype, device=x.device)
-        combine = ops.expert_shard(combine.scatter(1, ids, weights), parallel.ep_rank, parallel.ep)  # [T, E_local]
-        gate = torch.einsum("td,eid->eti", x, self.gate_proj)  # [E, T, I]
-        up = torch.einsum("td,eid->eti", x, self.up_proj)  # [E, T, I]
-        out = torch.einsum("eti,edi->etd", F.silu(gate) * up, self.down_proj)  # [E, T, D]
-        # Weigh and sum the experts in fp32 (the weights are fp32): one rounding, not E of them.
-        return torch.einsum("etd,te->td", out.float(), combine).to(x.dtype)  # [T, D]
+    @property
+    def local_experts(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor, parallel: Parallelism, form: str) -> Tensor:
+        """x [T, D], weights/ids [T, K] -> [T, D] (this rank's experts' share).
+
+        One function for the three forms: torch.export records the stack of `forward` frames
+        only, and `graphc probe` names the source line of each op from it.
+        """
+        width = self.down_proj.shape[-1]
+        if form == "dense":
+            combine = torch.zeros(x.shape[0], self.n_routed_experts, dtype=weights.dtype, device=x.device)
+            combine = ops.expert_shard(combine.scatter(1, ids, weights), parallel.ep_rank, parallel.ep)  # [T, E']
+            gate, up = torch.einsum("td,efd->etf", x, self.gate_up_proj).split(width, dim=-1)  # [E', T, I] each
+            out = torch.einsum("eti,edi->etd", F.silu(gate) * up, self.down_proj)  # [E', T, D]
+            # Weigh and sum the experts in fp32 (the weights are fp32): one rounding, not E of them.
+            return torch.einsum("etd,te->td", out.float(), combine).to(x.dtype)  # [T, D]
+        ids, weights = moe_ops.expert_routes(ids, weights, self.n_routed_experts, parallel.ep_rank, parallel.ep)
+        if form == "gather":
+            # Multiply-and-sum over gathered weights, so a compiler fuses the gather into the
+            # reduction (each weight read once, never copied); products accumulate in fp32, as a
+            # matmul's would. Off-shard routes (weight 0) read a real expert.
+            experts = ids.clamp(max=self.local_experts - 1)  # [T, K]
+            gate_up = (x.float()[:, None, None, :] * self.gate_up_proj[experts].float()).sum(-1)  # [T, K, F]
+            gate, up = gate_up.to(x.dtype).split(width, dim=-1)  # [T, K, I] each
+            hidden = (F.silu(gate) * up).float()  # [T, K, I]
+            routed = (hidden[:, :, None, :] * self.down_proj[experts].float()).sum(-1).to(x.dtype)  # [T, K, D]
+        else:
+            tokens, per_token = ids.shape
+            routes = ids.reshape(-1)  # [M] local expert of each route, E' off-shard
+            order = routes.argsort(stable=True)  # [M] routes grouped by expert, off-shard last
+            counts = torch.zeros(self.local_experts + 1, dtype=torch.int64, device=x.device)
+            counts = counts.scatter_add(0, routes, torch.ones_like(routes))[:-1]  # [E'] routes per local expert
+            offsets = counts.cumsum(0).to(torch.int32)  # [E']
+            rows = x[order // per_token]  # [M, D] each route's token
+            gate, up = moe_ops.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offsets).split(width, dim=-1)  # [M, I]
+            out = moe_ops.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offsets)  # [M, D]; 0 off-shard
+            unsort = torch.zeros_like(order).scatter(0, order, torch.arange(order.shape[0], device=x.device))  # [M]
+            routed = out[unsort].view(tokens, per_token, -1)  # [T, K, D]
+        # Weigh and sum the routes in fp32 (the weights are fp32): one rounding, not K of them.
+        return torch.einsum("tkd,tk->td", routed.float(), weights).to(x.dtype)  # [T, D]
 
 
 class MoE(nn.Module):
@@ -229,19 +274,25 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(args, local_experts)
         self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
 
-    def forward(self, x: Tensor, parallel: Parallelism) -> Tensor:
+    def forward(self, x: Tensor, step: "StepInputs") -> Tensor:
         """x [B, Q, D] -> [B, Q, D]."""
+        parallel = step.parallel
         tokens = x.reshape(-1, x.shape[-1])  # [T, D]
         if parallel.tokens_replicated:
             # Static MoE: the group already shares these tokens; each rank adds its experts' share.
             weights, ids = self.gate(tokens)  # [T, K]
-            routed = ops.all_reduce(self.experts(tokens, weights, ids, parallel), "ep")  # [T, D]
+            routed = ops.all_reduce(self.experts(tokens, weights, ids, parallel, self._form(tokens, step)), "ep")  # [T, D]
         else:
             # Generic: route after dispatch, so every rank routes the tokens it computes on.
             dispatched = ops.moe_dispatch(tokens, "ep", parallel.ep)  # [T * ep, D]
             weights, ids = self.gate(dispatched)  # [T * ep, K]
-            routed = ops.moe_combine(self.experts(dispatched, weights, ids, parallel), "ep", parallel.ep)  # [T, D]
+            partial = self.experts(dispatched, weights, ids, parallel, self._form(dispatched, step))  # [T * ep, D]
+            routed = ops.moe_combine(partial, "ep", parallel.ep)  # [T, D]
         return (routed + self.shared_experts(tokens)).view_as(x)
+
+    def _form(self, rows: Tensor, step: "StepInputs") -> str:
+        """The step's routed-expert form: fixed by the caller, or chosen by `moe_form_for`."""
+        return step.moe_form or moe_form_for(rows.shape[0], self.gate.top_k, self.experts.local_experts)
 
 
 class Indexer(nn.Module):
@@ -383,7 +434,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: "StepInputs") -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, step)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, step.parallel) if isinstance(self.mlp, MoE) else self.mlp(h))
+        return x + (self.mlp(h, step) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class StepInputs:
@@ -395,15 +446,17 @@ class StepInputs:
         slot_mapping: [B, Q] int64 flat pool slot per token, `ops.PADDING_SLOT` for padding.
         kv_pool: [L, N, S, C] the paged cache, written in place.
         parallel: this rank's place among the others.
+        moe_form: the routed experts' form (one of `MOE_FORMS`), or None for `moe_form_for`'s.
     """
 
     def __init__(self, positions: Tensor, block_table: Tensor, slot_mapping: Tensor, kv_pool: Tensor,
-                 parallel: Parallelism):
+                 parallel: Parallelism, moe_form: str | None = None):
         self.positions = positions
         self.block_table = block_table
         self.slot_mapping = slot_mapping
         self.kv_pool = kv_pool
         self.parallel = parallel
+        self.moe_form = moe_form
 
 
 class Backbone(nn.Module):
@@ -451,6 +504,7 @@ class DeepseekV3(nn.Module):
         kv_pool: Tensor,
         logits_index: Tensor | None = None,
         parallel: Parallelism = Parallelism(),
+        moe_form: str | None = None,
     ) -> Tensor:
         """One step.
 
@@ -460,11 +514,15 @@ class DeepseekV3(nn.Module):
             logits_index: [B] which token of each row to compute logits for (its last real one);
                 None computes logits for every token.
             parallel: this rank's place among the others (one device by default).
+            moe_form: the routed experts' form (`MOE_FORMS`); by default `moe_form_for` picks
+                the cheapest for the step's size (the compiler fixes it per bucket).
 
         Returns:
             [B, V] logits, or [B, Q, V] when `logits_index` is None.
         """
-        step = StepInputs(positions, block_table, slot_mapping, kv_pool, parallel)
+        if moe_form is not None and moe_form not in MOE_FORMS:
+            raise ValueError(f"moe_form {moe_form!r}; expected one of {MOE_FORMS}")
+        step = StepInputs(positions, block_table, slot_mapping, kv_pool, parallel, moe_form)
         x = self.model.embed_tokens(input_ids)  # [B, Q, D]
         cos, sin = self.model.rotary_emb(positions, x.dtype)  # [B, Q, P/2]
         for layer in self.model.layers:

@@ -206,11 +206,19 @@ def make_tiny_checkpoint(out: str | Path, preset: str = DEFAULT_PRESET, seed: in
         if index_topk < 1:
             raise GraphcError(f"--index-topk: {index_topk} must be a positive integer")
         config["index_topk"] = index_topk
-    tensors = tiny_tensors(config, seed)
     if fp8_block is not None:
-        tensors = quantize_fp8(tensors, (fp8_block, fp8_block))
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": [fp8_block, fp8_block]}
+    return write_random_checkpoint(out, config, seed)
+
+
+def write_random_checkpoint(out: Path, config: dict[str, Any], seed: int) -> Path:
+    """Write `config` (an HF config.json dict) with random weights into `out`, atomically,
+    replacing what is there: `quantization_config`, if present, says how to store the FP8 weights.
+    `make_tiny_checkpoint` writes the presets through it; `bench/bench_scale.py` its larger shapes."""
+    tensors = tiny_tensors(config, seed)
+    if "quantization_config" in config:
+        tensors = quantize_fp8(tensors, tuple(config["quantization_config"]["weight_block_size"]))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

@@ -1,11 +1,12 @@
 """Replace the paged attention ops (dense, and V3.2's indexer, top-k candidates and sparse attention)
-and the expert-shard op with the ATen ops of their reference kernels.
+and the expert-shard and expert-routes ops with the ATen ops of their reference kernels.
 
 For the CPU backends a custom op is a Python kernel: called from an AOTInductor package it costs
 a round trip into the interpreter per layer per step, and inductor cannot fuse across it. Inlined,
 the attention compiles like the rest of the graph (halving a decode step of the tiny model).
 Targets with their own kernels (Neuron) skip this pass and lower the op to that kernel instead.
 
+`graphc::grouped_mm` stays an op: its kernel is ATen's own `_grouped_mm` (see moe_ops.py).
 `graphc::kv_write` stays an op on purpose: inlined, its in-place write into the `kv_pool` input
 is functionalised into a copy of the whole pool per layer per step (measured: a decode step
 twice as slow on the tiny model, and proportional to the pool on a real one), while the opaque
@@ -21,6 +22,7 @@ import torch.fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from graphc.moe_ops import expert_routes_reference
 from graphc.ops import expert_shard_reference, paged_mla_attention_reference
 from graphc.sparse_ops import (index_candidates_reference, paged_indexer_logits_reference,
                                sparse_mla_attention_reference)
@@ -32,8 +34,10 @@ REFERENCE_KERNELS = {
     "graphc::paged_indexer_logits": paged_indexer_logits_reference,
     "graphc::index_candidates": index_candidates_reference,
     "graphc::sparse_mla_attention": sparse_mla_attention_reference,
-    # A column slice of the combine matrix once the rank's shard is set: no reason to leave Python.
+    # A column slice of the combine matrix, or a renumbering of the routes, once the rank's shard
+    # is set: no reason to leave Python.
     "graphc::expert_shard": expert_shard_reference,
+    "graphc::expert_routes": expert_routes_reference,
 }
 
 

@@ -10,7 +10,8 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file
 
-import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
+import graphc.moe_ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
+import graphc.ops  # noqa: F401
 import graphc.sparse_ops  # noqa: F401  (and the sparse-attention ops of V3.2 graphs)
 from graphc.artifact import GraphEntry, Manifest, RankEntry, read_manifest
 from graphc.buckets import Bucket

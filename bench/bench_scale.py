@@ -1,0 +1,318 @@
+"""A ladder of model sizes: graphc's decode and prefill speed against transformers, with a roofline.
+
+    .venv/bin/python bench/bench_scale.py [--sizes tiny,140m,1b] [--repeats 3] [--with-dense]
+
+Sizes (random DeepSeek-V3 checkpoints in the HF layout, written here):
+  tiny  the `lora-groups` preset: hidden 64, 8 experts, top-2
+  140m  vocab 4096, hidden 512, 6 layers (first dense), 8 heads, q LoRA 256, kv LoRA 128, rope 32 /
+        nope 64 / v 64, 64 routed experts top-6 in 8 groups (top-4), expert width 256, 1 shared
+  1b    vocab 8192, hidden 1024, 10 layers (first dense), 16 heads, q LoRA 512, kv LoRA 256,
+        128 routed experts top-8 in 8 groups (top-4), expert width 256, 1 shared
+
+Every measurement runs in a fresh process of its own, one after another (a quiet machine, one
+model in memory, peak RSS per process): graphc compile (inductor) and graphc serving the
+artifacts (`Engine`), graphc's eager model, transformers eager and transformers with its forward
+under `torch.compile` and a static cache. `--with-dense` also serves artifacts compiled with
+`moe_form: dense` (every expert on every token: the formulation graphc had before).
+
+Decode tok/s = batch x (new tokens - 1) / (time of a generation of `new` tokens - time of a
+1-token one), so prefill and start-up cancel; prompts of 12 tokens, 32 new tokens. Prefill
+tok/s: one 512-token prompt (batch 1), and eight 64-token prompts (batch 8), each timed as a
+1-token generation.
+
+The bytes model of a decode step (what it must read, fp32): every weight of the attention, the
+dense MLP, the shared experts, the routers, the norms and the LM head; one embedding row per
+token; per MoE layer the routed experts the step's tokens chose (counted distinct, from the
+routing of the eager run of the same prompts); and the KV cache read by attention. The roofline
+is those bytes over the bandwidth measured here (a 2-thread sum over 256 MiB). The prefill
+roofline is the step's multiply-adds (its tokens through every projection and K routed experts,
+the LM head for the last token, attention's QK and PV over the causal context) at the fp32 GEMM
+rate measured here. Absolute numbers are this machine's; ratios within one run are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors import safe_open
+
+from timing import best_of
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = {
+    "tiny": {},
+    "140m": {"vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256,
+             "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 256,
+             "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64,
+             "n_routed_experts": 64, "num_experts_per_tok": 6, "n_group": 8, "topk_group": 4,
+             "max_position_embeddings": 2048},
+    "1b": {"vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256,
+           "num_hidden_layers": 10, "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 512,
+           "kv_lora_rank": 256, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64,
+           "n_routed_experts": 128, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+           "max_position_embeddings": 2048},
+}
+PROMPT, NEW, PREFILL, PREFILL_BATCH, PREFILL_BATCH_LENGTH = 12, 32, 512, 8, 64
+BLOCK_SIZE, NUM_BLOCKS = 16, 384
+
+
+def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    return [[(7 * i + 13 * b) % (vocab - 3) + 2 for i in range(length)] for b in range(batch)]
+
+
+def measure_bandwidth() -> float:
+    """Bytes/s of a 2-thread sum over 256 MiB (fp32): what a memory-bound step can stream."""
+    x = torch.ones(64 << 20)
+    return x.numel() * 4 / best_of(5, x.sum, warmup=2)
+
+
+def measure_gemm(dim: int) -> float:
+    """fp32 multiply-add rate (flop/s) of a [512, D] x [D, 4D] GEMM, a prefill's shape."""
+    a, b = torch.randn(PREFILL, dim), torch.randn(dim, 4 * dim)
+    return 2 * PREFILL * dim * 4 * dim / best_of(5, lambda: a @ b, warmup=2)
+
+
+# --- workers: each runs in its own process and prints one JSON line ---------------------------------
+
+
+def _timings(run, vocab: int, repeats: int) -> dict:
+    """Decode tok/s at batch 1 and 8, prefill tok/s of one 512-token and eight 64-token prompts."""
+    out = {}
+    run(prompts(1, PROMPT, vocab), 2)  # warm-up: first calls load kernels
+    for batch in (1, 8):
+        short = prompts(batch, PROMPT, vocab)
+        run(short, 2)
+        full = best_of(repeats, lambda: run(short, NEW))
+        first = best_of(repeats, lambda: run(short, 1))
+        out[f"decode_b{batch}"] = batch * (NEW - 1) / (full - first)
+    long = prompts(1, PREFILL, vocab)
+    run(long, 1)
+    out["prefill_b1"] = PREFILL / best_of(repeats, lambda: run(long, 1))
+    batched = prompts(PREFILL_BATCH, PREFILL_BATCH_LENGTH, vocab)
+    run(batched, 1)
+    out["prefill_b8"] = PREFILL_BATCH * PREFILL_BATCH_LENGTH / best_of(repeats, lambda: run(batched, 1))
+    return out
+
+
+def worker_compile(checkpoint: Path, work: Path, moe_form: str) -> dict:
+    from graphc.config import load_config
+    from graphc.pipeline import CompileOptions, compile
+
+    config = {"model": {"checkpoint": str(checkpoint), "moe_form": moe_form},
+              "buckets": {"prefill": [PREFILL_BATCH_LENGTH, PREFILL], "decode": [1, 8],
+                          "context_limit": PREFILL + 64},
+              "kv_cache": {"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS},
+              "runtime": {"max_num_prefilling_tokens": PREFILL}, "backend": "inductor"}
+    path = work / f"model-{moe_form}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    start = time.perf_counter()
+    manifest = compile(load_config(path), work / f"artifacts-{moe_form}", CompileOptions(show_progress=False, force=True))
+    forms = {f"{g.kind}-{g.size}": g.moe_form for g in manifest.ranks[0].graphs}
+    return {"seconds": time.perf_counter() - start, "forms": forms}
+
+
+def worker_graphc(artifacts: Path, vocab: int, repeats: int) -> dict:
+    from graphc.runtime import Engine, Request
+
+    engine = Engine(artifacts)
+    return _timings(lambda ps, new: engine.generate([Request(p, new, stop_at_eos=False) for p in ps]), vocab, repeats)
+
+
+def worker_eager(checkpoint: Path, vocab: int, repeats: int) -> dict:
+    from graphc.generate import PagedKV, generate
+    from graphc.models.checkpoint import load_model
+
+    model = load_model(checkpoint)
+    kv = PagedKV(BLOCK_SIZE, NUM_BLOCKS)
+    return _timings(lambda ps, new: generate(model, ps, new, kv=kv, stop_at_eos=False), vocab, repeats)
+
+
+def worker_transformers(checkpoint: Path, vocab: int, repeats: int, compiled: bool) -> dict:
+    from transformers import DeepseekV3ForCausalLM, GenerationConfig
+
+    model = DeepseekV3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    options = {"eos_token_id": None, "pad_token_id": 0}
+    if compiled:
+        options["cache_implementation"] = "static"
+        model.forward = torch.compile(model.forward, dynamic=False)
+    model.generation_config = GenerationConfig(**options)
+
+    def run(ps, new):
+        with torch.no_grad():
+            model.generate(torch.tensor(ps), attention_mask=torch.ones(len(ps), len(ps[0]), dtype=torch.long),
+                           max_new_tokens=new, min_new_tokens=new, do_sample=False)
+
+    return _timings(run, vocab, repeats)
+
+
+def worker_routing(checkpoint: Path, vocab: int) -> dict:
+    """Distinct routed experts per MoE layer per decode step, at batch 1 and 8 (eager routing of
+    the benchmark's prompts: the bytes the step must read depend on it)."""
+    from graphc.generate import PagedKV, generate
+    from graphc.models.checkpoint import load_model
+    from graphc.models.deepseek_v3 import Router
+
+    model = load_model(checkpoint)
+    seen: list[int] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(int(out[1].unique().numel())))
+             for m in model.modules() if isinstance(m, Router)]
+    out = {}
+    for batch in (1, 8):
+        seen.clear()
+        generate(model, prompts(batch, PROMPT, vocab), NEW, kv=PagedKV(BLOCK_SIZE, NUM_BLOCKS), stop_at_eos=False)
+        decode = seen[len(hooks):]  # the first call of each router is the prefill
+        out[f"distinct_b{batch}"] = sum(decode) / (len(decode) / len(hooks))  # summed over layers, per step
+    for h in hooks:
+        h.remove()
+    return out
+
+
+WORKERS = {"compile": worker_compile, "graphc": worker_graphc, "eager": worker_eager,
+           "transformers": worker_transformers, "routing": worker_routing}
+
+
+def run_worker(name: str, *args) -> dict:
+    """Run WORKERS[name](*args) in a fresh process; its result plus its peak RSS (bytes)."""
+    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps([name, *map(str, args)])],
+                          capture_output=True, text=True, cwd=Path(__file__).parent)
+    if done.returncode:
+        raise SystemExit(f"worker {name} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _worker_main(spec: str) -> None:
+    name, *args = json.loads(spec)
+    typed = {"compile": (Path, Path, str), "graphc": (Path, int, int), "eager": (Path, int, int),
+             "transformers": (Path, int, int, lambda s: s == "True"), "routing": (Path, int)}[name]
+    result = WORKERS[name](*(cast(a) for cast, a in zip(typed, args)))
+    # The larger of this process's peak and its children's (the compiler's worker processes).
+    result["peak_rss"] = 1024 * max(resource.getrusage(who).ru_maxrss
+                                    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    print(json.dumps(result))
+
+
+# --- the bytes and flops models -----------------------------------------------------------------------
+
+
+def step_bytes(args, batch: int, distinct_experts: float, context: int) -> float:
+    """fp32 bytes a decode step of `batch` rows must read (see the module docstring)."""
+    from graphc.models.deepseek_v3 import DeepseekV3
+
+    d = args.hidden_size
+
+    with torch.device("meta"):
+        model = DeepseekV3(args)
+    total = sum(t.numel() for n, t in model.state_dict().items() if "mlp.experts." not in n and "embed_tokens" not in n)
+    expert = 3 * d * args.moe_intermediate_size
+    kv = args.num_hidden_layers * batch * context * args.kv_cache_dim
+    return 4 * (total + batch * d + distinct_experts * expert + kv)
+
+
+def prefill_flops(args, tokens: int) -> float:
+    """Multiply-adds x 2 of a prefill of `tokens` tokens (one row; logits for the last token)."""
+    from graphc.models.deepseek_v3 import DeepseekV3
+
+    with torch.device("meta"):
+        model = DeepseekV3(args)
+    per_token = 0
+    for name, t in model.state_dict().items():
+        if t.dim() < 2 or "embed_tokens" in name or name == "lm_head.weight":
+            continue
+        if "mlp.experts." in name:
+            per_token += t[0].numel() * args.num_experts_per_tok  # K of the stacked experts
+        elif "kv_b_proj" in name:
+            continue  # absorbed into attention below
+        else:
+            per_token += t.numel()
+    heads, latent = args.num_attention_heads, args.kv_lora_rank
+    absorb = heads * latent * (args.qk_nope_head_dim + args.v_head_dim)  # W_uk into q, W_uv out of the latent
+    attention = heads * (2 * latent + args.qk_rope_head_dim) * (tokens + 1) / 2  # QK and PV over the causal half
+    per_layer = args.num_hidden_layers * (absorb + attention)
+    return 2 * (tokens * (per_token + per_layer) + args.vocab_size * args.hidden_size)
+
+
+# --- the ladder ------------------------------------------------------------------------------------------
+
+
+def bench_size(size: str, work: Path, repeats: int, with_dense: bool) -> None:
+    from graphc.models.args import model_args_from_hf_config
+    from graphc.models.tiny import preset_config, write_random_checkpoint
+
+    config = {**preset_config("lora-groups"), **SIZES[size]}
+    args = model_args_from_hf_config(config)
+    work.mkdir(parents=True, exist_ok=True)
+    checkpoint = work / "checkpoint"
+    if not (checkpoint / "config.json").is_file() or json.loads((checkpoint / "config.json").read_text()) != config:
+        write_random_checkpoint(checkpoint, config, seed=0)
+    with safe_open(checkpoint / "model.safetensors", "pt") as f:
+        params = sum(math.prod(f.get_slice(n).get_shape()) for n in f.keys())
+    vocab = args.vocab_size
+    bandwidth, gemm = measure_bandwidth(), measure_gemm(args.hidden_size)
+    print(f"\n== {size}: {params / 1e6:.1f} M parameters stored (MTP layer included); bandwidth {bandwidth / 1e9:.1f} GB/s, "
+          f"fp32 GEMM {gemm / 1e9:.0f} GFLOP/s (measured now)")
+    forms = ["auto", "dense"] if with_dense else ["auto"]
+    compiled = {form: run_worker("compile", checkpoint, work, form) for form in forms}
+    for form, c in compiled.items():
+        print(f"compile ({form}): {c['seconds']:.0f} s, peak RSS {_gb(c['peak_rss'])}; forms {c['forms']}")
+    results = {"graphc inductor": run_worker("graphc", work / "artifacts-auto", vocab, repeats)}
+    if with_dense:
+        results["graphc inductor, dense MoE"] = run_worker("graphc", work / "artifacts-dense", vocab, repeats)
+    results["graphc eager"] = run_worker("eager", checkpoint, vocab, repeats)
+    results["transformers eager"] = run_worker("transformers", checkpoint, vocab, repeats, False)
+    results["transformers compile"] = run_worker("transformers", checkpoint, vocab, repeats, True)
+    routing = run_worker("routing", checkpoint, vocab)
+
+    hf_compiled = results["transformers compile"]
+    print(f"{'':28s} {'decode b1':>10s} {'vs HFc':>7s} {'decode b8':>10s} {'vs HFc':>7s} "
+          f"{'prefill b1':>11s} {'vs HFc':>7s} {'prefill b8':>11s} {'vs HFc':>7s} {'peak RSS':>9s}")
+    for name, r in results.items():
+        cells = [f"{r[key]:10.1f} {r[key] / hf_compiled[key]:6.2f}x" for key in ("decode_b1", "decode_b8")]
+        cells += [f"{r[key]:11.0f} {r[key] / hf_compiled[key]:6.2f}x" for key in ("prefill_b1", "prefill_b8")]
+        print(f"{name:28s} {' '.join(cells)} {_gb(r['peak_rss']):>9s}")
+    ours = results["graphc inductor"]
+    for batch in (1, 8):
+        context = PROMPT + NEW // 2
+        needed = step_bytes(args, batch, routing[f"distinct_b{batch}"], context)
+        roofline = bandwidth / needed * batch
+        print(f"decode b{batch}: {needed / 1e6:.1f} MB per step ({routing[f'distinct_b{batch}']:.1f} distinct routed "
+              f"experts over the MoE layers); roofline {roofline:.0f} tok/s; graphc {ours[f'decode_b{batch}']:.1f} tok/s "
+              f"= {ours[f'decode_b{batch}'] / roofline:.0%} of it; transformers compile "
+              f"{hf_compiled[f'decode_b{batch}'] / roofline:.0%}")
+    flops = prefill_flops(args, PREFILL)
+    achieved = flops / (PREFILL / ours["prefill_b1"])
+    print(f"prefill {PREFILL}: {flops / 1e9:.1f} GFLOP; graphc {achieved / 1e9:.0f} GFLOP/s = {achieved / gemm:.0%} of the "
+          f"measured GEMM rate")
+
+
+def _gb(n) -> str:
+    return "n/a" if n is None else f"{n / 1e9:.2f} GB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="tiny,140m,1b")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--with-dense", action="store_true")
+    parser.add_argument("--work", type=Path, default=ROOT / "build" / "bench-scale")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.worker:
+        return _worker_main(options.worker)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {options.repeats}")
+    for size in options.sizes.split(","):
+        if size not in SIZES:
+            raise SystemExit(f"--sizes: {size!r} is unknown; sizes: {', '.join(SIZES)}")
+        bench_size(size, options.work / size, options.repeats, options.with_dense)
+
+
+if __name__ == "__main__":
+    main()
