@@ -49,7 +49,7 @@ from timing import best_of
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = {
-    "tiny": {},
+    "tiny": {"max_position_embeddings": 2048},  # room for the 512-token prefill
     "140m": {"vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256,
              "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 256,
              "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64,

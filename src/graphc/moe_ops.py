@@ -48,8 +48,12 @@ expert_routes = define_op(
 )
 
 
-ATEN_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-"""What ATen's CPU `_grouped_mm` computes."""
+def _aten_computes(rows: Tensor, weights: Tensor) -> bool:
+    """Whether ATen's CPU `_grouped_mm` takes these: fp32 / bf16 / fp16, every matrix width a
+    multiple of 16 bytes (its stride rule)."""
+    widths = (rows.shape[-1], *weights.shape[-2:])
+    return (rows.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and all(w * rows.element_size() % 16 == 0 for w in widths))
 
 
 def _grouped_mm(rows: Tensor, weights: Tensor, offsets: Tensor) -> Tensor:
@@ -65,9 +69,9 @@ def _grouped_mm(rows: Tensor, weights: Tensor, offsets: Tensor) -> Tensor:
         [M, F] each row times its expert's matrix; rows past offsets[-1] (routes to experts this
         rank does not hold) are 0. An expert with no rows costs nothing: its weights are not read.
     """
-    if rows.dtype in ATEN_GROUPED_MM_DTYPES:
+    if _aten_computes(rows, weights):
         out = torch._grouped_mm(rows, weights, offs=offsets)
-    else:  # float64, `graphc probe`'s reference: one matmul per expert
+    else:  # float64 (`graphc probe`'s reference), or widths ATen refuses: one matmul per expert
         out, start = rows.new_empty((rows.shape[0], weights.shape[-1])), 0
         for expert, end in enumerate(offsets.tolist()):
             out[start:end], start = rows[start:end] @ weights[expert], end
