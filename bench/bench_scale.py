@@ -1,6 +1,6 @@
 """A ladder of model sizes: graphc's decode and prefill speed against transformers, with a roofline.
 
-    .venv/bin/python bench/bench_scale.py [--sizes tiny,140m,1b] [--repeats 3] [--with-dense]
+    .venv/bin/python bench/bench_scale.py [--sizes tiny,140m,1b] [--repeats 3] [--with-dense] [--dtype bfloat16]
 
 Sizes (random DeepSeek-V3 checkpoints in the HF layout, written here):
   tiny  the `lora-groups` preset: hidden 64, 8 experts, top-2
@@ -20,14 +20,14 @@ Decode tok/s = batch x (new tokens - 1) / (time of a generation of `new` tokens 
 tok/s: one 512-token prompt (batch 1), and eight 64-token prompts (batch 8), each timed as a
 1-token generation.
 
-The bytes model of a decode step (what it must read, fp32): every weight of the attention, the
+The bytes model of a decode step (what it must read, in the model dtype): every weight of the attention, the
 dense MLP, the shared experts, the routers, the norms and the LM head; one embedding row per
 token; per MoE layer the routed experts the step's tokens chose (counted distinct, from the
 routing of the eager run of the same prompts); and the KV cache read by attention. The roofline
 is those bytes over the bandwidth measured here (a 2-thread sum over 256 MiB). The prefill
 roofline is the step's multiply-adds (its tokens through every projection and K routed experts,
-the LM head for the last token, attention's QK and PV over the causal context) at the fp32 GEMM
-rate measured here. Absolute numbers are this machine's; ratios within one run are the result.
+the LM head for the last token, attention's QK and PV over the causal context) at the GEMM rate
+measured here in the model dtype. Absolute numbers are this machine's; ratios within one run are the result.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import resource
 import subprocess
 import sys
 import time
@@ -75,9 +74,9 @@ def measure_bandwidth() -> float:
     return x.numel() * 4 / best_of(5, x.sum, warmup=2)
 
 
-def measure_gemm(dim: int) -> float:
-    """fp32 multiply-add rate (flop/s) of a [512, D] x [D, 4D] GEMM, a prefill's shape."""
-    a, b = torch.randn(PREFILL, dim), torch.randn(dim, 4 * dim)
+def measure_gemm(dim: int, dtype: torch.dtype) -> float:
+    """Multiply-add rate (flop/s) of a [512, D] x [D, 4D] GEMM, a prefill's shape."""
+    a, b = torch.randn(PREFILL, dim, dtype=dtype), torch.randn(dim, 4 * dim, dtype=dtype)
     return 2 * PREFILL * dim * 4 * dim / best_of(5, lambda: a @ b, warmup=2)
 
 
@@ -103,12 +102,15 @@ def _timings(run, vocab: int, repeats: int) -> dict:
     return out
 
 
-def worker_compile(checkpoint: Path, work: Path, moe_form: str) -> dict:
+def worker_compile(checkpoint: Path, work: Path, moe_form: str, dtype: str) -> dict:
+    from graphc.buckets import Bucket
     from graphc.config import load_config
     from graphc.pipeline import CompileOptions, compile
 
-    config = {"model": {"checkpoint": str(checkpoint), "moe_form": moe_form},
-              "buckets": {"prefill": [PREFILL_BATCH_LENGTH, PREFILL], "decode": [1, 8],
+    config = {"model": {"checkpoint": str(checkpoint), "moe_form": moe_form, "dtype": dtype},
+              # Prompts of <= 64 tokens run as [B, 64] steps: the eight 64-token prompts prefill in
+              # one [8, 64] step (graphc's batched prefill), the 12-token ones in [1, 64] / [8, 64].
+              "buckets": {"prefill": [PREFILL], "decode": [1, PREFILL_BATCH], "prompt_as_decode": PREFILL_BATCH_LENGTH,
                           "context_limit": PREFILL + 64},
               "kv_cache": {"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS},
               "runtime": {"max_num_prefilling_tokens": PREFILL}, "backend": "inductor"}
@@ -116,7 +118,7 @@ def worker_compile(checkpoint: Path, work: Path, moe_form: str) -> dict:
     path.write_text(yaml.safe_dump(config))
     start = time.perf_counter()
     manifest = compile(load_config(path), work / f"artifacts-{moe_form}", CompileOptions(show_progress=False, force=True))
-    forms = {f"{g.kind}-{g.size}": g.moe_form for g in manifest.ranks[0].graphs}
+    forms = {Bucket(g.kind, g.size, g.tokens_per_row).name: g.moe_form for g in manifest.ranks[0].graphs}
     return {"seconds": time.perf_counter() - start, "forms": forms}
 
 
@@ -127,19 +129,19 @@ def worker_graphc(artifacts: Path, vocab: int, repeats: int) -> dict:
     return _timings(lambda ps, new: engine.generate([Request(p, new, stop_at_eos=False) for p in ps]), vocab, repeats)
 
 
-def worker_eager(checkpoint: Path, vocab: int, repeats: int) -> dict:
+def worker_eager(checkpoint: Path, vocab: int, repeats: int, dtype: str) -> dict:
     from graphc.generate import PagedKV, generate
     from graphc.models.checkpoint import load_model
 
-    model = load_model(checkpoint)
+    model = load_model(checkpoint, dtype=getattr(torch, dtype))
     kv = PagedKV(BLOCK_SIZE, NUM_BLOCKS)
     return _timings(lambda ps, new: generate(model, ps, new, kv=kv, stop_at_eos=False), vocab, repeats)
 
 
-def worker_transformers(checkpoint: Path, vocab: int, repeats: int, compiled: bool) -> dict:
+def worker_transformers(checkpoint: Path, vocab: int, repeats: int, dtype: str, compiled: bool) -> dict:
     from transformers import DeepseekV3ForCausalLM, GenerationConfig
 
-    model = DeepseekV3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = DeepseekV3ForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
     options = {"eos_token_id": None, "pad_token_id": 0}
     if compiled:
         options["cache_implementation"] = "static"
@@ -191,20 +193,30 @@ def run_worker(name: str, *args) -> dict:
 
 def _worker_main(spec: str) -> None:
     name, *args = json.loads(spec)
-    typed = {"compile": (Path, Path, str), "graphc": (Path, int, int), "eager": (Path, int, int),
-             "transformers": (Path, int, int, lambda s: s == "True"), "routing": (Path, int)}[name]
+    typed = {"compile": (Path, Path, str, str), "graphc": (Path, int, int), "eager": (Path, int, int, str),
+             "transformers": (Path, int, int, str, lambda s: s == "True"), "routing": (Path, int)}[name]
     result = WORKERS[name](*(cast(a) for cast, a in zip(typed, args)))
-    # The larger of this process's peak and its children's (the compiler's worker processes).
-    result["peak_rss"] = 1024 * max(resource.getrusage(who).ru_maxrss
-                                    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    result["peak_rss"] = peak_rss()
     print(json.dumps(result))
+
+
+def peak_rss() -> int:
+    """This process's peak resident set (VmHWM, bytes). Not ru_maxrss: Linux carries that over
+    fork and exec, so a worker would report its parent's peak if larger. The compiler's own
+    worker processes (inductor's code generation) are not counted: they hold one graph, never
+    the weights."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 # --- the bytes and flops models -----------------------------------------------------------------------
 
 
-def step_bytes(args, batch: int, distinct_experts: float, context: int) -> float:
-    """fp32 bytes a decode step of `batch` rows must read (see the module docstring)."""
+def step_bytes(args, batch: int, distinct_experts: float, context: int, dtype: str) -> float:
+    """Bytes a decode step of `batch` rows must read (see the module docstring); the router
+    stays fp32 in every dtype, a rounding error here."""
     from graphc.models.deepseek_v3 import DeepseekV3
 
     d = args.hidden_size
@@ -214,7 +226,7 @@ def step_bytes(args, batch: int, distinct_experts: float, context: int) -> float
     total = sum(t.numel() for n, t in model.state_dict().items() if "mlp.experts." not in n and "embed_tokens" not in n)
     expert = 3 * d * args.moe_intermediate_size
     kv = args.num_hidden_layers * batch * context * args.kv_cache_dim
-    return 4 * (total + batch * d + distinct_experts * expert + kv)
+    return torch.finfo(getattr(torch, dtype)).bits // 8 * (total + batch * d + distinct_experts * expert + kv)
 
 
 def prefill_flops(args, tokens: int) -> float:
@@ -243,7 +255,7 @@ def prefill_flops(args, tokens: int) -> float:
 # --- the ladder ------------------------------------------------------------------------------------------
 
 
-def bench_size(size: str, work: Path, repeats: int, with_dense: bool) -> None:
+def bench_size(size: str, work: Path, repeats: int, with_dense: bool, dtype: str) -> None:
     from graphc.models.args import model_args_from_hf_config
     from graphc.models.tiny import preset_config, write_random_checkpoint
 
@@ -256,19 +268,19 @@ def bench_size(size: str, work: Path, repeats: int, with_dense: bool) -> None:
     with safe_open(checkpoint / "model.safetensors", "pt") as f:
         params = sum(math.prod(f.get_slice(n).get_shape()) for n in f.keys())
     vocab = args.vocab_size
-    bandwidth, gemm = measure_bandwidth(), measure_gemm(args.hidden_size)
-    print(f"\n== {size}: {params / 1e6:.1f} M parameters stored (MTP layer included); bandwidth {bandwidth / 1e9:.1f} GB/s, "
-          f"fp32 GEMM {gemm / 1e9:.0f} GFLOP/s (measured now)")
+    bandwidth, gemm = measure_bandwidth(), measure_gemm(args.hidden_size, getattr(torch, dtype))
+    print(f"\n== {size}, {dtype}: {params / 1e6:.1f} M parameters stored (MTP layer included); bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s, {dtype} GEMM {gemm / 1e9:.0f} GFLOP/s (measured now)")
     forms = ["auto", "dense"] if with_dense else ["auto"]
-    compiled = {form: run_worker("compile", checkpoint, work, form) for form in forms}
+    compiled = {form: run_worker("compile", checkpoint, work, form, dtype) for form in forms}
     for form, c in compiled.items():
         print(f"compile ({form}): {c['seconds']:.0f} s, peak RSS {_gb(c['peak_rss'])}; forms {c['forms']}")
     results = {"graphc inductor": run_worker("graphc", work / "artifacts-auto", vocab, repeats)}
     if with_dense:
         results["graphc inductor, dense MoE"] = run_worker("graphc", work / "artifacts-dense", vocab, repeats)
-    results["graphc eager"] = run_worker("eager", checkpoint, vocab, repeats)
-    results["transformers eager"] = run_worker("transformers", checkpoint, vocab, repeats, False)
-    results["transformers compile"] = run_worker("transformers", checkpoint, vocab, repeats, True)
+    results["graphc eager"] = run_worker("eager", checkpoint, vocab, repeats, dtype)
+    results["transformers eager"] = run_worker("transformers", checkpoint, vocab, repeats, dtype, False)
+    results["transformers compile"] = run_worker("transformers", checkpoint, vocab, repeats, dtype, True)
     routing = run_worker("routing", checkpoint, vocab)
 
     hf_compiled = results["transformers compile"]
@@ -281,7 +293,7 @@ def bench_size(size: str, work: Path, repeats: int, with_dense: bool) -> None:
     ours = results["graphc inductor"]
     for batch in (1, 8):
         context = PROMPT + NEW // 2
-        needed = step_bytes(args, batch, routing[f"distinct_b{batch}"], context)
+        needed = step_bytes(args, batch, routing[f"distinct_b{batch}"], context, dtype)
         roofline = bandwidth / needed * batch
         print(f"decode b{batch}: {needed / 1e6:.1f} MB per step ({routing[f'distinct_b{batch}']:.1f} distinct routed "
               f"experts over the MoE layers); roofline {roofline:.0f} tok/s; graphc {ours[f'decode_b{batch}']:.1f} tok/s "
@@ -291,6 +303,9 @@ def bench_size(size: str, work: Path, repeats: int, with_dense: bool) -> None:
     achieved = flops / (PREFILL / ours["prefill_b1"])
     print(f"prefill {PREFILL}: {flops / 1e9:.1f} GFLOP; graphc {achieved / 1e9:.0f} GFLOP/s = {achieved / gemm:.0%} of the "
           f"measured GEMM rate")
+    batched = flops / PREFILL * ours["prefill_b8"]  # the 512-token prefill's flops per token: attention's a little high
+    print(f"prefill {PREFILL_BATCH} x {PREFILL_BATCH_LENGTH} (one [8, 64] step): graphc about {batched / 1e9:.0f} GFLOP/s "
+          f"= {batched / gemm:.0%} of the measured GEMM rate")
 
 
 def _gb(n) -> str:
@@ -302,6 +317,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="tiny,140m,1b")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--with-dense", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--work", type=Path, default=ROOT / "build" / "bench-scale")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -311,7 +327,7 @@ def main() -> None:
     for size in options.sizes.split(","):
         if size not in SIZES:
             raise SystemExit(f"--sizes: {size!r} is unknown; sizes: {', '.join(SIZES)}")
-        bench_size(size, options.work / size, options.repeats, options.with_dense)
+        bench_size(size, options.work / size, options.repeats, options.with_dense, options.dtype)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,11 @@ def capture_bucket(model: DeepseekV3, bucket: Bucket, blocks_per_row: int, num_b
     dynamic = {name: None for name in STEP_INPUTS}
     dynamic["kv_pool"] = {POOL_BLOCKS_DIM: Dim("num_blocks", min=2)}
     with torch.no_grad():
-        return torch.export.export(
+        program = torch.export.export(
             step, (weights, *inputs.values()),
             dynamic_shapes={"weights": [None] * len(weights), **dynamic},
         )
+    # The program keeps its example inputs, the weights among them: every per-rank copy would
+    # duplicate them and `torch.export.save` would write them into every graph file.
+    program.example_inputs = None
+    return program

@@ -91,17 +91,18 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
     b, kv = config.buckets, config.kv_cache
     blocks_per_row = -(-b.context_limit // kv.block_size)
     with atomic_directory(out, options.force) as staging:
-        # 1. Model: each expert-parallel shard's module (all ranks share one when ep = 1).
-        models = _expert_shards(config, topology)
+        # 1. Model: expert-parallel rank 0's module (every rank's when ep = 1); the other shards
+        # are loaded one at a time when their weights are written (step 4).
+        model = _expert_shard(config, topology, 0)
         # 2. Capture: one rank-agnostic program per bucket, with what changes shapes fixed.
         parallel = Parallelism(cp=topology.cp, ep=topology.ep,
                                tokens_replicated=topology.ep > 1 and "static_moe" not in options.disabled_passes)
         buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode)
-        args = models[0].args
+        args, sparse_probabilities = model.args, model.sparse_probabilities
         moe_forms = {bucket: step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
                                            args.n_routed_experts, topology.ep, parallel.tokens_replicated)
                      for bucket in buckets}
-        captured = {bucket: capture_bucket(models[0], bucket, blocks_per_row, kv.num_blocks, kv.block_size, parallel,
+        captured = {bucket: capture_bucket(model, bucket, blocks_per_row, kv.num_blocks, kv.block_size, parallel,
                                            moe_forms[bucket])
                     for bucket in buckets}
         # 3. Specialise each program for each rank.
@@ -127,7 +128,12 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         compiled = compile_all(jobs, backend, options.workers, options.show_progress)
         (staging / "graphs").mkdir()
         (staging / "weights").mkdir()
-        weights = {ep_rank: _write_weights(model, staging / "weights") for ep_rank, model in models.items()}
+        # One shard's weights in memory at a time: write rank 0's, drop it, then load, write and
+        # drop each other's (the captured programs hold no weights).
+        weights = {0: _write_weights(model, staging / "weights")}
+        del model
+        for ep_rank in range(1, topology.ep):
+            weights[ep_rank] = _write_weights(_expert_shard(config, topology, ep_rank), staging / "weights")
         ranks = []
         for rank in range(topology.world):
             graphs = []
@@ -151,7 +157,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
             model={"vocab_size": args.vocab_size, "eos_token_id": list(args.eos_token_id),
                    "num_hidden_layers": args.num_hidden_layers, "kv_cache_dim": args.kv_cache_dim,
                    "dtype": config.model.dtype,
-                   **({"sparse_probabilities": models[0].sparse_probabilities} if args.sparse_attention else {})},
+                   **({"sparse_probabilities": sparse_probabilities} if args.sparse_attention else {})},
             topology={"cp": topology.cp, "ep": topology.ep, "world": topology.world},
             buckets={"prefill": list(b.prefill), "decode": list(b.decode),
                      "prompt_as_decode": b.prompt_as_decode, "context_limit": b.context_limit},
@@ -185,15 +191,11 @@ def _check_rank_agreement(programs, buckets, topology: Topology) -> None:
                                   f"{sequences[0]}; the ranks would deadlock")
 
 
-def _expert_shards(config: GraphcConfig, topology: Topology) -> dict[int, DeepseekV3]:
-    """The model of each expert-parallel rank (ep_rank -> module holding its experts)."""
-    dtype, sparse = getattr(torch, config.model.dtype), config.model.sparse_probabilities
-    if topology.ep == 1:
-        return {0: load_model(config.model.checkpoint, dtype=dtype, sparse_probabilities=sparse)}
+def _expert_shard(config: GraphcConfig, topology: Topology, ep_rank: int) -> DeepseekV3:
+    """The model of one expert-parallel rank: the module holding its experts (all when ep = 1)."""
     experts = load_model_args(config.model.checkpoint).n_routed_experts
-    return {ep_rank: load_model(config.model.checkpoint, dtype=dtype, experts=topology.experts(ep_rank, experts),
-                                sparse_probabilities=sparse)
-            for ep_rank in range(topology.ep)}
+    return load_model(config.model.checkpoint, dtype=getattr(torch, config.model.dtype),
+                      experts=topology.experts(ep_rank, experts), sparse_probabilities=config.model.sparse_probabilities)
 
 
 def copy_program(capture: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
 
 import graphc.moe_ops  # noqa: F401  (registers graphc:: ops before the program is loaded)
 import graphc.ops  # noqa: F401
@@ -13,4 +14,21 @@ import graphc.sparse_ops  # noqa: F401
 
 def compile_program(program: Path, out: Path) -> None:
     exported = torch.export.load(str(program))
+    exported.example_inputs = placeholder_inputs(exported)
     torch._inductor.aoti_compile_and_package(exported, package_path=str(out))
+
+
+def placeholder_inputs(program: torch.export.ExportedProgram) -> tuple[tuple, dict]:
+    """Inputs of the program's shapes and dtypes, for AOTInductor, which requires example inputs.
+
+    Captured programs carry none (capture.py drops them: they are the weights). These are
+    uninitialised: AOTInductor reads their shapes, dtypes and strides, never their values, and
+    pages never touched take no memory. A symbolic dim takes its size at capture.
+    """
+    values = {n.name: n.meta["val"] for n in program.graph.nodes if n.op == "placeholder"}
+    flat = []
+    for name in program.graph_signature.user_inputs:
+        value = values[name]
+        shape = [size if isinstance(size, int) else size.node.shape_env.size_hint(size.node.expr) for size in value.shape]
+        flat.append(torch.empty(shape, dtype=value.dtype))
+    return pytree.tree_unflatten(flat, program.call_spec.in_spec)
