@@ -360,6 +360,7 @@ def test_inspect_lists_buckets_graph_files_and_graphc_ops(artifacts):
         counts = manifest["extra"]["op_counts"][f"{label} rank 0"]
         line = lines[label]
         assert graph["file"] in line, line
+        assert f"MoE {graph['moe_form']};" in line, line
         assert f"{sum(counts.values())} ops" in line, line
         for op in ("graphc::kv_write", "graphc::sample"):
             assert f"{op} x{counts[op]}" in line, (op, line)
@@ -367,6 +368,22 @@ def test_inspect_lists_buckets_graph_files_and_graphc_ops(artifacts):
         for gone in ("paged_mla_attention", "moe_dispatch", "moe_combine"):
             assert gone not in line, line
     assert lines["prefill-8"].count("graphc::kv_write x3") == 1  # one per layer of the 3-layer model
+
+
+def test_inspect_labels_prompt_as_decode_graphs_by_their_own_bucket(compiled):
+    """decode-4x4 is its own graph: a label of kind and size alone showed it as decode-4."""
+    artifacts = compiled("lora-groups", "export", "prompt_as_decode")
+    manifest = yaml.safe_load((artifacts / MANIFEST).read_text())
+    lines = {line.split()[0]: line for line in ok(invoke("inspect", artifacts)).stdout.splitlines()
+             if line.startswith("  ")}
+    files = {}
+    for graph in manifest["ranks"][0]["graphs"]:
+        rows = f"x{graph['tokens_per_row']}" if graph["tokens_per_row"] > 1 else ""
+        files[f"{graph['kind']}-{graph['size']}{rows}"] = graph["file"]
+    assert sorted(lines) == sorted(files) == sorted([*BUCKETS, "decode-1x4", "decode-4x4"])
+    for label, file in files.items():
+        counts = manifest["extra"]["op_counts"][f"{label} rank 0"]
+        assert file in lines[label] and f"{sum(counts.values())} ops" in lines[label], (label, lines[label])
 
 
 def test_dump_graphs_writes_every_pass_for_every_bucket(cli_compiled):

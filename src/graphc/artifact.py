@@ -90,6 +90,7 @@ class Manifest:
     """max_num_prefilling_tokens, max_new_tokens, sampling."""
     ranks: list[RankEntry]
     tokenizer: str | None = None
+    tokenizer_sha256: str | None = None
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
     """Compile-time facts kept for `graphc inspect` (op counts per graph, pass log)."""
@@ -177,19 +178,35 @@ def read_manifest(artifacts: Path) -> Manifest:
         running = " and ".join(f"{what} {now}" for what, _, now in mismatches)
         raise ArtifactError(f"{path}: compiled with {compiled}, running {running}; "
                             f"recompile with this installation or run with {compiled}")
+    files = [(r.weights, r.weights_sha256, f"rank {r.rank}") for r in manifest.ranks]
+    files += [(g.file, g.sha256, f"rank {r.rank}") for r in manifest.ranks for g in r.graphs]
+    if manifest.tokenizer is not None or manifest.tokenizer_sha256 is not None:
+        files.append((manifest.tokenizer, manifest.tokenizer_sha256, "tokenizer"))
     verified: set[str] = set()  # ranks share files; hash each once
-    for rank in manifest.ranks:
-        files = [(rank.weights, rank.weights_sha256)] + [(g.file, g.sha256) for g in rank.graphs]
-        for name, expected in files:
-            if name in verified:
-                continue
-            verified.add(name)
-            file = artifacts / name
-            if not file.is_file():
-                raise ArtifactError(f"{artifacts}: {name} (rank {rank.rank}) is missing; recompile")
-            if sha256_file(file) != expected:
-                raise ArtifactError(
-                    f"{artifacts}: {name} (rank {rank.rank}) does not match its sha256 in {MANIFEST}; "
-                    "the file was modified or corrupted: recompile"
-                )
+    for name, expected, owner in files:
+        if name in verified:
+            continue
+        file = artifact_file(artifacts, name, owner)
+        if not file.is_file():
+            raise ArtifactError(f"{artifacts}: {name} ({owner}) is missing; recompile")
+        if sha256_file(file) != expected:
+            raise ArtifactError(
+                f"{artifacts}: {name} ({owner}) does not match its sha256 in {MANIFEST}; "
+                "the file was modified or corrupted: recompile"
+            )
+        verified.add(name)
     return manifest
+
+
+def artifact_file(artifacts: Path, name: object, owner: str) -> Path:
+    """The file a manifest names, confined to the artifacts directory: a relative path without
+    '..' that, symlinks resolved, stays inside it (a manifest is input: it may come from another
+    host)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise ArtifactError(f"{artifacts}: {owner} file {name!r} is not a path inside the artifacts directory "
+                            "(relative, no '..'); recompile")
+    resolved = (artifacts / name).resolve()
+    if not resolved.is_relative_to(artifacts.resolve()):
+        raise ArtifactError(f"{artifacts}: {owner} file {name!r} resolves to {resolved}, outside the artifacts "
+                            "directory; recompile")
+    return resolved

@@ -167,6 +167,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                      "sampling": asdict(config.runtime.sampling)},
             ranks=ranks,
             tokenizer="tokenizer.json" if tokenizer.is_file() else None,
+            tokenizer_sha256=sha256_file(staging / "tokenizer.json") if tokenizer.is_file() else None,
             extra={"op_counts": {f"{bucket.name} rank {rank}": counts
                                  for (rank, bucket), (_, _, counts) in entries.items()},
                    "passes": pass_logs},

@@ -16,11 +16,13 @@ import graphc.sparse_ops  # noqa: F401  (and the sparse-attention ops of V3.2 gr
 from graphc.artifact import GraphEntry, Manifest, RankEntry, read_manifest
 from graphc.buckets import Bucket
 from graphc.errors import GraphcError
+from graphc.runtime.archive_check import check_export_archive
 
 NUM_KV_BLOCKS_ENV = "GRAPHC_NUM_KV_BLOCKS"
 
 
 def _load_export(path: Path) -> Callable:
+    check_export_archive(path)  # torch.export.load would unpickle what an archive asks it to
     module = torch.export.load(str(path)).module()
     return lambda weights, inputs: module(weights, *inputs)
 
