@@ -15,7 +15,7 @@ import yaml
 from click.testing import CliRunner, Result
 
 import graphc.runtime.loader
-from graphc.pipeline import SPECIALISE
+from graphc.pipeline import backend_passes
 from graphc.artifact import FORMAT_VERSION, MANIFEST
 from graphc.cli import cli
 from graphc.runtime import Engine, Request
@@ -26,7 +26,7 @@ from support import TEST_BUCKETS, model_yaml
 EXIT_BAD_INPUT = 2
 PRESET = "lora-groups"
 BUCKETS = ["prefill-8", "prefill-32", "decode-1", "decode-4"]
-PASSES = [name for name, _ in SPECIALISE]  # the export backend runs them all
+PASSES = [name for name, _ in backend_passes("export")]  # the passes the export backend runs
 EOS_PROMPT = [8, 15]
 """Greedy generation from this prompt hits EOS (id 1) at its second token with the tiny model."""
 

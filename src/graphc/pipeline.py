@@ -26,6 +26,7 @@ from graphc.models.deepseek_v3 import DeepseekV3, Parallelism
 from graphc.models.moe_forms import step_moe_form
 from graphc.passes.dead_code_elimination import dead_code_elimination
 from graphc.passes.inline_reference_kernels import inline_reference_kernels
+from graphc.passes.lower_matvecs import lower_matvecs
 from graphc.passes.lower_trivial_collectives import lower_trivial_collectives
 from graphc.passes.manager import PassContext, PassManager, op_counts
 from graphc.passes.specialise_rank import specialise_rank
@@ -45,12 +46,14 @@ SPECIALISE = [
     ("lower_trivial_collectives", lower_trivial_collectives),
     # CPU backends: KV write and attention as compiled ATen ops, not Python kernels per layer.
     ("inline_reference_kernels", inline_reference_kernels),
+    # Inductor: decode-sized linear layers as reductions that stream the weight at bandwidth.
+    ("lower_matvecs", lower_matvecs),
     # Last: sweep what the rewrites above left unused.
     ("dead_code_elimination", dead_code_elimination),
 ]
 """Per-rank, per-bucket specialisation, in order (see passes/README.md)."""
 
-BACKEND_SPECIFIC = {"inline_reference_kernels": ("export", "inductor")}
+BACKEND_SPECIFIC = {"inline_reference_kernels": ("export", "inductor"), "lower_matvecs": ("inductor",)}
 """Passes that only some backends run; the others keep the op for their own lowering."""
 
 CAPTURE_CHOICES = {

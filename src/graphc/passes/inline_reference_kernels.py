@@ -15,18 +15,14 @@ mutating op is re-inplaced.
 
 from __future__ import annotations
 
-import operator
-
-import torch
 import torch.fx
-from torch._guards import detect_fake_mode
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphc.moe_ops import expert_routes_reference
 from graphc.ops import expert_shard_reference, paged_mla_attention_reference
 from graphc.sparse_ops import (index_candidates_reference, paged_indexer_logits_reference,
                                sparse_mla_attention_reference)
-from graphc.passes.manager import GraphInvariantError, PassContext, PassResult
+from graphc.passes.inline import inline_function
+from graphc.passes.manager import PassContext, PassResult
 from graphc.passes.verifier import graphc_op
 
 REFERENCE_KERNELS = {
@@ -41,53 +37,12 @@ REFERENCE_KERNELS = {
 }
 
 
-def _trace_reference(node: torch.fx.Node, kernel) -> torch.fx.GraphModule:
-    """The kernel traced on the node's fake inputs, its non-tensor arguments baked in."""
-    args = list(node.args)
-    tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.fx.Node)]
-
-    def call(*tensors):
-        full = list(args)
-        for i, t in zip(tensor_positions, tensors):
-            full[i] = t
-        return kernel(*full)
-
-    fakes = [args[i].meta["val"] for i in tensor_positions]
-    with detect_fake_mode(fakes):
-        return make_fx(call, tracing_mode="real")(*fakes)
-
-
 def inline_reference_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    graph, modified = gm.graph, False
-    for node in list(graph.nodes):
+    modified = False
+    for node in list(gm.graph.nodes):
         kernel = REFERENCE_KERNELS.get(graphc_op(node))
-        if kernel is None:
-            continue
-        traced = _trace_reference(node, kernel)
-        env = dict(zip((n for n in traced.graph.nodes if n.op == "placeholder"),
-                       (a for a in node.args if isinstance(a, torch.fx.Node))))
-        with graph.inserting_before(node):
-            for inner in traced.graph.nodes:
-                if inner.op == "get_attr":
-                    raise GraphInvariantError("a reference kernel traced to a tensor constant", node)
-                if inner.op == "output":
-                    result = inner.args[0]
-                elif inner.op != "placeholder":
-                    env[inner] = graph.node_copy(inner, lambda n: env[n])
-                    # Where the inlined ops came from, for `graphc probe` and graph dumps.
-                    env[inner].meta.update(graphc_inlined_from=graphc_op(node), stack_trace=node.meta.get("stack_trace"))
-        # Each inlined output records the node it stands for, so `graphc probe` can pair it with
-        # the captured graph's.
-        if isinstance(result, torch.fx.Node):  # one output: its users take the inlined value
-            env[result].meta["graphc_replaces"] = node.name
-            node.replace_all_uses_with(env[result])
-        else:  # several: each is read through a getitem
-            for user in list(node.users):
-                if user.target is not operator.getitem:
-                    raise GraphInvariantError("op output used other than through getitem", user)
-                env[result[user.args[1]]].meta["graphc_replaces"] = user.name
-                user.replace_all_uses_with(env[result[user.args[1]]])
-                graph.erase_node(user)
-        graph.erase_node(node)
-        modified = True
+        if kernel is not None:
+            # Where the inlined ops came from, for `graphc probe` and graph dumps.
+            inline_function(gm.graph, node, kernel, graphc_inlined_from=graphc_op(node))
+            modified = True
     return PassResult(gm, modified)
