@@ -7,8 +7,10 @@ Everything here uses the `export` backend; artifacts that a test modifies are pr
 from __future__ import annotations
 
 import filecmp
+import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -304,9 +306,61 @@ def test_the_same_yaml_compiles_once(tiny_checkpoints, tmp_path, monkeypatch):
     assert [g.file for r in second.ranks for g in r.graphs] == [g.file for r in first.ranks for g in r.graphs]
     for name in distinct:
         assert filecmp.cmp(tmp_path / "first" / name, tmp_path / "second" / name, shallow=False), name
+    entries = sorted(Path(name).name for name in distinct)
     assert sorted(p.name for p in (tmp_path / "fresh-cache" / "export").iterdir()) == \
-        sorted(Path(name).name for name in distinct)
+        sorted([*entries, *(f"{e}.sha256" for e in entries)])  # each entry with its recorded hash
     assert read_manifest(tmp_path / "second").ranks == first.ranks
+
+
+def _cold_compile(tmp_path, monkeypatch, checkpoint, out: str):
+    """Compile the standard buckets with a fresh cache; returns (manifest, compiled program count)."""
+    monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+    real = graphc.emit.compile_program
+    monkeypatch.setattr(graphc.emit, "compile_program", lambda *a: (calls.append(a[0]), real(*a)))
+    manifest = compile(load_config(write_model_yaml(tmp_path / "cfg", checkpoint)), tmp_path / out, QUIET)
+    return manifest, len(calls)
+
+
+@pytest.mark.parametrize("tamper", ["planted", "corrupted", "record removed"])
+def test_a_cache_entry_that_lost_its_recorded_hash_is_compiled_again(tiny_checkpoints, tmp_path, monkeypatch, tamper):
+    first, compiled_first = _cold_compile(tmp_path, monkeypatch, tiny_checkpoints[PRESET], "first")
+    entry = tmp_path / "cache" / "export" / Path(first.ranks[0].graphs[0].file).name
+    if tamper == "planted":  # a file dropped in under an entry's name, with no record of its own
+        entry.with_name(entry.name + ".sha256").unlink()
+        entry.write_bytes(b"not a graph")
+    elif tamper == "corrupted":
+        entry.write_bytes(entry.read_bytes()[:-1] + b"\0")
+    else:
+        entry.with_name(entry.name + ".sha256").unlink()
+    calls = []
+    real = graphc.emit.compile_program
+    monkeypatch.setattr(graphc.emit, "compile_program", lambda *a: (calls.append(a[0]), real(*a)))
+    second = compile(load_config(tmp_path / "cfg" / "model.yaml"), tmp_path / "second", QUIET)
+    assert len(calls) == 1  # only the tampered entry
+    assert second.ranks == first.ranks  # the same content, hashes included
+    read_manifest(tmp_path / "second")
+
+
+def test_a_cache_on_another_filesystem_than_tmpdir_works(tiny_checkpoints, tmp_path, monkeypatch):
+    """/dev/shm is a tmpfs and the cache is on disk: compiled files must never be renamed across."""
+    scratch = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        monkeypatch.setenv("TMPDIR", str(scratch))
+        monkeypatch.setattr(tempfile, "tempdir", None)
+        assert os.stat(scratch).st_dev != os.stat(tmp_path).st_dev
+        manifest, compiled_count = _cold_compile(tmp_path, monkeypatch, tiny_checkpoints[PRESET], "out")
+        assert compiled_count == 4 and read_manifest(tmp_path / "out").ranks == manifest.ranks
+    finally:
+        shutil.rmtree(scratch)
+
+
+def test_a_cache_dir_that_is_a_file_is_a_clear_error(tiny_checkpoints, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path / "file"))
+    with pytest.raises(GraphcError, match="GRAPHC_CACHE_DIR=.* is not a directory"):
+        compile(load_config(write_model_yaml(tmp_path / "cfg", tiny_checkpoints[PRESET])), tmp_path / "out", QUIET)
+    assert not (tmp_path / "out").exists()
 
 
 def test_graph_files_are_named_by_content(compiled, tiny_checkpoints, tmp_path):

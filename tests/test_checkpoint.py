@@ -291,7 +291,7 @@ def test_a_v3_checkpoint_labelled_v32_is_refused_naming_the_indexer_tensors(ckpt
 @pytest.mark.parametrize(("changes", "message"), [
     ({"q_lora_rank": None}, "the indexer (index_* fields) needs q_lora_rank"),
     ({"index_head_dim": 8}, "index_head_dim (8) must exceed qk_rope_head_dim (8)"),
-    ({"index_topk": 0}, "index_n_heads, index_head_dim and index_topk (16, 32, 0) must all be positive integers"),
+    ({"index_topk": 0}, "config.json: index_topk is 0; expected an integer >= 1"),
     ({"mlp_layer_types": ["sparse", "sparse", "sparse"]}, "mlp_layer_types ['sparse', 'sparse', 'sparse'] is not "
                                                            "supported; graphc runs first_k_dense_replace (1) dense"),
     ({"layer_types": ["indexed_attention", "full_attention", "indexed_attention"]},

@@ -131,3 +131,180 @@ def test_the_tokenizer_is_hashed_and_confined(artifacts):
     (artifacts / MANIFEST).write_text(yaml.safe_dump(data, sort_keys=False))
     with pytest.raises(ArtifactError, match="tokenizer file '../../../../etc/passwd' is not a path inside"):
         read_manifest(artifacts)
+
+
+# --- --force replaces graphc artifacts only; one writer at a time ------------------------------------
+
+
+def _standard_yaml(tmp_path, tiny_checkpoints) -> Path:
+    from support import TEST_BUCKETS, model_yaml
+
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(model_yaml(tiny_checkpoints[PRESET], TEST_BUCKETS["standard"])))
+    return path
+
+
+def _compile(model_yaml_path: Path, out: Path, force: bool = True):
+    from graphc.config import load_config
+    from graphc.pipeline import CompileOptions, compile
+
+    return compile(load_config(model_yaml_path), out, CompileOptions(show_progress=False, workers=1, force=force))
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_force_never_replaces_a_directory_graphc_did_not_write(tmp_path, tiny_checkpoints):
+    important = tmp_path / "important"
+    important.mkdir()
+    (important / "thesis.txt").write_text("years of work")
+    with pytest.raises(ArtifactError, match=r"is not a directory of graphc artifacts \(it holds thesis.txt\)"):
+        _compile(_standard_yaml(tmp_path, tiny_checkpoints), important)
+    assert (important / "thesis.txt").read_text() == "years of work" and _leftovers(tmp_path) == []
+
+
+def test_force_never_replaces_a_file(tmp_path, tiny_checkpoints):
+    victim = tmp_path / "victim.yaml"
+    victim.write_text("keep me")
+    with pytest.raises(ArtifactError, match="is not a directory of graphc artifacts"):
+        _compile(_standard_yaml(tmp_path, tiny_checkpoints), victim)
+    assert victim.read_text() == "keep me"
+
+
+def test_force_keeps_artifacts_that_hold_a_file_of_the_users(artifacts, tmp_path, tiny_checkpoints):
+    (artifacts / "notes.txt").write_text("mine")
+    with pytest.raises(ArtifactError, match=r"\(it holds notes.txt\)"):
+        _compile(_standard_yaml(tmp_path, tiny_checkpoints), artifacts)
+    assert (artifacts / "notes.txt").read_text() == "mine"
+    (artifacts / "notes.txt").unlink()
+    _compile(_standard_yaml(tmp_path, tiny_checkpoints), artifacts)  # graphc's own: replaced
+    read_manifest(artifacts)
+
+
+def test_a_second_compile_into_the_same_directory_is_refused_at_once(tmp_path, tiny_checkpoints):
+    import fcntl
+
+    out = tmp_path / "out"
+    with open(tmp_path / ".out.graphc-lock", "a") as held:  # what a running compile holds
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(ArtifactError, match="is being written by another graphc compile"):
+            _compile(_standard_yaml(tmp_path, tiny_checkpoints), out)
+    assert not out.exists() and _leftovers(tmp_path) == [".out.graphc-lock"]  # the holder's own file
+
+
+def test_artifacts_follow_the_umask(tmp_path, tiny_checkpoints):
+    import os
+    import stat
+
+    previous = os.umask(0o022)
+    try:
+        _compile(_standard_yaml(tmp_path, tiny_checkpoints), tmp_path / "out")
+    finally:
+        os.umask(previous)
+    for path in [tmp_path / "out", *(tmp_path / "out").rglob("*")]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode & 0o044 == 0o044, (path, oct(mode))  # readable by group and others
+
+
+# --- signed artifacts -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> dict[str, Path]:
+    from graphc.signing import generate_key
+
+    folder = tmp_path_factory.mktemp("keys")
+    return {name: (folder / name, generate_key(folder / name)) for name in ("builder", "stranger")}
+
+
+@pytest.fixture(scope="module")
+def signed_artifacts(tmp_path_factory, tiny_checkpoints, keys) -> Path:
+    from graphc.config import load_config
+    from graphc.pipeline import CompileOptions, compile
+
+    folder = tmp_path_factory.mktemp("signed")
+    config = folder / "model.yaml"
+    from support import TEST_BUCKETS, model_yaml
+
+    config.write_text(yaml.safe_dump(model_yaml(tiny_checkpoints[PRESET], TEST_BUCKETS["small"])))
+    compile(load_config(config), folder / "artifacts",
+            CompileOptions(show_progress=False, workers=1, sign_key=keys["builder"][0]))
+    return folder / "artifacts"
+
+
+@pytest.fixture
+def signed(signed_artifacts, tmp_path) -> Path:
+    return Path(shutil.copytree(signed_artifacts, tmp_path / "signed"))
+
+
+def test_keygen_writes_a_private_key_only_its_owner_reads_and_never_overwrites(keys):
+    import stat
+
+    from graphc.signing import SignatureError, generate_key
+
+    private, public = keys["builder"]
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600 and public.name == "builder.pub"
+    with pytest.raises(SignatureError, match="already exists"):
+        generate_key(private)
+
+
+def test_signed_artifacts_serve_under_their_key(signed, keys):
+    from graphc.runtime import Request
+
+    results = Engine(signed, trusted_key=keys["builder"][1]).generate([Request([5, 6, 7], 4, stop_at_eos=False)])
+    assert results[0].error is None and len(results[0].output_ids) == 4
+
+
+def test_another_key_is_refused(signed, keys):
+    from graphc.signing import SignatureError
+
+    with pytest.raises(SignatureError, match="signed with another key, or modified since"):
+        read_manifest(signed, keys["stranger"][1])
+
+
+def test_unsigned_artifacts_are_refused_under_a_trusted_key(artifacts, keys):
+    from graphc.signing import SignatureError
+
+    with pytest.raises(SignatureError, match="not signed"):
+        Engine(artifacts, trusted_key=keys["builder"][1])
+
+
+@pytest.mark.parametrize("target", ["manifest", "signature", "graph", "weights", "tokenizer"])
+def test_a_one_byte_change_anywhere_is_refused(signed, keys, target):
+    from graphc.signing import SIGNATURE
+
+    manifest = read_manifest(signed)
+    path = signed / {"manifest": MANIFEST, "signature": SIGNATURE, "graph": manifest.ranks[0].graphs[0].file,
+                     "weights": manifest.ranks[0].weights, "tokenizer": "tokenizer.json"}[target]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    from graphc.signing import SignatureError
+
+    # The signature covers the manifest's bytes; the manifest covers every other file's.
+    expected = (SignatureError, "signature does not match") if target in ("manifest", "signature") else \
+        (ArtifactError, "does not match its sha256")
+    with pytest.raises(expected[0], match=expected[1]):
+        read_manifest(signed, keys["builder"][1])
+
+
+@pytest.mark.parametrize("content", [b"", b"-----BEGIN PUBLIC KEY-----\nnonsense\n-----END PUBLIC KEY-----\n"])
+def test_a_trusted_key_that_is_no_key_is_a_clear_error(signed, tmp_path, content):
+    from graphc.signing import SignatureError
+
+    (tmp_path / "bad.pub").write_bytes(content)
+    with pytest.raises(SignatureError, match="not an Ed25519 public key in PEM"):
+        read_manifest(signed, tmp_path / "bad.pub")
+
+
+def test_a_sign_key_that_is_no_private_key_fails_before_any_work(tmp_path, tiny_checkpoints, keys):
+    from graphc.signing import SignatureError
+
+    with pytest.raises(SignatureError, match="not an unencrypted Ed25519 private key"):
+        from graphc.config import load_config
+        from graphc.pipeline import CompileOptions, compile
+
+        compile(load_config(_standard_yaml(tmp_path, tiny_checkpoints)), tmp_path / "out",
+                CompileOptions(show_progress=False, sign_key=keys["builder"][1]))  # the public half
+    assert not (tmp_path / "out").exists()

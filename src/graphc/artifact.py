@@ -13,6 +13,7 @@ Layout:
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -26,6 +27,7 @@ import yaml
 
 from graphc import __version__
 from graphc.errors import GraphcError
+from graphc.signing import SIGNATURE, verify
 
 FORMAT_VERSION = 3
 MANIFEST = "manifest.yaml"
@@ -118,20 +120,80 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+ARTIFACT_ENTRIES = {MANIFEST, SIGNATURE, "graphs", "weights", "tokenizer.json"}
+"""Everything `graphc compile` writes into an artifacts directory."""
+
+
+def check_replaceable(out: Path, force: bool) -> None:
+    """Refuse to write `out` unless it is absent, or `force` is set and it holds graphc artifacts
+    and nothing else (`--force` never deletes anything graphc did not write).
+
+    Raises:
+        ArtifactError: naming what is in the way.
+    """
+    if not out.exists() and not out.is_symlink():
+        return
+    if not force:
+        raise ArtifactError(f"output {str(out)!r} already exists; pass --force to replace it")
+    if out.is_symlink() or not out.is_dir():
+        raise ArtifactError(f"output {str(out)!r} is not a directory of graphc artifacts; --force only replaces those")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in ARTIFACT_ENTRIES)
+    try:
+        manifest = yaml.safe_load((out / MANIFEST).read_text()) if (out / MANIFEST).is_file() else None
+    except (yaml.YAMLError, UnicodeDecodeError):
+        manifest = None
+    if not isinstance(manifest, dict) or "graphc_version" not in manifest or foreign:
+        held = f" (it holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''})" if foreign else ""
+        raise ArtifactError(f"output {str(out)!r} is not a directory of graphc artifacts{held}; --force only replaces "
+                            "those: choose another -o")
+
+
+@contextmanager
+def _exclusive(out: Path) -> Iterator[None]:
+    """Hold the lock of writing `out` (a lock file beside it), or fail at once: two compiles into
+    one directory would each replace the other's result."""
+    lock_path = out.parent / f".{out.name}.graphc-lock"
+    lock = open(lock_path, "a")
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ArtifactError(f"output {str(out)!r} is being written by another graphc compile; "
+                                "wait for it or choose another -o") from None
+        if not lock_path.exists() or os.stat(lock_path).st_ino != os.fstat(lock.fileno()).st_ino:
+            # The holder finished and removed the file between our open and our lock.
+            raise ArtifactError(f"output {str(out)!r} was just written by another graphc compile; "
+                                "compile again to replace it")
+        try:
+            yield
+        finally:
+            lock_path.unlink()  # while still holding it, so a waiter sees the inode change
+    finally:
+        lock.close()
+
+
 @contextmanager
 def atomic_directory(out: Path, force: bool) -> Iterator[Path]:
     """Yield a staging directory beside `out`; on success it becomes `out`, on any error it goes.
+    One writer at a time (another gets an error at once).
 
     Raises:
-        ArtifactError: `out` exists and `force` is not set.
+        ArtifactError: `out` cannot be replaced (`check_replaceable`), or is being written.
     """
     out = Path(out)
-    if out.exists() and not force:
-        raise ArtifactError(f"output {str(out)!r} already exists; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(out):
+        check_replaceable(out, force)
+        yield from _staged(out)
+
+
+def _staged(out: Path) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
     try:
         yield staging
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 would hide the artifacts from other users
         if out.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.rename(out, retired / "old")
@@ -144,11 +206,13 @@ def atomic_directory(out: Path, force: bool) -> Iterator[Path]:
         raise
 
 
-def read_manifest(artifacts: Path) -> Manifest:
-    """Load and verify a manifest: versions first, then every file's presence and hash.
+def read_manifest(artifacts: Path, trusted_key: Path | None = None) -> Manifest:
+    """Load and verify a manifest: its signature under `trusted_key` first (when given: before
+    the manifest is parsed), then versions, then every file's presence and hash.
 
     Raises:
         ArtifactError: naming what differs and what to do about it.
+        SignatureError: with `trusted_key`, unsigned or not signed by it.
     """
     import torch  # the version check needs the runtime's torch; imported here to keep this module light
 
@@ -156,8 +220,11 @@ def read_manifest(artifacts: Path) -> Manifest:
     path = artifacts / MANIFEST
     if not path.is_file():
         raise ArtifactError(f"{artifacts}: no {MANIFEST}; is this a `graphc compile` output directory?")
+    raw = path.read_bytes()  # read once: what is verified is what is parsed
+    if trusted_key is not None:
+        verify(artifacts, raw, Path(trusted_key))
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(raw)
     except yaml.YAMLError as e:
         raise ArtifactError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); recompile") from None
     if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:

@@ -7,24 +7,37 @@ usage errors do.
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import click
 
-from graphc.errors import GraphcError
+from graphc.errors import GraphcError, Interrupted
 
 EXIT_BAD_INPUT = 2
 
 
 class _Group(click.Group):
-    """Turns `GraphcError` from any command into a one-line message and exit status 2."""
+    """Turns `GraphcError` from any command into a one-line message and exit status 2, and an
+    interrupt (Ctrl-C, SIGTERM) into one line and 128 + the signal's number (130, 143)."""
 
     def invoke(self, ctx: click.Context):
+        signal.signal(signal.SIGTERM, _raise_interrupted)
         try:
             return super().invoke(ctx)
         except GraphcError as e:
             click.echo(f"error: {e}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
+        except KeyboardInterrupt:
+            click.echo("error: interrupted (SIGINT); every rank was stopped", err=True)
+            ctx.exit(128 + signal.SIGINT)
+        except Interrupted as e:
+            click.echo(f"error: stopped by {signal.Signals(e.signum).name}; every rank was stopped", err=True)
+            ctx.exit(128 + e.signum)
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
 
 
 @click.group(cls=_Group)
@@ -40,7 +53,7 @@ def checkpoint() -> None:
 
 @checkpoint.command("make-tiny")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--preset", default=None, help="Architecture preset (default: lora-groups); see --list-presets.")
+@click.option("--preset", default=None, help="Architecture preset (default: lora-groups); `graphc checkpoint presets` lists them.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--fp8-block", type=click.IntRange(min=1), default=None,
@@ -75,8 +88,13 @@ def validate(config_path: Path) -> None:
     """Check MODEL_YAML against the schema and its checkpoint, and print the resolved config."""
     from graphc.config import load_config
 
+    from graphc.models.checkpoint import check_checkpoint
+
     config = load_config(config_path)
+    checked = check_checkpoint(config.model.checkpoint)
     click.echo(_describe_config(config))
+    click.echo(f"checkpoint {len(checked.expected)} tensors in {len(set(checked.files.values()))} file(s): names, "
+               "dtypes, shapes and byte ranges checked")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -146,22 +164,35 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
               help="Write each graph before and after every pass into this directory.")
 @click.option("--verify-passes", is_flag=True, help="Run the graph verifier between passes.")
 @click.option("--jobs", type=click.IntRange(min=1), default=None, help="Parallel compile processes.")
-@click.option("--force", is_flag=True, help="Replace the output directory if it exists.")
-def compile_command(config_path, out, backend, disabled, dump_graphs, verify_passes, jobs, force) -> None:
+@click.option("--force", is_flag=True, help="Replace the output directory if it holds graphc artifacts (only then).")
+@click.option("--sign-key", type=click.Path(path_type=Path), default=None,
+              help="Ed25519 private key (PEM, from `graphc keygen`): sign the artifacts.")
+def compile_command(config_path, out, backend, disabled, dump_graphs, verify_passes, jobs, force, sign_key) -> None:
     """Capture, specialise and compile MODEL_YAML's model into per-rank, per-bucket graphs."""
     from graphc.config import load_config
     from graphc.pipeline import CompileOptions, check_options, compile
 
     config = load_config(config_path)
     options = CompileOptions(backend=backend, disabled_passes=frozenset(disabled), dump_graphs=dump_graphs,
-                             verify_passes=verify_passes, force=force,
+                             verify_passes=verify_passes, force=force, sign_key=sign_key,
                              **({"workers": jobs} if jobs else {}))
     check_options(out, options)
     click.echo(_describe_config(config, backend), err=True)
     manifest = compile(config, out, options)
     graphs = {g.file for r in manifest.ranks for g in r.graphs}
     click.echo(f"wrote {out}: {sum(len(r.graphs) for r in manifest.ranks)} graphs over {len(manifest.ranks)} "
-               f"rank(s), {len(graphs)} distinct, backend {manifest.backend}")
+               f"rank(s), {len(graphs)} distinct, backend {manifest.backend}" + (", signed" if sign_key else ""))
+
+
+@cli.command()
+@click.argument("private_key", type=click.Path(path_type=Path))
+def keygen(private_key: Path) -> None:
+    """Write a new Ed25519 key pair: PRIVATE_KEY (for `compile --sign-key`, mode 0600) and
+    PRIVATE_KEY.pub (for `run --trusted-key` on the serving hosts)."""
+    from graphc.signing import generate_key
+
+    public = generate_key(private_key)
+    click.echo(f"wrote private key {private_key} and public key {public}")
 
 
 JSONL_FIELDS = {
@@ -172,9 +203,13 @@ JSONL_FIELDS = {
 
 def _check_jsonl_item(item, where: str) -> dict:
     """One --prompts-file line: 'prompt' or 'prompt_ids', optional per-request overrides, typed."""
+    from graphc.sampling import SAMPLING_RULES, sampling_error
+
     optional = ", ".join(k for k in JSONL_FIELDS if k not in ("prompt", "prompt_ids"))
     if not isinstance(item, dict) or not ({"prompt", "prompt_ids"} & set(item)) or set(item) - set(JSONL_FIELDS):
         raise GraphcError(f"{where}: expected an object with 'prompt' or 'prompt_ids' and optionally {optional}")
+    if {"prompt", "prompt_ids"} <= set(item):
+        raise GraphcError(f"{where}: give 'prompt' or 'prompt_ids', not both")
     for key, value in item.items():
         # bool is an int in Python; JSON true must not pass as a count.
         if isinstance(value, bool) or not isinstance(value, JSONL_FIELDS[key]):
@@ -182,35 +217,50 @@ def _check_jsonl_item(item, where: str) -> dict:
     ids = item.get("prompt_ids", [])
     if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
         raise GraphcError(f"{where}: prompt_ids must be a list of integers, got {ids!r}")
-    checks = [("max_new_tokens", lambda v: v >= 1, ">= 1"), ("temperature", lambda v: v >= 0, ">= 0"),
-              ("top_k", lambda v: v >= 0, ">= 0"), ("top_p", lambda v: 0 < v <= 1, "in (0, 1]")]
-    for key, ok, allowed in checks:
-        if key in item and not ok(item[key]):
-            raise GraphcError(f"{where}: {key} is {item[key]!r}; it must be {allowed}")
+    if item.get("max_new_tokens", 1) < 1:
+        raise GraphcError(f"{where}: max_new_tokens is {item['max_new_tokens']!r}; it must be >= 1")
+    for key in SAMPLING_RULES.keys() & item.keys():
+        problem = sampling_error(key, item[key])
+        if problem:
+            raise GraphcError(f"{where}: {key} {problem}")
     return item
 
 
-def _read_prompts(prompt_ids, prompts, prompts_file, tokenizer):
-    """Each prompt as token ids, with its per-request overrides from a JSONL file."""
+def _read_prompts(prompt_ids, prompts, prompts_file, tokenizer, vocab: int) -> list[dict]:
+    """Each prompt as token ids, with its per-request overrides from a JSONL file. A bad prompts
+    file line (or a prompt outside the vocabulary) becomes an item with an "error" of its own, so
+    the other requests are still served; a bad command-line option fails the command."""
     items = [({"prompt_ids": _parse_ids(p)}) for p in prompt_ids]
     items += [{"prompt": p} for p in prompts]
     if prompts_file is not None:
-        for number, line in enumerate(prompts_file.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise GraphcError(f"{prompts_file}:{number}: not valid JSON ({e})") from None
-            items.append(_check_jsonl_item(item, f"{prompts_file}:{number}"))
+        try:
+            lines = prompts_file.read_bytes().decode("utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise GraphcError(f"--prompts-file {prompts_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                items.append(_file_item(line, f"{prompts_file}:{number}"))
     if not items:
         raise click.UsageError("give at least one prompt: --prompt-ids, --prompt or --prompts-file")
-    for item in items:
+    for i, item in enumerate(items):
         if "prompt" in item:
             if tokenizer is None:
                 raise GraphcError("text prompts need a tokenizer.json in the checkpoint directory; use --prompt-ids")
             item["prompt_ids"] = tokenizer.encode(item["prompt"]).ids
+        bad = [t for t in item.get("prompt_ids", []) if not 0 <= t < vocab]
+        if bad and "error" not in item:
+            item["error"] = f"{item.get('where', f'prompt {i}')}: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}"
     return items
+
+
+def _file_item(line: str, where: str) -> dict:
+    """One prompts-file line as a request item, or {"error": ...} naming the line."""
+    try:
+        return {**_check_jsonl_item(json.loads(line), where), "where": where}
+    except json.JSONDecodeError as e:
+        return {"error": f"{where}: not valid JSON ({e})", "prompt_ids": []}
+    except GraphcError as e:
+        return {"error": str(e), "prompt_ids": []}
 
 
 @cli.command()
@@ -220,45 +270,60 @@ def _read_prompts(prompt_ids, prompts, prompts_file, tokenizer):
 @click.option("--prompts-file", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
               help="JSONL: one object per line with 'prompt' or 'prompt_ids' and optional sampling overrides.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="Default: the manifest's.")
-@click.option("--temperature", type=click.FloatRange(min=0), default=None)
-@click.option("--top-k", type=click.IntRange(min=0), default=None)
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None)
-@click.option("--seed", type=int, default=None)
+@click.option("--temperature", type=float, default=None, help="0 is greedy (default: the manifest's).")
+@click.option("--top-k", type=int, default=None, help="Keep the k most likely tokens; 0 keeps all.")
+@click.option("--top-p", type=float, default=None, help="Nucleus sampling mass, in (0, 1].")
+@click.option("--seed", type=int, default=None, help="Sampling seed, 0..2**32-1.")
 @click.option("--ignore-eos", is_flag=True, help="Generate through EOS tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
+@click.option("--trusted-key", type=click.Path(path_type=Path), default=None,
+              help="Ed25519 public key (PEM): refuse artifacts it did not sign, before loading anything.")
+@click.option("--verbose", is_flag=True, help="Several ranks: also show the launcher's own log lines.")
 def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed,
-        ignore_eos, as_json) -> None:
+        ignore_eos, as_json, trusted_key, verbose) -> None:
     """Generate from precompiled ARTIFACTS (no compilation at serve time); artifacts compiled for
     several ranks run as one process per rank (torchrun's agent), the leader printing."""
     from graphc.artifact import read_manifest
     from graphc.runtime import Engine, Request
-    from graphc.sampling import Sampling
+    from graphc.runtime.scheduler import Result
+    from graphc.sampling import Sampling, sampling_error
 
-    manifest = read_manifest(artifacts)
+    overrides = {k: v for k, v in {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}.items()
+                 if v is not None}
+    for name, value in overrides.items():  # before any file is read
+        problem = sampling_error(name, value)
+        if problem:
+            raise GraphcError(f"--{name.replace('_', '-')} {problem}")
+    manifest = read_manifest(artifacts, trusted_key)
     world = manifest.topology["world"]
     tokenizer = None
     if manifest.tokenizer:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(artifacts / manifest.tokenizer))
-    items = _read_prompts(prompt_ids, prompts, prompts_file, tokenizer)
-    defaults = {**manifest.runtime["sampling"], **{k: v for k, v in
-                {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}.items() if v is not None}}
-    vocab = manifest.model["vocab_size"]
+    items = _read_prompts(prompt_ids, prompts, prompts_file, tokenizer, manifest.model["vocab_size"])
+    defaults = {**manifest.runtime["sampling"], **overrides}
     requests = []
-    for i, item in enumerate(items):
-        bad = [t for t in item["prompt_ids"] if not 0 <= t < vocab]
-        if bad:
-            raise GraphcError(f"prompt {i}: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+    for item in items:
         sampling = Sampling(**{k: item.get(k, v) for k, v in defaults.items()})
         limit = item.get("max_new_tokens", max_new_tokens or manifest.runtime["max_new_tokens"])
         requests.append(Request(item["prompt_ids"], limit, sampling, stop_at_eos=not ignore_eos))
-    if world > 1:
+    servable = [r for r, item in zip(requests, items) if "error" not in item]
+    click.echo(f"loading {artifacts}: {world} rank(s), backend {manifest.backend}", err=True)
+    if not servable:
+        served = []
+    elif world > 1:
         from graphc.runtime.launch import serve
+        from graphc.runtime.loader import kv_pool_blocks
 
-        [results] = serve(artifacts, [requests], world)
+        kv_pool_blocks(manifest)  # GRAPHC_NUM_KV_BLOCKS checked here, not once per rank after start-up
+
+        [served] = serve(artifacts, [servable], world, trusted_key=trusted_key, verbose=verbose)
     else:
-        results = Engine(artifacts, manifest=manifest).generate(requests)
+        served = Engine(artifacts, manifest=manifest).generate(servable)
+    served = iter(served)
+    results = [Result(request, [], "error", item["error"]) if "error" in item else next(served)
+               for request, item in zip(requests, items)]
     failed = 0
     for result in results:
         failed += result.error is not None

@@ -39,7 +39,7 @@ import yaml
 from graphc.buckets import BucketPlan, plan_buckets, read_workload
 from graphc.errors import ConfigError, GraphcError
 from graphc.models.args import model_args_from_hf_config, read_hf_config
-from graphc.sampling import Sampling
+from graphc.sampling import SAMPLING_RULES, Sampling, sampling_error
 
 DTYPES = ("float32", "bfloat16")
 BACKENDS = ("export", "inductor", "neuron")
@@ -285,13 +285,10 @@ def validate(config: GraphcConfig) -> None:
         )
     _positive("runtime.max_num_prefilling_tokens", rt.max_num_prefilling_tokens)
     _positive("runtime.max_new_tokens", rt.max_new_tokens)
-    s = rt.sampling
-    if not s.temperature >= 0:  # also catches NaN
-        raise ConfigError(f"runtime.sampling.temperature: {s.temperature} must be >= 0 (0 is greedy)")
-    if s.top_k < 0:
-        raise ConfigError(f"runtime.sampling.top_k: {s.top_k} must be >= 0 (0 keeps all tokens)")
-    if not 0 < s.top_p <= 1:
-        raise ConfigError(f"runtime.sampling.top_p: {s.top_p} must be in (0, 1]")
+    for name in SAMPLING_RULES:
+        problem = sampling_error(name, getattr(rt.sampling, name))
+        if problem:
+            raise ConfigError(f"runtime.sampling.{name}: {problem}")
     _positive("topology.cp", topo.cp)
     _positive("topology.ep", topo.ep)
     if topo.cp % topo.ep:

@@ -5,6 +5,12 @@ torch versions, the graph code, its signature, its constants and the shapes and 
 node. Weights are graph inputs, so they are not part of the key. Compiled files live in a content-addressed
 cache (`GRAPHC_CACHE_DIR`, default `~/.cache/graphc`), so an unchanged graph is never compiled
 twice, across buckets, ranks and runs. Misses compile in parallel worker processes.
+
+The cache is written atomically inside itself (temporary files in the cache directory, then a
+rename: never across filesystems) and each entry's sha256 is recorded beside it when written; an
+entry is reused only while its content still has that hash, else it is compiled again. That
+catches corruption and files dropped into the cache, not a writer who also forges the record:
+the cache directory must be writable only by those trusted to compile (README, trust model).
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.export import ExportedProgram
 
 from graphc import __version__
+from graphc.artifact import sha256_file
 from graphc.backends import EXTENSIONS, compile_program
+from graphc.errors import GraphcError
 
 
 @dataclass(frozen=True)
@@ -36,7 +44,31 @@ class CompileJob:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("GRAPHC_CACHE_DIR") or Path.home() / ".cache" / "graphc")
+    folder = Path(os.environ.get("GRAPHC_CACHE_DIR") or Path.home() / ".cache" / "graphc")
+    if folder.exists() and not folder.is_dir():
+        raise GraphcError(f"GRAPHC_CACHE_DIR={str(folder)!r} is not a directory; point it at a directory "
+                          "(it is created if missing)")
+    return folder
+
+
+def _record(entry: Path) -> Path:
+    return entry.with_name(entry.name + ".sha256")
+
+
+def _is_intact(entry: Path) -> bool:
+    """Whether a cache entry exists and still has the hash recorded when it was written."""
+    record = _record(entry)
+    return entry.is_file() and record.is_file() and record.read_text().strip() == sha256_file(entry)
+
+
+def _store(partial: Path, entry: Path) -> None:
+    """Move a compiled file (written inside the cache directory) into place, then record its hash:
+    an entry whose record is missing or stale counts as absent."""
+    digest = sha256_file(partial)
+    os.replace(partial, entry)  # atomic: an entry is whole or absent
+    with tempfile.NamedTemporaryFile("w", dir=entry.parent, prefix=".record-", delete=False) as record:
+        record.write(digest + "\n")
+    os.replace(record.name, _record(entry))
 
 
 def program_key(program: ExportedProgram, backend: str) -> str:
@@ -64,10 +96,11 @@ def compile_all(jobs: list[CompileJob], backend: str, workers: int, show_progres
     labels: dict[str, list[str]] = {}
     for job in jobs:
         labels.setdefault(job.key, []).append(job.label)
-    todo = {job.key: job for job in jobs if not results[job.key].is_file()}
+    todo = {job.key: job for job in jobs if not _is_intact(results[job.key])}
     if not todo:
         return results
-    with tempfile.TemporaryDirectory(prefix="graphc-programs-") as scratch, Progress(
+    # Scratch space inside the cache directory: compiled files move into place by rename.
+    with tempfile.TemporaryDirectory(prefix=".graphc-programs-", dir=folder) as scratch, Progress(
         TextColumn("[bold]compiling[/] {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=Console(stderr=True), disable=not show_progress, transient=False,
     ) as progress:
@@ -80,7 +113,7 @@ def compile_all(jobs: list[CompileJob], backend: str, workers: int, show_progres
             torch.export.save(job.program, str(programs[key]))
 
         def compiled(key: str, partial: Path) -> None:
-            os.replace(partial, results[key])  # atomic: a cache entry is whole or absent
+            _store(partial, results[key])
             progress.advance(task)
 
         if backend == "export" or workers <= 1 or len(todo) == 1:

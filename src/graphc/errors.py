@@ -14,5 +14,14 @@ class ConfigError(GraphcError):
     """A `model.yaml` problem; the message starts with the key path."""
 
 
+class Interrupted(Exception):
+    """The user stopped a command (SIGINT) or the system did (SIGTERM): not a bug, no traceback;
+    the CLI exits 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
 class CheckpointError(GraphcError):
     """A checkpoint problem: missing dir, unsupported architecture, missing or mis-shaped tensor."""

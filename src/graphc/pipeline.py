@@ -15,12 +15,13 @@ import torch
 from safetensors.torch import save_file
 
 from graphc import __version__
-from graphc.artifact import MANIFEST, ArtifactError, GraphEntry, Manifest, RankEntry, TensorSpec, atomic_directory, sha256_file
+from graphc.artifact import (MANIFEST, GraphEntry, Manifest, RankEntry, TensorSpec, atomic_directory, check_replaceable,
+                             sha256_file)
 from graphc.buckets import all_buckets
 from graphc.capture import POOL_BLOCKS_DIM, STEP_INPUTS, capture_bucket, model_weights
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
-from graphc.emit import CompileJob, compile_all, program_key
+from graphc.emit import CompileJob, cache_dir, compile_all, program_key
 from graphc.models.checkpoint import load_model, load_model_args
 from graphc.models.deepseek_v3 import DeepseekV3, Parallelism
 from graphc.models.moe_forms import step_moe_form
@@ -33,6 +34,7 @@ from graphc.passes.specialise_rank import specialise_rank
 from graphc.passes.strip_follower_sampling import strip_follower_sampling
 from graphc.passes.verifier import collective_sequence, step_placeholders, verify
 from graphc.passes.verify_bucket_shapes import verify_bucket_shapes
+from graphc.signing import SIGNATURE, private_key, sign
 from graphc.topology import Topology
 
 SPECIALISE = [
@@ -75,6 +77,8 @@ class CompileOptions:
     workers: int = max(1, min(4, os.cpu_count() or 1))
     force: bool = False
     show_progress: bool = True
+    sign_key: Path | None = None
+    """An Ed25519 private key (PEM): sign the manifest (`manifest.sig`), which covers every file."""
 
 
 def check_options(out: Path, options: CompileOptions) -> None:
@@ -83,8 +87,10 @@ def check_options(out: Path, options: CompileOptions) -> None:
     unknown = sorted(options.disabled_passes - set(names))
     if unknown:
         raise GraphcError(f"--disable-pass {unknown[0]}: no such pass; passes: {', '.join(names)}")
-    if Path(out).exists() and not options.force:
-        raise ArtifactError(f"output {str(out)!r} already exists; pass --force to replace it")
+    check_replaceable(Path(out), options.force)
+    if options.sign_key is not None:
+        private_key(options.sign_key)  # a key that cannot sign fails before any work
+    cache_dir()  # a GRAPHC_CACHE_DIR that cannot be a cache fails here, not after the capture
 
 
 def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOptions()) -> Manifest:
@@ -176,6 +182,8 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                    "passes": pass_logs},
         )
         (staging / MANIFEST).write_text(manifest.to_yaml())
+        if options.sign_key is not None:
+            (staging / SIGNATURE).write_bytes(sign((staging / MANIFEST).read_bytes(), options.sign_key))
     return manifest
 
 

@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 SEED_STRIDE = 1_000_003
 """Mixes a request's seed with its step index: row seed = seed * SEED_STRIDE + step."""
+SEED_MAX = 2**32 - 1
+"""The largest seed: seed * SEED_STRIDE + step must fit the sampler's int64."""
+TOP_K_MAX = 2**31 - 1
+"""The largest top_k (any value at least the vocabulary keeps every token)."""
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+SAMPLING_RULES = {
+    "temperature": (lambda v: _number(v) and v >= 0, "a finite number >= 0 (0 is greedy)"),
+    "top_k": (lambda v: _integer(v) and 0 <= v <= TOP_K_MAX, f"an integer in 0..{TOP_K_MAX} (0 keeps every token)"),
+    "top_p": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "seed": (lambda v: _integer(v) and 0 <= v <= SEED_MAX, f"an integer in 0..{SEED_MAX}"),
+}
+"""What each sampling parameter accepts: one rule for model.yaml, `graphc run`'s options and
+prompts files (NaN and infinities are refused everywhere)."""
+
+
+def sampling_error(name: str, value) -> str | None:
+    """Why `value` cannot be sampling parameter `name` ("is nan; expected ..."), or None."""
+    accepts, allowed = SAMPLING_RULES[name]
+    return None if accepts(value) else f"is {value!r}; expected {allowed}"
 
 
 @dataclass(frozen=True)

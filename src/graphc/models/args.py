@@ -197,6 +197,47 @@ def read_hf_config(checkpoint_dir: Path) -> dict[str, Any]:
     return config
 
 
+POSITIVE, COUNT = 1, 0
+FIELD_TYPES: dict[str, tuple[type, float]] = {
+    **{name: (int, POSITIVE) for name in (
+        "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+        "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+        "max_position_embeddings", "index_n_heads", "index_head_dim", "index_topk")},
+    **{name: (int, COUNT) for name in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")},
+    **{name: (float, 0.0) for name in ("routed_scaling_factor", "rms_norm_eps", "rope_theta")},
+    **{name: (bool, 0) for name in ("norm_topk_prob", "tie_word_embeddings", "attention_bias", "rope_interleave")},
+}
+"""config.json fields graphc reads, with their JSON type and the least value allowed (floats
+must exceed theirs); null means the default wherever the field is optional."""
+
+
+def check_field_types(config: dict[str, Any]) -> None:
+    """One-line errors for a config.json field of the wrong type or range (before any is used)."""
+    for name, (kind, least) in FIELD_TYPES.items():
+        value = config.get(name)
+        if value is None:
+            continue
+        # JSON has no int/float distinction for 1.0, but true is not a count; a float must be finite.
+        if kind is bool:
+            fits = isinstance(value, bool)
+        elif kind is int:
+            fits = isinstance(value, int) and not isinstance(value, bool) and value >= least
+        else:
+            fits = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+                and value > least
+        if not fits:
+            allowed = {bool: "true or false", int: "an integer >= 1" if least == POSITIVE else "an integer >= 0",
+                       float: "a finite number > 0"}[kind]
+            raise CheckpointError(f"config.json: {name} is {value!r}; expected {allowed}")
+    eos = config.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    vocab = config.get("vocab_size")
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab for i in ids):
+        raise CheckpointError(f"config.json: eos_token_id is {eos!r}; expected a token id or a list of token ids "
+                              f"in 0..{vocab - 1}")
+
+
 def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
     """Translate an HF DeepSeek-V3 `config.json` into `ModelArgs`, refusing other architectures."""
     architectures = config.get("architectures") or []
@@ -216,6 +257,7 @@ def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
     missing = [k for k in required if config.get(k) is None]
     if missing:
         raise CheckpointError(f"config.json: missing required field(s) {', '.join(missing)}")
+    check_field_types(config)
     first_dense = config.get("first_k_dense_replace") or 0
     layer_types = config.get("mlp_layer_types")
     implied = ["dense"] * first_dense + ["sparse"] * (config["num_hidden_layers"] - first_dense)

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -133,27 +136,12 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
         CheckpointError: unsupported architecture, missing/unexpected tensor, wrong shape or dtype.
     """
     checkpoint_dir = Path(checkpoint_dir)
-    args = load_model_args(checkpoint_dir)
     if torch.device(device).type == "meta":
         raise CheckpointError("device 'meta' holds no data; load onto a real device (e.g. 'cpu')")
     if dtype not in SUPPORTED_DTYPES:
         raise CheckpointError(f"dtype {dtype} is not supported; supported: float32, bfloat16, float16")
-    files = _tensor_files(checkpoint_dir)
-    block = _fp8_block(checkpoint_dir, files)
-    expected = expected_tensors(args)
-    stored = {n for n in files if not is_multi_token_prediction(n, args)}
-    stray_scales = sorted(n for n in stored if n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) not in expected)
-    if stray_scales:
-        raise CheckpointError(f"{checkpoint_dir}: scale tensor(s) of no expected weight: {_summarise(stray_scales)}")
-    stored = {n for n in stored if not n.endswith(SCALE_SUFFIX)}
-    missing = sorted(set(expected) - stored)
-    if missing:
-        raise CheckpointError(f"{checkpoint_dir}: missing tensor(s) {_summarise(missing)}")
-    if args.tie_word_embeddings:
-        stored.discard("lm_head.weight")  # a tied head may be stored too; the embedding is what counts
-    unexpected = sorted(stored - set(expected))
-    if unexpected:
-        raise CheckpointError(f"{checkpoint_dir}: unexpected tensor(s) {_summarise(unexpected)}")
+    checked = check_checkpoint(checkpoint_dir)
+    args, files, block, expected = checked.args, checked.files, checked.fp8_block, checked.expected
 
     experts = experts if experts is not None else range(args.n_routed_experts)
     if experts.start < 0 or experts.stop > args.n_routed_experts or not len(experts):
@@ -181,6 +169,92 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     model.model.rotary_emb.to(device)
     _check_device(model, torch.device(device))
     return model.requires_grad_(False).eval()  # inference only: no autograd bookkeeping
+
+
+@dataclass(frozen=True)
+class CheckedCheckpoint:
+    args: ModelArgs
+    files: dict[str, Path]
+    """Each stored tensor's safetensors file."""
+    fp8_block: tuple[int, int] | None
+    expected: dict[str, tuple[int, ...]]
+    """Each tensor of the main layers with its shape."""
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+                      "F8_E8M0": torch.float8_e8m0fnu}
+"""safetensors' dtype names."""
+WEIGHT_DTYPES = ("F32", "BF16", "F16", "F8_E4M3")
+"""What a weight may be stored as (FP8 with its block scales)."""
+
+
+def check_checkpoint(checkpoint_dir: Path) -> CheckedCheckpoint:
+    """Everything the files' headers tell, without reading tensor data: config.json; the tensor
+    names (missing, unexpected, scales of no weight); every tensor's dtype and shape; every byte
+    range against its file's length (a truncated or corrupt file). `graphc validate` runs it;
+    `load_model` starts with it.
+
+    Raises:
+        CheckpointError: naming the file, the tensor and what is wrong.
+    """
+    args = load_model_args(checkpoint_dir)
+    files = _tensor_files(checkpoint_dir)
+    block = _fp8_block(checkpoint_dir, files)
+    expected = expected_tensors(args)
+    stored = {n for n in files if not is_multi_token_prediction(n, args)}
+    stray_scales = sorted(n for n in stored if n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) not in expected)
+    if stray_scales:
+        raise CheckpointError(f"{checkpoint_dir}: scale tensor(s) of no expected weight: {_summarise(stray_scales)}")
+    stored = {n for n in stored if not n.endswith(SCALE_SUFFIX)}
+    missing = sorted(set(expected) - stored)
+    if missing:
+        raise CheckpointError(f"{checkpoint_dir}: missing tensor(s) {_summarise(missing)}")
+    if args.tie_word_embeddings:
+        stored.discard("lm_head.weight")  # a tied head may be stored too; the embedding is what counts
+    unexpected = sorted(stored - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{checkpoint_dir}: unexpected tensor(s) {_summarise(unexpected)}")
+    headers = {path: _header(path) for path in sorted(set(files.values()))}
+    for name, shape in expected.items():
+        dtype, stored_shape = headers[files[name]][name]
+        if dtype not in WEIGHT_DTYPES:
+            raise CheckpointError(f"{files[name].name}: tensor {name} has dtype {SAFETENSORS_DTYPES[dtype]}; supported: "
+                                  "float32, bfloat16, float16, and float8_e4m3fn with block scales")
+        if tuple(stored_shape) != shape:
+            raise CheckpointError(f"{files[name].name}: tensor {name} has shape {stored_shape}, expected {list(shape)} "
+                                  "from config.json")
+    return CheckedCheckpoint(args, files, block, expected)
+
+
+def _header(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """A safetensors file's tensors (dtype, shape), each byte range checked against the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else None
+        if length is None or length > size - 8:
+            raise CheckpointError(f"{path}: truncated or not a safetensors file (its header does not fit the file)")
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, UnicodeDecodeError):
+            raise CheckpointError(f"{path}: corrupt safetensors header (not JSON)") from None
+    data_bytes = size - 8 - length
+    tensors = {}
+    for name, meta in header.items() if isinstance(header, dict) else [("", None)]:
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
+            nbytes = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name!r}") from None
+        if end - begin != nbytes or not 0 <= begin <= end <= data_bytes:
+            raise CheckpointError(f"{path}: tensor {name} claims bytes {begin}..{end} of {data_bytes} "
+                                  f"({list(shape)} {dtype} is {nbytes} bytes): the file is truncated or corrupt")
+        tensors[name] = (dtype, shape)
+    return tensors
 
 
 def fp8_tensors(checkpoint_dir: str | Path) -> list[str]:

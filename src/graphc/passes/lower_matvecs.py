@@ -1,18 +1,19 @@
-"""Linear layers of a few rows as fused multiply-and-sum reductions (inductor only).
+"""Single-row linear layers as fused multiply-and-sum reductions (inductor only).
 
-A decode step multiplies a few rows by every weight matrix: a matrix-vector product, bound by
-reading the weight once. On this project's CPUs ATen's GEMM streams a weight at about a third
-of the memory bandwidth with 1 to 8 rows, while inductor's code for a reduction over the
-weight's contiguous dim streams it near the bandwidth (measured: 10 vs 25 GB/s at 1 row, 9.7 vs
-18 GB/s at 8, 7.9 vs 8.3 at 16, on a 29 GB/s machine; see bench/bench_scale.py for the step).
-So an `aten.linear` whose input has at most `MAX_ROWS` rows becomes
+A decode step of one sequence multiplies one row by every weight matrix: a matrix-vector
+product, bound by reading the weight once. On this project's CPUs ATen's GEMM streams a weight
+at about a third of the memory bandwidth with one row (10 GB/s on a 29 GB/s machine), while
+inductor's code for a reduction over the weight's contiguous dim streams it near the bandwidth
+(25 GB/s). So an `aten.linear` of one row becomes
 
-    out[m, n] = sum_k w[n, k] * x[m, k]     (products and sums in fp32, as a GEMM accumulates)
+    out[n] = sum_k w[n, k] * x[k]     (products and sums in fp32, as a GEMM accumulates)
 
-computed as an [N, rows] reduction (the weight row stays in cache across the rows), transposed
-back. With more rows a GEMM's reuse wins and the node stays. The export backend runs ops
-eagerly, where the product would be materialised: it keeps `linear` (see
-`pipeline.BACKEND_SPECIFIC`).
+Measured on the 140 M model's decode graphs (bench/bench_scale.py's shape), one step: 7.6 ms ->
+3.8 ms at one row. With 2, 4 and 8 rows the same rewrite made the graphs 3.6-4.4x *slower*
+(9.8 -> 35, 11.6 -> 47, 18 -> 80 ms) although a lone matrix-vector product of 8 rows streams
+at 18 GB/s against the GEMM's 9.7: inside the graph inductor fuses differently; so only one-row
+layers are rewritten (`MAX_ROWS`). The export backend runs ops eagerly, where the product would
+be materialised: it keeps `linear` (see `pipeline.BACKEND_SPECIFIC`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import Tensor
 from graphc.passes.inline import inline_function
 from graphc.passes.manager import PassContext, PassResult
 
-MAX_ROWS = 8
+MAX_ROWS = 1
 """The most rows a linear layer may have to run as a reduction (measured; see above)."""
 
 

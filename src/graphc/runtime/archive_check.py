@@ -5,7 +5,8 @@ whose payload config says `use_pickle`, constants that are custom objects, legac
 and constant files, and (as a fallback) sample inputs. graphc's programs hold none of these:
 their weights are graph inputs and their constants plain tensors stored raw, and capture drops
 the example inputs. So an archive is loaded only if every entry is one that JSON parsing or the
-raw-tensor reader handles, and no payload asks for pickle. The check reads the zip directory and
+raw-tensor reader handles (or the empty sample-inputs entry torch writes when there are none),
+and no payload asks for pickle. The check reads the zip directory and
 the small JSON configs; nothing is deserialised by torch before it passes.
 
 AOTInductor packages are native code by design: no check on their content can make them safe to
@@ -27,6 +28,8 @@ ALLOWED_ENTRY = re.compile(
     r"|data/constants/[0-9A-Za-z_]+_constants_config\.json|data/constants/tensor_\d+)$"
 )
 """Every entry a graphc program's archive may hold (the first path component is the archive's name)."""
+EMPTY_ENTRY = re.compile(r"^[0-9A-Za-z_.-]+/data/sample_inputs/[0-9A-Za-z_]+\.pt$")
+"""Entries allowed only empty: torch writes the sample inputs even when there are none."""
 
 
 def check_export_archive(path: Path) -> None:
@@ -34,8 +37,9 @@ def check_export_archive(path: Path) -> None:
     try:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
-            for name in names:
-                if not ALLOWED_ENTRY.match(name):
+            for entry in archive.infolist():
+                name = entry.filename
+                if not (ALLOWED_ENTRY.match(name) or (EMPTY_ENTRY.match(name) and entry.file_size == 0)):
                     raise ArtifactError(f"{path}: archive entry {name!r} is not a graph, a payload config or a raw "
                                         "tensor; graphc refuses archives whose loading could unpickle data")
             for name in names:

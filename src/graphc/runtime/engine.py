@@ -51,11 +51,12 @@ class Engine:
         rank: which rank's graphs and weights this process serves.
         channel: the leader -> followers channel; required when the artifacts have several ranks.
         manifest: the directory's manifest if the caller has already verified it.
+        trusted_key: an Ed25519 public key (PEM): refuse artifacts it did not sign.
     """
 
     def __init__(self, artifacts: str | Path, rank: int = 0, channel: StepChannel | None = None,
-                 manifest: Manifest | None = None):
-        self.loaded: LoadedRank = load_rank(Path(artifacts), rank, manifest)
+                 manifest: Manifest | None = None, trusted_key: Path | None = None):
+        self.loaded: LoadedRank = load_rank(Path(artifacts), rank, manifest, trusted_key)
         manifest = self.manifest = self.loaded.manifest
         self.rank, self.channel = rank, channel
         self.world, self.cp = manifest.topology["world"], manifest.topology["cp"]

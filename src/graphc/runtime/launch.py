@@ -15,7 +15,9 @@ launcher removes the channel's segment whatever happened.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import os
 import signal
 import uuid
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from graphc.artifact import Manifest, read_manifest
-from graphc.errors import GraphcError
+from graphc.errors import GraphcError, Interrupted
 from graphc.runtime.channel import StepChannel, remove_segment
 from graphc.runtime.engine import BucketStats, Engine
 from graphc.runtime.scheduler import Request, Result
@@ -46,13 +48,18 @@ def generate_batch(engine: Engine, requests: list[Request]) -> BatchOutcome:
     return BatchOutcome(engine.generate(requests), engine.stats)
 
 
-def _worker(artifacts: str, batches: list[list[Request]], channel_name: str) -> list[BatchOutcome] | None:
+def _worker(artifacts: str, batches: list[list[Request]], channel_name: str,
+            trusted_key: str | None) -> list[BatchOutcome] | None:
     import torch
     import torch.distributed as dist
 
     from graphc.distributed import register_groups
     from graphc.topology import Topology
 
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        # An interrupt reaches every rank (the terminal signals the whole process group): exit
+        # quietly, the launcher reports it once and removes the channel's segment.
+        signal.signal(signum, lambda signum, frame: os._exit(128 + signum))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ["LOCAL_WORLD_SIZE"])
     os.environ.update(GRAPHC_LOCAL_DEVICE=str(local_rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -61,7 +68,7 @@ def _worker(artifacts: str, batches: list[list[Request]], channel_name: str) -> 
     dist.init_process_group("gloo")
     engine = None
     try:
-        manifest = read_manifest(Path(artifacts))
+        manifest = read_manifest(Path(artifacts), trusted_key)  # every rank verifies what it loads
         register_groups(Topology(manifest.topology["cp"], manifest.topology["ep"]), rank)
         engine = open_engine(artifacts, manifest, rank, channel_name)
         dist.barrier()
@@ -122,19 +129,25 @@ def _arm_fault_injection(rank: int) -> None:
     Engine._run = run_then_die
 
 
-def serve(artifacts: Path, batches: list[list[Request]], world: int, monitor_interval: float = 0.5) -> list[list[Result]]:
+def serve(artifacts: Path, batches: list[list[Request]], world: int, monitor_interval: float = 0.5,
+          trusted_key: Path | None = None, verbose: bool = False) -> list[list[Result]]:
     """Run each batch of requests in turn (one `generate` each) on `world` local ranks started
-    once; returns the leader's results per batch.
+    once; returns the leader's results per batch. With `trusted_key`, every rank refuses
+    artifacts that key did not sign.
 
     Raises:
         GraphcError: a rank failed (named), after every other rank was stopped.
     """
-    return [outcome.results for outcome in serve_batches(artifacts, batches, world, monitor_interval)]
+    return [outcome.results for outcome in serve_batches(artifacts, batches, world, monitor_interval, trusted_key,
+                                                         verbose)]
 
 
 def serve_batches(artifacts: Path, batches: list[list[Request]], world: int,
-                  monitor_interval: float = 0.5) -> list[BatchOutcome]:
-    """`serve`, keeping each batch's bucket statistics from the leader."""
+                  monitor_interval: float = 0.5, trusted_key: Path | None = None,
+                  verbose: bool = False) -> list[BatchOutcome]:
+    """`serve`, keeping each batch's bucket statistics from the leader; `verbose` lets the
+    elastic agent's own log lines through (by default only graphc's one-line errors show)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -144,7 +157,11 @@ def serve_batches(artifacts: Path, batches: list[list[Request]], world: int,
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=monitor_interval,
                           start_method="spawn")
     try:
-        outputs = elastic_launch(config, _worker)(str(artifacts), batches, channel_name)
+        with _agent_logs(verbose):
+            outputs = elastic_launch(config, _worker)(str(artifacts), batches, channel_name,
+                                                      None if trusted_key is None else str(trusted_key))
+    except SignalException as e:  # the agent stopped every rank before raising
+        raise Interrupted(e.sigval) from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         reason = f"exit code {failure.exitcode}" + (f" (signal {-failure.exitcode})" if failure.exitcode < 0 else "")
@@ -154,3 +171,17 @@ def serve_batches(artifacts: Path, batches: list[list[Request]], world: int,
     finally:
         remove_segment(channel_name)  # the leader unlinks it; if it died first, nobody did
     return outputs[0]
+
+
+@contextlib.contextmanager
+def _agent_logs(verbose: bool):
+    """Keep the elastic agent's warnings and errors (worker start, signals, failures with their
+    tracebacks) off the terminal unless `verbose`: `serve` reports a failure in one line."""
+    logger = logging.getLogger("torch.distributed.elastic")
+    level = logger.level
+    if not verbose:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import torch
 from safetensors.torch import load_file
 
@@ -84,20 +85,29 @@ def kv_pool_blocks(manifest: Manifest) -> int:
         except ValueError:
             raise GraphcError(f"{NUM_KV_BLOCKS_ENV}={override!r} is not an integer") from None
     needed = manifest.kv_cache["blocks_per_row"]
+    source = NUM_KV_BLOCKS_ENV if override is not None else "kv_cache.num_blocks"
     if blocks < max(needed, 2):
         raise GraphcError(
-            f"{NUM_KV_BLOCKS_ENV if override is not None else 'kv_cache.num_blocks'}={blocks}: the pool must hold "
+            f"{source}={blocks}: the pool must hold "
             f"one sequence of context_limit {manifest.buckets['context_limit']} ({needed} blocks of "
             f"{manifest.kv_cache['block_size']}, and at least 2)"
         )
+    model = manifest.model
+    pool_bytes = (model["num_hidden_layers"] * blocks * manifest.kv_cache["block_size"] * model["kv_cache_dim"]
+                  * getattr(torch, model["dtype"]).itemsize)
+    available = psutil.virtual_memory().available
+    if pool_bytes > available:
+        raise GraphcError(f"{source}={blocks}: a pool of {pool_bytes / 2**30:.1f} GiB exceeds this host's "
+                          f"{available / 2**30:.1f} GiB of available memory; use fewer blocks")
     return blocks
 
 
-def load_rank(artifacts: Path, rank: int = 0, manifest: Manifest | None = None) -> LoadedRank:
-    """Verify the whole directory (unless given its already verified `manifest`), then load one
-    rank's weights and graphs."""
+def load_rank(artifacts: Path, rank: int = 0, manifest: Manifest | None = None,
+              trusted_key: Path | None = None) -> LoadedRank:
+    """Verify the whole directory (unless given its already verified `manifest`; its signature
+    under `trusted_key` when given), then load one rank's weights and graphs."""
     artifacts = Path(artifacts)
-    manifest = manifest or read_manifest(artifacts)
+    manifest = manifest or read_manifest(artifacts, trusted_key)
     if manifest.backend not in LOADERS:
         raise GraphcError(f"{artifacts}: backend {manifest.backend!r} cannot run on this host; "
                           f"runnable here: {', '.join(LOADERS)}")
