@@ -102,6 +102,24 @@ def _timings(run, vocab: int, repeats: int) -> dict:
     return out
 
 
+def worker_parallel_compile(checkpoint: Path, work: Path, dtype: str) -> dict:
+    """Compile at cp = ep = 4 (export backend: the memory question is the compiler's, not the
+    backend's); the largest rank's weights file, to hold the compile's peak RSS against."""
+    from graphc.config import load_config
+    from graphc.pipeline import CompileOptions, compile
+
+    config = {"model": {"checkpoint": str(checkpoint), "dtype": dtype}, "topology": {"cp": 4, "ep": 4},
+              "buckets": {"prefill": [PREFILL_BATCH_LENGTH], "decode": [1], "context_limit": PREFILL + 64},
+              "kv_cache": {"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS}, "backend": "export"}
+    path = work / "model-cp4-ep4.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = work / "artifacts-cp4-ep4"
+    start = time.perf_counter()
+    manifest = compile(load_config(path), out, CompileOptions(show_progress=False, force=True))
+    rank_weights = max((out / r.weights).stat().st_size for r in manifest.ranks)
+    return {"seconds": time.perf_counter() - start, "rank_weights": rank_weights}
+
+
 def worker_compile(checkpoint: Path, work: Path, moe_form: str, dtype: str) -> dict:
     from graphc.buckets import Bucket
     from graphc.config import load_config
@@ -178,7 +196,7 @@ def worker_routing(checkpoint: Path, vocab: int) -> dict:
     return out
 
 
-WORKERS = {"compile": worker_compile, "graphc": worker_graphc, "eager": worker_eager,
+WORKERS = {"compile": worker_compile, "parallel_compile": worker_parallel_compile, "graphc": worker_graphc, "eager": worker_eager,
            "transformers": worker_transformers, "routing": worker_routing}
 
 
@@ -193,7 +211,7 @@ def run_worker(name: str, *args) -> dict:
 
 def _worker_main(spec: str) -> None:
     name, *args = json.loads(spec)
-    typed = {"compile": (Path, Path, str, str), "graphc": (Path, int, int), "eager": (Path, int, int, str),
+    typed = {"compile": (Path, Path, str, str), "parallel_compile": (Path, Path, str), "graphc": (Path, int, int), "eager": (Path, int, int, str),
              "transformers": (Path, int, int, str, lambda s: s == "True"), "routing": (Path, int)}[name]
     result = WORKERS[name](*(cast(a) for cast, a in zip(typed, args)))
     result["peak_rss"] = peak_rss()
@@ -275,6 +293,9 @@ def bench_size(size: str, work: Path, repeats: int, with_dense: bool, dtype: str
     compiled = {form: run_worker("compile", checkpoint, work, form, dtype) for form in forms}
     for form, c in compiled.items():
         print(f"compile ({form}): {c['seconds']:.0f} s, peak RSS {_gb(c['peak_rss'])}; forms {c['forms']}")
+    sharded = run_worker("parallel_compile", checkpoint, work, dtype)
+    print(f"compile at cp=ep=4 (export): {sharded['seconds']:.0f} s, peak RSS {_gb(sharded['peak_rss'])} = "
+          f"{sharded['peak_rss'] / sharded['rank_weights']:.2f}x the largest rank's weights ({_gb(sharded['rank_weights'])})")
     results = {"graphc inductor": run_worker("graphc", work / "artifacts-auto", vocab, repeats)}
     if with_dense:
         results["graphc inductor, dense MoE"] = run_worker("graphc", work / "artifacts-dense", vocab, repeats)

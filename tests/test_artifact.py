@@ -271,9 +271,9 @@ def test_compile_into_an_existing_directory_needs_force(artifacts, tiny_checkpoi
 
 def test_compile_with_force_replaces_the_directory(artifacts, tiny_checkpoints, tmp_path):
     config = load_config(write_model_yaml(tmp_path / "cfg", tiny_checkpoints[PRESET]))
-    (artifacts / "stale.txt").write_text("from before")
+    (artifacts / "graphs" / "stale.pt2").write_text("from before")  # inside what graphc writes: replaced
     manifest = compile(config, artifacts, CompileOptions(show_progress=False, workers=1, force=True))
-    assert not (artifacts / "stale.txt").exists()
+    assert not (artifacts / "graphs" / "stale.pt2").exists()
     assert read_manifest(artifacts) == manifest
     assert leftovers(artifacts.parent, artifacts.name) == []
 
@@ -330,7 +330,9 @@ def test_a_cache_entry_that_lost_its_recorded_hash_is_compiled_again(tiny_checkp
         entry.with_name(entry.name + ".sha256").unlink()
         entry.write_bytes(b"not a graph")
     elif tamper == "corrupted":
-        entry.write_bytes(entry.read_bytes()[:-1] + b"\0")
+        data = bytearray(entry.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        entry.write_bytes(bytes(data))
     else:
         entry.with_name(entry.name + ".sha256").unlink()
     calls = []

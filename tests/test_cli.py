@@ -17,6 +17,7 @@ from click.testing import CliRunner, Result
 from safetensors.torch import load_file, save_file
 
 from graphc.cli import cli
+from graphc.models.checkpoint import expected_tensors, load_model_args
 from graphc.models.tiny import PRESETS
 from support import DELETE, override
 
@@ -147,6 +148,8 @@ def test_validate_prints_resolved_config(tmp_path, ckpt):
         "buckets    prefill=[2, 4] decode=[1, 4] prompt_as_decode=2 context_limit=64",
         "kv_cache   64 blocks x 16 tokens",
         "backend    export",
+        f"checkpoint {len(expected_tensors(load_model_args(ckpt)))} tensors in 1 file(s): names, dtypes, shapes and "
+        "byte ranges checked",
     ]
 
 

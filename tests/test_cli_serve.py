@@ -15,7 +15,7 @@ import yaml
 from click.testing import CliRunner, Result
 
 import graphc.runtime.loader
-from graphc.pipeline import backend_passes
+from graphc.pipeline import SPECIALISE, backend_passes
 from graphc.artifact import FORMAT_VERSION, MANIFEST
 from graphc.cli import cli
 from graphc.runtime import Engine, Request
@@ -41,9 +41,10 @@ def ok(result: Result) -> Result:
 
 
 def error_line(result: Result) -> str:
-    """Assert a bad-input exit: status 2 and exactly one stderr line, `error: ...`; return it."""
+    """Assert a bad-input exit: status 2 and exactly one stderr line, `error: ...` (after `run`'s
+    one line saying what it loads, if it got that far); return it."""
     assert result.exit_code == EXIT_BAD_INPUT, (result.exit_code, result.stdout, result.stderr, result.exception)
-    lines = result.stderr.splitlines()
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("loading ")]
     assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{result.stderr}"
     assert lines[0].startswith("error: "), lines[0]
     return lines[0]
@@ -114,7 +115,7 @@ def artifacts(compiled) -> Path:
 def graphs_never_run(monkeypatch):
     """Input validation must fail before any step runs: stand the graphs in with ones that refuse
     to run (this also skips loading them, which keeps these tests fast)."""
-    def load(path):
+    def load(path, collectives):
         def call(*args, **kwargs):
             raise AssertionError(f"a graph ran although the input was invalid ({path.name})")
         return call
@@ -272,14 +273,24 @@ def test_run_text_prompt_without_tokenizer(artifacts, tmp_path, graphs_never_run
     (copy / "tokenizer.json").unlink()
     manifest = yaml.safe_load((copy / MANIFEST).read_text())
     assert manifest.pop("tokenizer") == "tokenizer.json"
+    manifest.pop("tokenizer_sha256")
     (copy / MANIFEST).write_text(yaml.safe_dump(manifest, sort_keys=False))
     line = error_line(invoke("run", copy, "--prompt", "hello"))
     assert "tokenizer" in line and "--prompt-ids" in line
 
 
+def served_and_refused(result: Result, engine: Engine, served: list[int]) -> str:
+    """A run where one request was refused and the others served: exit status 2, the served
+    prompt's tokens on stdout, one `error: ...` line for the refused one; returns that line."""
+    expected = serve(engine, [Request(served, 16)])[0].output_ids
+    printed = [line.split("\t")[0] for line in result.stdout.splitlines()]  # ids, then the decoded text
+    assert printed == [" ".join(map(str, expected))], (result.stdout, result.stderr)
+    return error_line(result)
+
+
 @pytest.mark.parametrize("prompt, bad", [("5,256", 256), ("300", 300), ("4,-1,7", -1)])
-def test_run_token_outside_the_vocabulary(artifacts, graphs_never_run, prompt, bad):
-    line = error_line(invoke("run", artifacts, "--prompt-ids", "1,2", "--prompt-ids", prompt))
+def test_run_token_outside_the_vocabulary_is_refused_alone(artifacts, engine, prompt, bad):
+    line = served_and_refused(invoke("run", artifacts, "--prompt-ids", "1,2", "--prompt-ids", prompt), engine, [1, 2])
     assert f"prompt 1: token id {bad} is outside the vocabulary 0..255" in line
 
 
@@ -288,12 +299,36 @@ def test_run_token_outside_the_vocabulary(artifacts, graphs_never_run, prompt, b
     ('["prompt_ids", [1]]', "expected an object"),
     ('{"max_new_tokens": 3}', "expected an object"),
     ('{"prompt_ids": [1], "temprature": 0.5}', "expected an object"),
+    ('{"prompt_ids": [1], "prompt": "hi"}', "give 'prompt' or 'prompt_ids', not both"),
+    ('{"prompt_ids": [1], "seed": 10000000000000}', "seed 10000000000000 must be an integer in 0..4294967295"),
+    ('{"prompt_ids": [1], "top_k": 99999999999999999999999}', "top_k 99999999999999999999999 must be an integer"),
+    ('{"prompt_ids": [1], "temperature": NaN}', "temperature nan must be a finite number"),
+    ('{"prompt_ids": [999]}', "token id 999 is outside the vocabulary"),
 ])
-def test_run_malformed_prompts_file_line(artifacts, tmp_path, graphs_never_run, bad_line, says):
+def test_run_malformed_prompts_file_line_is_refused_alone(artifacts, engine, tmp_path, bad_line, says):
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text('{"prompt_ids": [1, 2]}\n\n' + bad_line + "\n")
+    line = served_and_refused(invoke("run", artifacts, "--prompts-file", prompts_file), engine, [1, 2])
+    assert f"{prompts_file}:3:" in line and says in line, line
+
+
+def test_run_prompts_file_that_is_not_utf8_is_named(artifacts, tmp_path, graphs_never_run):
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_bytes(b'{"prompt": "caf\xe9"}\n')
     line = error_line(invoke("run", artifacts, "--prompts-file", prompts_file))
-    assert f"{prompts_file}:3:" in line and says in line
+    assert f"--prompts-file {prompts_file}: not UTF-8 text" in line
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--seed", "10000000000000", "--seed 10000000000000 must be an integer in 0..4294967295"),
+    ("--top-k", "99999999999999999999999", "--top-k 99999999999999999999999 must be an integer in 0..2147483647"),
+    ("--temperature", "nan", "--temperature nan must be a finite number >= 0"),
+    ("--top-p", "inf", "--top-p inf must be a number in (0, 1]"),
+    ("--seed", "-1", "--seed -1 must be an integer in 0..4294967295"),
+])
+def test_run_sampling_options_out_of_range_fail_before_loading(artifacts, graphs_never_run, option, value, says):
+    line = error_line(invoke("run", artifacts, "--prompt-ids", "1,2", option, value))
+    assert line == f"error: {says}" or line.startswith(f"error: {says}"), line
 
 
 @pytest.mark.parametrize("bad_line", [
@@ -311,7 +346,7 @@ def test_compile_unknown_pass(tiny_checkpoints, tmp_path):
     out = tmp_path / "artifacts"
     line = compile_error_line(invoke("compile", write_yaml(tmp_path, tiny_checkpoints[PRESET]), "-o", out,
                                      "--disable-pass", "no_such_pass"))
-    assert "no_such_pass" in line and ", ".join(PASSES) in line
+    assert "no_such_pass" in line and ", ".join(name for name, _ in SPECIALISE) in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.yaml"]  # no output, no staging left
 
 

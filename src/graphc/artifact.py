@@ -191,9 +191,7 @@ def _staged(out: Path) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
     try:
         yield staging
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 would hide the artifacts from other users
+        _follow_umask(staging)
         if out.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.rename(out, retired / "old")
@@ -204,6 +202,15 @@ def _staged(out: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _follow_umask(folder: Path) -> None:
+    """Give `folder` and everything in it the modes the umask asks for: mkdtemp makes 0700 and
+    some writers (safetensors) 0600, which would hide artifacts from the users meant to serve them."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def read_manifest(artifacts: Path, trusted_key: Path | None = None) -> Manifest:

@@ -34,9 +34,9 @@ prompts files (NaN and infinities are refused everywhere)."""
 
 
 def sampling_error(name: str, value) -> str | None:
-    """Why `value` cannot be sampling parameter `name` ("is nan; expected ..."), or None."""
+    """Why `value` cannot be sampling parameter `name` ("nan must be ..."), or None."""
     accepts, allowed = SAMPLING_RULES[name]
-    return None if accepts(value) else f"is {value!r}; expected {allowed}"
+    return None if accepts(value) else f"{value!r} must be {allowed}"
 
 
 @dataclass(frozen=True)
