@@ -112,3 +112,39 @@ def test_ranks_that_disagree_on_the_kv_pool_refuse_to_start(small_artifacts):
     assert follower.startswith("rank 1 disagrees with the leader on the serving parameters")
     assert "'kv_blocks': 48" in follower and "'kv_blocks': 40" in follower and "GRAPHC_NUM_KV_BLOCKS" in follower
     assert not Path("/dev/shm", channel_name).exists()
+
+
+@pytest.mark.parametrize("signum, status", [(2, 130), (15, 143)])  # SIGINT, SIGTERM
+def test_an_interrupted_multi_rank_run_exits_with_one_line_and_leaves_nothing(small_artifacts, signum, status):
+    """The signal goes to the whole process group, as a terminal's Ctrl-C does: every rank and the
+    launcher get it."""
+    import signal as signals
+
+    script = Path(sys.executable).parent / "graphc"
+    before = _graphc_segments()
+    prompts = [arg for i in range(200) for arg in ("--prompt-ids", f"3,1,{i % 250 + 2}")]  # minutes of work
+    job = subprocess.Popen([str(script), "run", str(small_artifacts("export")), *prompts, "--max-new-tokens", "60",
+                            "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    time.sleep(12)  # ranks started and generating
+    assert job.poll() is None, job.stderr.read()
+    os.killpg(job.pid, signum)
+    _, stderr = job.communicate(timeout=60)
+    lines = [line for line in stderr.splitlines() if not line.startswith("loading ")]
+    assert job.returncode == status, stderr
+    assert lines == [f"error: stopped by {signals.Signals(signum).name}; every rank was stopped"], stderr
+    assert _graphc_segments() == before
+    deadline = time.monotonic() + 15  # multiprocessing's resource tracker exits a moment after its parent
+    while (leftover := subprocess.run(["pgrep", "-g", str(job.pid)], capture_output=True, text=True).stdout) \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert leftover == "", subprocess.run(["ps", "-o", "pid,cmd", "-g", str(job.pid)], capture_output=True, text=True).stdout
+
+
+def test_a_bad_kv_pool_override_is_refused_before_any_rank_starts(small_artifacts):
+    script = Path(sys.executable).parent / "graphc"
+    for value, says in [("abc", "is not an integer"), ("1000000000", "exceeds this host's")]:
+        done = subprocess.run([str(script), "run", str(small_artifacts("export")), "--prompt-ids", "3,1,4"],
+                              capture_output=True, text=True, timeout=60, env={**os.environ, NUM_KV_BLOCKS_ENV: value})
+        lines = [line for line in done.stderr.splitlines() if not line.startswith("loading ")]
+        assert done.returncode == 2 and len(lines) == 1 and says in lines[0], done.stderr

@@ -177,11 +177,15 @@ def serve_batches(artifacts: Path, batches: list[list[Request]], world: int,
 def _agent_logs(verbose: bool):
     """Keep the elastic agent's warnings and errors (worker start, signals, failures with their
     tracebacks) off the terminal unless `verbose`: `serve` reports a failure in one line."""
-    logger = logging.getLogger("torch.distributed.elastic")
-    level = logger.level
+    prefix = "torch.distributed.elastic"
+    # Its modules' loggers carry levels of their own: quieten each, not only their parent.
+    loggers = [logging.getLogger(name) for name in [prefix, *logging.root.manager.loggerDict] if name.startswith(prefix)]
+    levels = [logger.level for logger in loggers]
     if not verbose:
-        logger.setLevel(logging.CRITICAL)
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
