@@ -82,3 +82,20 @@ def test_plot_without_a_workload_is_an_error(tmp_path, tiny_checkpoints):
     assert result.stderr.strip() == "error: --plot needs a workload: pass --workload or set buckets.auto.workload"
     assert result.stdout == ""  # refused before any report
     assert not (tmp_path / "p.png").exists()
+
+
+def test_the_shipped_example_plots_with_the_shipped_workload(tmp_path, tiny_checkpoints):
+    """examples/tiny.yaml (its checkpoint pointed at a test one) with examples/tiny-workload.txt,
+    the two commands the README shows."""
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    config = yaml.safe_load((examples / "tiny.yaml").read_text())
+    config["model"]["checkpoint"] = str(tiny_checkpoints["lora-groups"])
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(config))
+    plot = tmp_path / "plan.png"
+    result = CliRunner().invoke(cli, ["plan", str(tmp_path / "tiny.yaml"), "--workload",
+                                      str(examples / "tiny-workload.txt"), "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    assert "expected prefill padding over 283 prompts" in result.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -308,3 +308,90 @@ def test_a_sign_key_that_is_no_private_key_fails_before_any_work(tmp_path, tiny_
         compile(load_config(_standard_yaml(tmp_path, tiny_checkpoints)), tmp_path / "out",
                 CompileOptions(show_progress=False, sign_key=keys["builder"][1]))  # the public half
     assert not (tmp_path / "out").exists()
+
+
+# --- any mutation of real artifacts: a one-line refusal or the same tokens --------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+RUN = ["--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--ignore-eos",
+       "--temperature", "0", "--top-k", "0", "--top-p", "1", "--seed", "0"]  # the manifest's sampling defaults unused
+VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.integers(-3, 70),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+    st.sampled_from(["../x", "/etc/passwd", "graphs/../../outside/sentinel", "float32", "bfloat16", "int64",
+                     "prefill", "decode", "gather", "dense", "export", "inductor", "0" * 64]),
+    st.lists(st.integers(-3, 70), max_size=4), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
+
+
+def _key_paths(value, prefix=()) -> list[tuple]:
+    """Every key path into the manifest's mappings and lists."""
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
+    paths = []
+    for key, child in children:
+        paths.append((*prefix, key))
+        paths += _key_paths(child, (*prefix, key))
+    return paths
+
+
+def _mutate(data, path: tuple, value, delete: bool) -> None:
+    parent = data
+    for key in path[:-1]:
+        parent = parent[key]
+    if delete:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+
+
+@pytest.fixture(scope="module")
+def pristine(compiled):
+    """The small export artifacts and the tokens they give for RUN."""
+    from click.testing import CliRunner
+
+    from graphc.cli import cli
+
+    artifacts = compiled(PRESET, "export", "small")
+    result = CliRunner().invoke(cli, ["run", str(artifacts), *RUN])
+    assert result.exit_code == 0, result.output
+    return artifacts, result.stdout
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_artifacts_are_refused_in_one_line_or_serve_the_same_tokens(pristine, data):
+    import tempfile
+
+    from click.testing import CliRunner
+
+    from graphc.cli import cli
+
+    original, expected = pristine
+    with tempfile.TemporaryDirectory() as scratch:
+        artifacts = Path(shutil.copytree(original, Path(scratch) / "artifacts"))
+        outside = Path(scratch) / "outside"
+        outside.mkdir()
+        (outside / "sentinel").write_text("untouched")
+        if data.draw(st.booleans(), label="mutate the manifest (else a file's bytes)"):
+            manifest = yaml.safe_load((artifacts / MANIFEST).read_text())
+            path = data.draw(st.sampled_from(_key_paths(manifest)), label="key path")
+            delete = data.draw(st.booleans(), label="delete")
+            _mutate(manifest, path, None if delete else data.draw(VALUES, label="value"), delete)
+            (artifacts / MANIFEST).write_text(yaml.safe_dump(manifest, sort_keys=False))
+        else:
+            files = sorted(p for p in artifacts.rglob("*") if p.is_file())
+            target = data.draw(st.sampled_from(files), label="file")
+            content = bytearray(target.read_bytes())
+            content[data.draw(st.integers(0, len(content) - 1), label="byte")] ^= data.draw(st.integers(1, 255))
+            target.write_bytes(bytes(content))
+        result = CliRunner().invoke(cli, ["run", str(artifacts), *RUN])
+        assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+        if result.exit_code == 0:
+            assert result.stdout == expected
+        else:
+            lines = [line for line in result.stderr.splitlines() if not line.startswith("loading ")]
+            assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+        assert sorted(p.name for p in outside.iterdir()) == ["sentinel"]
+        assert (outside / "sentinel").read_text() == "untouched"

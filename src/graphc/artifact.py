@@ -27,6 +27,7 @@ import yaml
 
 from graphc import __version__
 from graphc.errors import GraphcError
+from graphc.manifest_schema import parse_manifest
 from graphc.signing import SIGNATURE, verify
 
 FORMAT_VERSION = 3
@@ -99,17 +100,6 @@ class Manifest:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(asdict(self), sort_keys=False)
-
-    @staticmethod
-    def from_dict(data: dict[str, Any]) -> Manifest:
-        ranks = [
-            RankEntry(**{**r, "graphs": [
-                GraphEntry(**{**g, "inputs": {k: TensorSpec(**v) for k, v in g["inputs"].items()}})
-                for g in r["graphs"]
-            ]})
-            for r in data["ranks"]
-        ]
-        return Manifest(**{**data, "ranks": ranks})
 
 
 def sha256_file(path: Path) -> str:
@@ -241,9 +231,9 @@ def read_manifest(artifacts: Path, trusted_key: Path | None = None) -> Manifest:
             f"recompile with graphc {__version__} (`graphc compile`)"
         )
     try:
-        manifest = Manifest.from_dict(data)
-    except (KeyError, TypeError) as e:
-        raise ArtifactError(f"{path}: malformed manifest ({e}); recompile") from None
+        manifest = parse_manifest(data, Manifest, ArtifactError)
+    except ArtifactError as e:
+        raise ArtifactError(f"{path}: malformed manifest: {e}; recompile") from None
     mismatches = [(what, built, running) for what, built, running in (
         ("graphc", manifest.graphc_version, __version__), ("torch", manifest.torch_version, str(torch.__version__)),
     ) if built != running]

@@ -28,8 +28,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +36,7 @@ import yaml
 
 from graphc.buckets import BucketPlan, plan_buckets, read_workload
 from graphc.errors import ConfigError, GraphcError
+from graphc.typed import build
 from graphc.models.args import model_args_from_hf_config, read_hf_config
 from graphc.sampling import SAMPLING_RULES, Sampling, sampling_error
 
@@ -135,7 +134,7 @@ class GraphcConfig:
     """Scheduler and sampling defaults."""
     backend: Literal["export", "inductor", "neuron"] = "export"
     """How graphs are compiled: torch.export .pt2, AOTInductor packages, or Neuron NEFFs."""
-    source: Path | None = None
+    source: Path | None = field(default=None, metadata={"from_data": False})
     """The YAML file this was loaded from (set by the loader, not a key)."""
 
 
@@ -157,7 +156,7 @@ def load_config(path: str | Path) -> GraphcConfig:
 
 def parse_config(data: Any, base_dir: Path) -> GraphcConfig:
     """The config with its buckets resolved: lists sorted, or planned when `buckets.auto` is set."""
-    config = _build(GraphcConfig, data, "", base_dir)
+    config = build(GraphcConfig, data, ConfigError, base_dir)
     b = config.buckets
     if b.auto is not None:
         given = [name for name in ("prefill", "decode", "prompt_as_decode") if getattr(b, name) is not None]
@@ -193,64 +192,6 @@ def plan_for(buckets: BucketsSection, runtime: RuntimeSection) -> BucketPlan:
                             auto.max_decode_batch)
     except ValueError as e:
         raise ConfigError(f"buckets.auto: {e}") from None
-
-
-def _describe(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is list:
-        return f"a list of {_describe(typing.get_args(tp)[0])}"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", Path: "a path"}.get(tp, str(tp))
-
-
-def _build(tp: Any, value: Any, path: str, base_dir: Path) -> Any:
-    """Convert YAML data to `tp`, naming `path` in every error."""
-    where = path or "<top level>"
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        hints = typing.get_type_hints(tp)
-        fields = {f.name: f for f in dataclasses.fields(tp) if f.name != "source"}
-        unknown = sorted(set(value) - set(fields), key=str)
-        if unknown:
-            key = f"{path}.{unknown[0]}" if path else str(unknown[0])
-            raise ConfigError(f"{key}: unknown key; allowed here: {', '.join(fields)}")
-        kwargs = {}
-        for name, f in fields.items():
-            key = f"{path}.{name}" if path else name
-            if name in value:
-                kwargs[name] = _build(hints[name], value[name], key, base_dir)
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"{key}: required key is missing ({_describe(hints[name])})")
-        return tp(**kwargs)
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise ConfigError(f"{where}: {value!r} is not allowed; expected {_describe(tp)}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected {_describe(tp)}, got {value!r}")
-        return [_build(typing.get_args(tp)[0], v, f"{path}[{i}]", base_dir) for i, v in enumerate(value)]
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return None if value is None else _build(inner[0], value, path, base_dir)
-    # bool is an int in Python; YAML `true` must not pass as a size.
-    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    if tp is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
-    if tp is bool and not isinstance(value, bool):
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if tp is Path:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{where}: expected a path string, got {value!r}")
-        return (base_dir / value).resolve()
-    if tp is float:
-        return float(value)
-    return value
 
 
 def validate(config: GraphcConfig) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SEED_STRIDE = 1_000_003
 """Mixes a request's seed with its step index: row seed = seed * SEED_STRIDE + step."""
@@ -55,6 +57,8 @@ class Sampling:
 
 def sampler_inputs(params: list[Sampling], steps: list[int], rows: int) -> dict[str, torch.Tensor]:
     """temperature/top_k/top_p/seed tensors for `rows` rows; rows past `params` are greedy padding."""
+    import torch  # here, not at the top: the manifest schema reads `Sampling` without torch
+
     padded = list(params) + [Sampling()] * (rows - len(params))
     steps = list(steps) + [0] * (rows - len(steps))
     return {
