@@ -453,3 +453,10 @@ def test_graph_runner_refuses_a_wrong_dtype(engine):
         runner(engine.loaded.weights, inputs)
     message = str(info.value)
     assert "positions" in message and "torch.int32" in message and "torch.int64" in message, message
+
+
+def test_served_weights_are_mapped_from_the_file_not_copied(engine):
+    """The weights stay file-backed pages (safetensors maps the file): a host serving several
+    ranks or restarting shares them through the page cache instead of holding copies."""
+    weights_file = Path(engine.loaded.rank.weights).name  # named by its sha256: unique
+    assert weights_file in Path("/proc/self/maps").read_text()

@@ -14,7 +14,7 @@ from graphc.artifact import read_manifest
 from graphc.config import load_config
 from graphc.models.checkpoint import load_model
 from graphc.models.deepseek_v3 import Parallelism
-from graphc.models.moe_forms import MOE_FORMS, moe_form_for, step_moe_form
+from graphc.moe_forms import MOE_FORMS, moe_form_for, step_moe_form
 from graphc.models.tiny import PRESETS
 from graphc.moe_ops import expert_routes, grouped_mm
 from graphc.paged import BlockAllocator, SequenceBlocks, step_metadata

@@ -359,7 +359,8 @@ def pristine(compiled):
     return artifacts, result.stdout
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize: CI runs the same 40 mutations every time (explored with 400 random ones while writing it).
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_mutated_artifacts_are_refused_in_one_line_or_serve_the_same_tokens(pristine, data):
     import tempfile

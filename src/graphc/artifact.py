@@ -61,7 +61,7 @@ class GraphEntry:
     """Step inputs (not weights) by name, with the shape the graph was compiled for; a dim of -1
     is the pool's block count, which is sized at run time."""
     moe_form: str
-    """The routed experts' formulation the graph computes (`graphc.models.moe_forms.MOE_FORMS`)."""
+    """The routed experts' formulation the graph computes (`graphc.moe_forms.MOE_FORMS`)."""
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,8 @@ from torch.export import Dim, ExportedProgram
 from graphc import ops
 from graphc.buckets import Bucket
 from graphc.models.deepseek_v3 import DeepseekV3, Parallelism
+from graphc.step import STEP_INPUTS
 
-STEP_INPUTS = (
-    "input_ids", "positions", "block_table", "slot_mapping", "kv_pool",
-    "logits_index", "temperature", "top_k", "top_p", "seed",
-)
-"""Per-step graph inputs after the weights, in call order."""
 POOL_BLOCKS_DIM = 1
 """The kv_pool dim that stays symbolic: [L, N, S, C]."""
 

@@ -60,7 +60,7 @@ class ModelSection:
     its experts' weights by id; for decode-sized steps), 'grouped' (routes sorted by expert, one
     GEMM per expert; for prefill-sized steps), 'dense' (every expert on every token: the
     reference), or 'auto', which picks gather or grouped per bucket by expert weight reads
-    (`graphc.models.moe_forms.moe_form_for`). All are exact; `graphc plan` shows the choice."""
+    (`graphc.moe_forms.moe_form_for`). All are exact; `graphc plan` shows the choice."""
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from typing import Any, Literal
 
 from graphc.buckets import Bucket, all_buckets
 from graphc.errors import GraphcError
-from graphc.models.moe_forms import MOE_FORMS
+from graphc.moe_forms import MOE_FORMS
 from graphc.sampling import SAMPLING_RULES, Sampling, sampling_error
+from graphc.step import STEP_INPUTS
 from graphc.typed import build
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -122,6 +123,9 @@ def _check(manifest, sections: dict[str, Any], error: type[GraphcError]) -> None
             raise error(f"ranks[{rank.rank}].graphs: buckets {[b.name for b in graphs]} are not the bucket table's "
                         f"{[b.name for b in table]}")
         for graph in rank.graphs:
+            if tuple(graph.inputs) != STEP_INPUTS:
+                raise error(f"ranks[{rank.rank}]: graph {graph.file}: inputs {list(graph.inputs)} are not the step's "
+                            f"{list(STEP_INPUTS)}")
             dtypes = {spec.dtype for spec in graph.inputs.values()}
             if not dtypes <= INPUT_DTYPES:
                 raise error(f"ranks[{rank.rank}]: graph {graph.file}: input dtypes {sorted(dtypes)} are not all of "

@@ -24,7 +24,7 @@ from graphc.errors import GraphcError
 from graphc.emit import CompileJob, cache_dir, compile_all, program_key
 from graphc.models.checkpoint import load_model, load_model_args
 from graphc.models.deepseek_v3 import DeepseekV3, Parallelism
-from graphc.models.moe_forms import step_moe_form
+from graphc.moe_forms import step_moe_form
 from graphc.passes.dead_code_elimination import dead_code_elimination
 from graphc.passes.inline_reference_kernels import inline_reference_kernels
 from graphc.passes.lower_matvecs import lower_matvecs
@@ -48,7 +48,8 @@ SPECIALISE = [
     ("lower_trivial_collectives", lower_trivial_collectives),
     # CPU backends: KV write and attention as compiled ATen ops, not Python kernels per layer.
     ("inline_reference_kernels", inline_reference_kernels),
-    # Inductor: decode-sized linear layers as reductions that stream the weight at bandwidth.
+    # Inductor: one-row linear layers (decode at batch 1, the LM head) as reductions that stream
+    # the weight near the memory bandwidth; after inlining, so it sees every linear of the step.
     ("lower_matvecs", lower_matvecs),
     # Last: sweep what the rewrites above left unused.
     ("dead_code_elimination", dead_code_elimination),

@@ -17,7 +17,7 @@ from graphc.buckets import (Bucket, Histogram, all_buckets, chunk_histogram, max
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
 from graphc.models.args import ModelArgs
-from graphc.models.moe_forms import step_moe_form
+from graphc.moe_forms import step_moe_form
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

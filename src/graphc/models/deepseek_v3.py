@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from graphc import moe_ops, ops, sparse_ops
 from graphc.models.args import ModelArgs, RopeArgs, yarn_mscale
-from graphc.models.moe_forms import MOE_FORMS, moe_form_for
+from graphc.moe_forms import MOE_FORMS, moe_form_for
 
 FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "self_attn.indexer.weights_proj.weight")
 """Parameters that stay fp32 whatever the model dtype, as DeepSeek (and transformers) keep them:

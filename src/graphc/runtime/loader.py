@@ -115,7 +115,12 @@ def load_rank(artifacts: Path, rank: int = 0, manifest: Manifest | None = None,
     if entry is None:
         raise GraphcError(f"{artifacts}: no rank {rank} (world size {len(manifest.ranks)})")
     num_blocks = kv_pool_blocks(manifest)
-    stored = load_file(artifacts / entry.weights)
+    stored = load_file(artifacts / entry.weights)  # mapped, not read: pages load as the graphs touch them
+    if sorted(entry.weight_names) != sorted(stored):
+        # The graphs take exactly the file's tensors, in the manifest's order.
+        differ = sorted(set(entry.weight_names) ^ set(stored)) or ["(a name listed twice)"]
+        raise GraphcError(f"{artifacts}: rank {rank}'s weight_names are not the tensors of {entry.weights} "
+                          f"({len(entry.weight_names)} listed, {len(stored)} stored; e.g. {differ[0]}); recompile")
     weights = [stored[name] for name in entry.weight_names]
     load = LOADERS[manifest.backend]
     collectives = manifest.topology["world"] > 1
