@@ -29,6 +29,9 @@ INPUT_DTYPES = {"float32", "bfloat16", "int64"}
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """What the runtime needs of the model: vocabulary and EOS ids, the KV pool's layer count,
+    width and dtype (written by `pipeline.compile` from the checkpoint's config)."""
+
     vocab_size: int
     eos_token_id: list[int]
     num_hidden_layers: int
@@ -39,6 +42,8 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class TopologyInfo:
+    """The ranks: world = cp, ep dividing it (`graphc.topology.Topology`)."""
+
     cp: int
     ep: int
     world: int
@@ -46,6 +51,8 @@ class TopologyInfo:
 
 @dataclass(frozen=True)
 class BucketTable:
+    """model.yaml's resolved buckets: every rank has one graph per bucket of this table."""
+
     prefill: list[int]
     decode: list[int]
     prompt_as_decode: int
@@ -54,6 +61,8 @@ class BucketTable:
 
 @dataclass(frozen=True)
 class KVCacheInfo:
+    """The paged pool: tokens per block, blocks (overridable at run time), blocks per row."""
+
     block_size: int
     num_blocks: int
     blocks_per_row: int
@@ -61,6 +70,8 @@ class KVCacheInfo:
 
 @dataclass(frozen=True)
 class RuntimeInfo:
+    """Scheduler and sampling defaults from model.yaml's runtime section."""
+
     max_num_prefilling_tokens: int
     max_new_tokens: int
     sampling: Sampling
