@@ -151,7 +151,11 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
                            sparse_probabilities=sparse_probabilities or default_sparse_probabilities(dtype))
     state: dict[str, Tensor] = {}
     with contextlib.ExitStack() as stack:
-        handles = {path: stack.enter_context(safe_open(path, "pt")) for path in sorted(set(files.values()))}
+        # pread, not a mapping: the tensors are copied anyway, and a mapped checkpoint's touched
+        # pages would count in this process's resident memory on top of the copies (measured: a
+        # cp=ep=4 compile of the 1 B model peaked at 2.27x a rank's weights with the mapping).
+        handles = {path: stack.enter_context(safe_open(path, "pt", backend="pread"))
+                   for path in sorted(set(files.values()))}
         for name in model.state_dict():
             if name == "lm_head.weight" and args.tie_word_embeddings:
                 continue
