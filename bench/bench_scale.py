@@ -339,7 +339,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--with-dense", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--work", type=Path, default=ROOT / "build" / "bench-scale")
+    # Absolute: the workers run in bench/.
+    parser.add_argument("--work", type=lambda p: Path(p).resolve(), default=ROOT / "build" / "bench-scale")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
