@@ -18,7 +18,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from graphc.buckets import Bucket
+from graphc.buckets.selection import Bucket
 from graphc.runtime.channel import StepChannel
 from ranks import run_ranks
 

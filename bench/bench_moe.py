@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from graphc import ops
-from graphc.distributed import register_groups
+from graphc.ops.distributed import register_groups
 from graphc.models.checkpoint import load_model
 from graphc.models.deepseek_v3 import Parallelism
 from graphc.models.tiny import make_tiny_checkpoint

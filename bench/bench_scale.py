@@ -106,7 +106,7 @@ def worker_parallel_compile(checkpoint: Path, work: Path, dtype: str) -> dict:
     """Compile at cp = ep = 4 (export backend: the memory question is the compiler's, not the
     backend's); the largest rank's weights file, to hold the compile's peak RSS against."""
     from graphc.config import load_config
-    from graphc.pipeline import CompileOptions, compile
+    from graphc.compiler.pipeline import CompileOptions, compile
 
     config = {"model": {"checkpoint": str(checkpoint), "dtype": dtype}, "topology": {"cp": 4, "ep": 4},
               "buckets": {"prefill": [PREFILL_BATCH_LENGTH], "decode": [1], "context_limit": PREFILL + 64},
@@ -121,9 +121,9 @@ def worker_parallel_compile(checkpoint: Path, work: Path, dtype: str) -> dict:
 
 
 def worker_compile(checkpoint: Path, work: Path, moe_form: str, dtype: str) -> dict:
-    from graphc.buckets import Bucket
+    from graphc.buckets.selection import Bucket
     from graphc.config import load_config
-    from graphc.pipeline import CompileOptions, compile
+    from graphc.compiler.pipeline import CompileOptions, compile
 
     config = {"model": {"checkpoint": str(checkpoint), "moe_form": moe_form, "dtype": dtype},
               # Prompts of <= 64 tokens run as [B, 64] steps: the eight 64-token prompts prefill in
@@ -148,7 +148,7 @@ def worker_graphc(artifacts: Path, vocab: int, repeats: int) -> dict:
 
 
 def worker_eager(checkpoint: Path, vocab: int, repeats: int, dtype: str) -> dict:
-    from graphc.generate import PagedKV, generate
+    from graphc.tools.generate import PagedKV, generate
     from graphc.models.checkpoint import load_model
 
     model = load_model(checkpoint, dtype=getattr(torch, dtype))
@@ -177,7 +177,7 @@ def worker_transformers(checkpoint: Path, vocab: int, repeats: int, dtype: str, 
 def worker_routing(checkpoint: Path, vocab: int) -> dict:
     """Distinct routed experts per MoE layer per decode step, at batch 1 and 8 (eager routing of
     the benchmark's prompts: the bytes the step must read depend on it)."""
-    from graphc.generate import PagedKV, generate
+    from graphc.tools.generate import PagedKV, generate
     from graphc.models.checkpoint import load_model
     from graphc.models.deepseek_v3 import Router
 

@@ -26,10 +26,10 @@ import torch
 import yaml
 
 from graphc.config import load_config
-from graphc.generate import PagedKV, generate
+from graphc.tools.generate import PagedKV, generate
 from graphc.models.checkpoint import load_model
 from graphc.models.tiny import make_tiny_checkpoint
-from graphc.pipeline import CompileOptions, compile
+from graphc.compiler.pipeline import CompileOptions, compile
 from graphc.runtime import Engine, Request
 from timing import best_of
 
@@ -82,7 +82,7 @@ Engine(sys.argv[1]).generate([Request(list(range(3, 19)), 1)])
 
 TTFT_TORCH_COMPILE = """
 import sys, torch
-from graphc.generate import generate
+from graphc.tools.generate import generate
 from graphc.models.checkpoint import load_model
 model = load_model(sys.argv[1])
 model.forward = torch.compile(model.forward, dynamic=False)

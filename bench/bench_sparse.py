@@ -20,8 +20,8 @@ import argparse
 
 import torch
 
-from graphc.ops import paged_mla_attention_reference
-from graphc.sparse_ops import (index_candidates_reference, paged_indexer_logits_reference,
+from graphc.ops.paged_attention import paged_mla_attention_reference
+from graphc.ops.sparse import (index_candidates_reference, paged_indexer_logits_reference,
                                sparse_mla_attention_reference)
 from timing import best_of
 

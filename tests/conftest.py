@@ -85,7 +85,7 @@ def compiled(tmp_path_factory, tiny_checkpoints):
     import yaml
 
     from graphc.config import load_config
-    from graphc.pipeline import CompileOptions, compile
+    from graphc.compiler.pipeline import CompileOptions, compile
 
     made: dict[tuple, Path] = {}
 

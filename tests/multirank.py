@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graphc.distributed import register_groups
+from graphc.ops.distributed import register_groups
 from graphc.models.checkpoint import load_model
 from graphc.models.deepseek_v3 import Parallelism
-from graphc.paged import BlockAllocator, SequenceBlocks, step_metadata
+from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
 from graphc.topology import Topology
 
 
@@ -28,7 +28,7 @@ def _worker(rank, topology, port, fn, args, results):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=topology.world)
         register_groups(topology, rank)
         results[rank] = fn(rank, topology, *args)
-        dist.barrier()  # before teardown: see shared/PLATFORM.md on gloo aborts at exit
+        dist.barrier()  # before teardown: see docs/platform.md on gloo aborts at exit
     except BaseException:
         results[rank] = RuntimeError(f"rank {rank}:\n{traceback.format_exc()}")
     finally:

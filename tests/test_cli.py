@@ -281,7 +281,7 @@ def test_the_v32_example_generates_with_sparse_attention(tmp_path):
 
 
 def test_generate_json_matches_api(tmp_path, ckpt):
-    from graphc.generate import generate
+    from graphc.tools.generate import generate
     from graphc.models.checkpoint import load_model
 
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11]]  # the second is prefilled in chunks of 4

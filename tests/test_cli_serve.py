@@ -15,8 +15,8 @@ import yaml
 from click.testing import CliRunner, Result
 
 import graphc.runtime.loader
-from graphc.pipeline import SPECIALISE, backend_passes
-from graphc.artifact import FORMAT_VERSION, MANIFEST
+from graphc.passes.registry import PASS_NAMES, backend_passes
+from graphc.artifacts.manifest import FORMAT_VERSION, MANIFEST
 from graphc.cli import cli
 from graphc.runtime import Engine, Request
 from graphc.sampling import Sampling
@@ -346,7 +346,7 @@ def test_compile_unknown_pass(tiny_checkpoints, tmp_path):
     out = tmp_path / "artifacts"
     line = compile_error_line(invoke("compile", write_yaml(tmp_path, tiny_checkpoints[PRESET]), "-o", out,
                                      "--disable-pass", "no_such_pass"))
-    assert "no_such_pass" in line and ", ".join(name for name, _ in SPECIALISE) in line
+    assert "no_such_pass" in line and ", ".join(PASS_NAMES) in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.yaml"]  # no output, no staging left
 
 

@@ -426,7 +426,7 @@ def _auto(data, tmp_path, lengths="3\n5 10\n40 # a comment\n\n120 2\n", **auto):
 
 
 def test_auto_buckets_are_planned_from_the_workload(data, tmp_path):
-    from graphc.buckets import plan_buckets
+    from graphc.buckets.planner import plan_buckets
 
     config = parse(_auto(data, tmp_path), base_dir=tmp_path)
     plan = plan_buckets({3: 1, 5: 10, 40: 1, 120: 2}, 6, 256, 64, 4)

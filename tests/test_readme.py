@@ -29,7 +29,7 @@ def test_readme_main_command_uses_the_example_config_and_the_venv():
 def test_ci_and_the_github_workflow_run_sweeps_of_valid_stages():
     import yaml
 
-    from graphc.sweep import parse_topologies
+    from graphc.tools.sweep import parse_topologies
 
     assert "graphc sweep examples/tiny.yaml" in (ROOT / ".ci" / "run").read_text()
     workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "sweep.yml").read_text())

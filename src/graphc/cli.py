@@ -6,12 +6,14 @@ usage errors do.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 from pathlib import Path
 
 import click
 
+from graphc.backends import BACKENDS
 from graphc.errors import GraphcError, Interrupted
 
 EXIT_BAD_INPUT = 2
@@ -119,7 +121,7 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
     import torch
 
     from graphc.config import load_config
-    from graphc.generate import PagedKV, generate as run_generate
+    from graphc.tools.generate import PagedKV, generate as run_generate
     from graphc.sampling import Sampling
     from graphc.models.checkpoint import load_model, load_model_args
 
@@ -157,7 +159,7 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
 @cli.command("compile")
 @click.argument("config_path", metavar="MODEL_YAML", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path), help="Artifacts directory to write.")
-@click.option("--backend", type=click.Choice(["export", "inductor", "neuron"]), default=None,
+@click.option("--backend", type=click.Choice(list(BACKENDS)), default=None,
               help="Overrides model.yaml's backend.")
 @click.option("--disable-pass", "disabled", multiple=True, help="Skip a pass by name (debugging); repeatable.")
 @click.option("--dump-graphs", type=click.Path(path_type=Path), default=None,
@@ -170,7 +172,7 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
 def compile_command(config_path, out, backend, disabled, dump_graphs, verify_passes, jobs, force, sign_key) -> None:
     """Capture, specialise and compile MODEL_YAML's model into per-rank, per-bucket graphs."""
     from graphc.config import load_config
-    from graphc.pipeline import CompileOptions, check_options, compile
+    from graphc.compiler.pipeline import CompileOptions, check_options, compile
 
     config = load_config(config_path)
     options = CompileOptions(backend=backend, disabled_passes=frozenset(disabled), dump_graphs=dump_graphs,
@@ -189,7 +191,7 @@ def compile_command(config_path, out, backend, disabled, dump_graphs, verify_pas
 def keygen(private_key: Path) -> None:
     """Write a new Ed25519 key pair: PRIVATE_KEY (for `compile --sign-key`, mode 0600) and
     PRIVATE_KEY.pub (for `run --trusted-key` on the serving hosts)."""
-    from graphc.signing import generate_key
+    from graphc.artifacts.signing import generate_key
 
     public = generate_key(private_key)
     click.echo(f"wrote private key {private_key} and public key {public}")
@@ -283,8 +285,9 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
         ignore_eos, as_json, trusted_key, verbose) -> None:
     """Generate from precompiled ARTIFACTS (no compilation at serve time); artifacts compiled for
     several ranks run as one process per rank (torchrun's agent), the leader printing."""
-    from graphc.artifact import read_manifest
-    from graphc.runtime import Engine, Request
+    from graphc.artifacts.directory import read_manifest
+    from graphc.runtime import Request
+    from graphc.runtime.launch import serve
     from graphc.runtime.scheduler import Result
     from graphc.sampling import Sampling, sampling_error
 
@@ -295,33 +298,23 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
         if problem:
             raise GraphcError(f"--{name.replace('_', '-')} {problem}")
     manifest = read_manifest(artifacts, trusted_key)
-    world = manifest.topology["world"]
+    world = manifest.topology.world
     tokenizer = None
     if manifest.tokenizer:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(artifacts / manifest.tokenizer))
-    items = _read_prompts(prompt_ids, prompts, prompts_file, tokenizer, manifest.model["vocab_size"])
-    defaults = {**manifest.runtime["sampling"], **overrides}
+    items = _read_prompts(prompt_ids, prompts, prompts_file, tokenizer, manifest.model.vocab_size)
+    defaults = {**dataclasses.asdict(manifest.runtime.sampling), **overrides}
     requests = []
     for item in items:
         sampling = Sampling(**{k: item.get(k, v) for k, v in defaults.items()})
-        limit = item.get("max_new_tokens", max_new_tokens or manifest.runtime["max_new_tokens"])
+        limit = item.get("max_new_tokens", max_new_tokens or manifest.runtime.max_new_tokens)
         requests.append(Request(item["prompt_ids"], limit, sampling, stop_at_eos=not ignore_eos))
     servable = [r for r, item in zip(requests, items) if "error" not in item]
     click.echo(f"loading {artifacts}: {world} rank(s), backend {manifest.backend}", err=True)
-    if not servable:
-        served = []
-    elif world > 1:
-        from graphc.runtime.launch import serve
-        from graphc.runtime.loader import kv_pool_blocks
-
-        kv_pool_blocks(manifest)  # GRAPHC_NUM_KV_BLOCKS checked here, not once per rank after start-up
-
-        [served] = serve(artifacts, [servable], world, trusted_key=trusted_key, verbose=verbose)
-    else:
-        served = Engine(artifacts, manifest=manifest).generate(servable)
-    served = iter(served)
+    [outcome] = serve(artifacts, [servable], manifest, trusted_key, verbose) if servable else [None]
+    served = iter(outcome.results if outcome else [])
     results = [Result(request, [], "error", item["error"]) if "error" in item else next(served)
                for request, item in zip(requests, items)]
     failed = 0
@@ -346,21 +339,19 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
 @click.argument("artifacts", type=click.Path(path_type=Path))
 def inspect(artifacts: Path) -> None:
     """Show ARTIFACTS' buckets, graphs, sizes and op counts (verifies hashes first)."""
-    from graphc.artifact import read_manifest
-    from graphc.buckets import Bucket
-
+    from graphc.artifacts.directory import read_manifest
     m = read_manifest(artifacts)
     click.echo(f"graphc {m.graphc_version}, torch {m.torch_version}, backend {m.backend}, "
                f"format {m.format_version}")
-    sparse = f", sparse attention P {m.model['sparse_probabilities']}" if "sparse_probabilities" in m.model else ""
-    click.echo(f"model {m.model_fingerprint[:16]} ({m.model['dtype']}{sparse}); topology {m.topology}")
-    click.echo(f"buckets {m.buckets}; kv_cache {m.kv_cache}")
+    sparse = f", sparse attention P {m.model.sparse_probabilities}" if m.model.sparse_probabilities else ""
+    click.echo(f"model {m.model_fingerprint[:16]} ({m.model.dtype}{sparse}); topology {dataclasses.asdict(m.topology)}")
+    click.echo(f"buckets {dataclasses.asdict(m.buckets)}; kv_cache {dataclasses.asdict(m.kv_cache)}")
     for rank in m.ranks:
         size = (artifacts / rank.weights).stat().st_size
         click.echo(f"rank {rank.rank}: weights {rank.weights} ({size / 1e6:.2f} MB), "
                    f"{'samples' if rank.samples else 'no sampler'}")
         for g in rank.graphs:
-            label = Bucket(g.kind, g.size, g.tokens_per_row).name
+            label = g.bucket.name
             counts = m.extra.get("op_counts", {}).get(f"{label} rank {rank.rank}", {})
             graphc_ops = ", ".join(f"{op} x{n}" for op, n in sorted(counts.items()) if op.startswith("graphc::"))
             click.echo(f"  {label:12s} {g.file} ({(artifacts / g.file).stat().st_size / 1e6:.2f} MB; "
@@ -375,8 +366,8 @@ def inspect(artifacts: Path) -> None:
 def plan(model_yaml, workload, plot_path) -> None:
     """Dry run before any capture: the bucket table, expected padding, graphs per rank and in
     all, and the collectives each rank issues per step."""
-    from graphc import plan as planning
-    from graphc.buckets import read_workload
+    from graphc.tools import plan as planning
+    from graphc.buckets.planner import read_workload
     from graphc.config import load_config
     from graphc.models.checkpoint import load_model_args
 
@@ -411,7 +402,7 @@ def probe(model_yaml, layer, tokens, tolerance) -> None:
     """Run one layer of the compiled graph and the float64 reference side by side, op by op, and
     name the first op whose output differs beyond the tolerance. Exits 1 if that op is not at a
     known rounding point (bf16 P, bf16 routed partials, a cast to a narrower float)."""
-    from graphc import probe as probing
+    from graphc.tools import probe as probing
     from graphc.config import load_config
 
     config = load_config(model_yaml)
@@ -427,22 +418,24 @@ def probe(model_yaml, layer, tokens, tolerance) -> None:
 @click.argument("model_yaml", type=click.Path(path_type=Path))
 @click.option("--topologies", default="1x1,2x2", show_default=True,
               help="CPxEP stages, comma-separated; 1x1 always runs first (the reference).")
-@click.option("--backends", default="export", show_default=True, help="Comma-separated: export, inductor.")
+@click.option("--backends", default="export", show_default=True, help="Comma-separated backends that serve on this host: export, inductor.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("sweep-report"), show_default=True,
               help="Directory for sweep.xml (JUnit), sweep.md, sweep.json and the stages' artifacts.")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Tokens generated per prompt.")
 def sweep(model_yaml, topologies, backends, out, new_tokens) -> None:
     """Compile MODEL_YAML at every topology and backend, run prompts that hit every bucket, and
     check the tokens against one rank and transformers. Exit status 1 on any mismatch."""
-    from graphc import sweep as sweeping
+    from graphc.tools import sweep as sweeping
     from graphc.config import load_config
 
     config = load_config(model_yaml)
     stages_wanted = sweeping.parse_topologies(topologies)
     backend_list = [b.strip() for b in backends.split(",") if b.strip()]
-    unknown = [b for b in backend_list if b not in ("export", "inductor")]
+    here = [name for name, b in BACKENDS.items() if b.serves_here]
+    unknown = [b for b in backend_list if b not in here]
     if unknown or not backend_list:
-        raise GraphcError(f"--backends: {unknown[0] if unknown else backends!r} is not a CPU backend; use export, inductor")
+        raise GraphcError(f"--backends: {unknown[0] if unknown else backends!r} is not a backend that serves on this "
+                          f"host; use {', '.join(here)}")
     stages = sweeping.sweep(config, out / "artifacts", stages_wanted, backend_list, new_tokens,
                             log=lambda line: click.echo(line, err=True))
     paths = sweeping.write_reports(stages, out)

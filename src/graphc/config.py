@@ -34,14 +34,13 @@ from typing import Any, Literal
 
 import yaml
 
-from graphc.buckets import BucketPlan, plan_buckets, read_workload
+from graphc.buckets.planner import BucketPlan, plan_buckets, read_workload
+from graphc.backends import BackendName
 from graphc.errors import ConfigError, GraphcError
 from graphc.typed import build
 from graphc.models.args import model_args_from_hf_config, read_hf_config
 from graphc.sampling import SAMPLING_RULES, Sampling, sampling_error
-
-DTYPES = ("float32", "bfloat16")
-BACKENDS = ("export", "inductor", "neuron")
+from graphc.step import blocks_per_row
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ class ModelSection:
     its experts' weights by id; for decode-sized steps), 'grouped' (routes sorted by expert, one
     GEMM per expert; for prefill-sized steps), 'dense' (every expert on every token: the
     reference), or 'auto', which picks gather or grouped per bucket by expert weight reads
-    (`graphc.moe_forms.moe_form_for`). All are exact; `graphc plan` shows the choice."""
+    (`graphc.models.moe_forms.moe_form_for`). All are exact; `graphc plan` shows the choice."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ class TopologySection:
 
 @dataclass(frozen=True)
 class AutoBucketsSection:
-    """Plan the buckets from traffic (`graphc.buckets.plan_buckets`) instead of listing them."""
+    """Plan the buckets from traffic (`graphc.buckets.planner.plan_buckets`) instead of listing them."""
 
     workload: Path
     """Prompt lengths to plan for: a text file, one length per line (or `length count`)."""
@@ -132,7 +131,7 @@ class GraphcConfig:
     """The paged KV pool."""
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     """Scheduler and sampling defaults."""
-    backend: Literal["export", "inductor", "neuron"] = "export"
+    backend: BackendName = "export"
     """How graphs are compiled: torch.export .pt2, AOTInductor packages, or Neuron NEFFs."""
     source: Path | None = field(default=None, metadata={"from_data": False})
     """The YAML file this was loaded from (set by the loader, not a key)."""
@@ -222,7 +221,7 @@ def validate(config: GraphcConfig) -> None:
         raise ConfigError(
             f"kv_cache.num_blocks: {kv.num_blocks} blocks * block_size {kv.block_size} = "
             f"{kv.num_blocks * kv.block_size} tokens cannot hold one sequence of context_limit "
-            f"{b.context_limit}; need at least {-(-b.context_limit // kv.block_size)} blocks"
+            f"{b.context_limit}; need at least {blocks_per_row(b.context_limit, kv.block_size)} blocks"
         )
     _positive("runtime.max_num_prefilling_tokens", rt.max_num_prefilling_tokens)
     _positive("runtime.max_new_tokens", rt.max_new_tokens)

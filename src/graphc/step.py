@@ -1,8 +1,49 @@
-"""What a step graph takes after its weights: shared by capture (which builds them), the manifest
-schema (which checks every graph lists them) and the runtime (which feeds them). Torch-free."""
+"""One serving step's inputs: their names, order and shapes per bucket, and the arithmetic of the
+paged layout they describe. The one definition that capture (which builds example inputs), the
+`verify_bucket_shapes` pass, the manifest schema, the leader/follower channel and the engine
+share. Torch-free.
+"""
+
+from __future__ import annotations
 
 STEP_INPUTS = (
     "input_ids", "positions", "block_table", "slot_mapping", "kv_pool",
     "logits_index", "temperature", "top_k", "top_p", "seed",
 )
 """Per-step graph inputs after the weights, in call order."""
+
+FLOAT_INPUTS = frozenset({"temperature", "top_p"})
+"""Step inputs (besides the pool, in the model dtype) that are fp32; the others are int64."""
+
+POOL_BLOCKS_DIM = 1
+"""The dim of `kv_pool` [L, N, S, C] sized at run time (N, the pool's block count): the one
+symbolic dim of every graph."""
+
+PADDING_SLOT = -1
+"""Slot-mapping value of a padding token: its KV is not written."""
+
+
+def ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+def blocks_per_row(context_limit: int, block_size: int) -> int:
+    """M, the width of the block table: the blocks one sequence of `context_limit` tokens needs."""
+    return ceil_div(context_limit, block_size)
+
+
+def step_shapes(rows: int, width: int, blocks_per_row: int) -> dict[str, tuple[int, ...]]:
+    """The shape of every step input but the pool, for `rows` sequences of `width` tokens
+    (a bucket's `rows` and `width`), in `STEP_INPUTS` order."""
+    tokens, per_row = (rows, width), (rows,)
+    return {
+        "input_ids": tokens,
+        "positions": tokens,
+        "block_table": (rows, blocks_per_row),
+        "slot_mapping": tokens,
+        "logits_index": per_row,
+        "temperature": per_row,
+        "top_k": per_row,
+        "top_p": per_row,
+        "seed": per_row,
+    }

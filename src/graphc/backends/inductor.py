@@ -7,9 +7,7 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
-import graphc.moe_ops  # noqa: F401  (registers graphc:: ops before the program is loaded)
-import graphc.ops  # noqa: F401
-import graphc.sparse_ops  # noqa: F401
+import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
 
 
 def compile_program(program: Path, out: Path) -> None:

@@ -27,6 +27,7 @@ from graphc.errors import CheckpointError
 from graphc.models.args import ModelArgs, model_args_from_hf_config, read_hf_config
 from graphc.models.deepseek_v3 import FP32_SUFFIXES, DeepseekV3
 from graphc.models.fp8 import FP8, SCALE_SUFFIX, dequantize
+from graphc.topology import Topology
 
 STACKED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
@@ -118,6 +119,14 @@ def _tensor_files(checkpoint_dir: Path) -> dict[str, Path]:
 def _summarise(names: list[str], limit: int = 5) -> str:
     shown = ", ".join(sorted(names)[:limit])
     return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
+
+
+def load_expert_shard(checkpoint_dir: Path, topology: Topology, rank: int, dtype: torch.dtype,
+                      sparse_probabilities: str | None = None) -> DeepseekV3:
+    """The model of `rank`'s expert-parallel shard: the module holding its routed experts (all of
+    them when ep = 1); ranks with the same `topology.ep_rank` hold the same shard."""
+    experts = topology.experts(topology.ep_rank(rank), load_model_args(checkpoint_dir).n_routed_experts)
+    return load_model(checkpoint_dir, dtype=dtype, experts=experts, sparse_probabilities=sparse_probabilities)
 
 
 def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",

@@ -2,7 +2,7 @@
 
 Every forward is one *step* in a uniform layout: B rows (sequences) of Q tokens each. A prefill
 chunk is B = 1, Q = chunk; a decode step is B = batch, Q = 1. Each token carries its absolute
-position and the flat pool slot its KV goes to (`ops.PADDING_SLOT` for padding); each row carries
+position and the flat pool slot its KV goes to (`PADDING_SLOT` for padding); each row carries
 the block table of its sequence. The parallel-sensitive places (KV write, attention over the
 cache, MoE dispatch/combine) are `graphc::` ops, so the module never imports `torch.distributed`.
 
@@ -11,7 +11,7 @@ Parameter names are the HF checkpoint names, except the routed experts, which ar
 
 DeepSeek-V3.2 (`args.sparse_attention`) adds a lightning indexer to every attention layer: it
 caches one key per token beside the MLA latent, scores every visible key for each query, and MLA
-attends only to each query's top `index_topk` keys (`graphc.sparse_ops`).
+attends only to each query's top `index_topk` keys (`graphc.ops.sparse`).
 
 Shape letters: B rows, Q tokens per row, T = B*Q tokens, D hidden, H heads, R kv_lora_rank,
 P qk_rope_head_dim, C = R + P (+ J under sparse attention), E routed experts, K experts per
@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphc import moe_ops, ops, sparse_ops
+from graphc.ops import collectives, moe, paged_attention, sparse
 from graphc.models.args import ModelArgs, RopeArgs, yarn_mscale
-from graphc.moe_forms import MOE_FORMS, moe_form_for
+from graphc.models.moe_forms import MOE_FORMS, moe_form_for
 
 FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "self_attn.indexer.weights_proj.weight")
 """Parameters that stay fp32 whatever the model dtype, as DeepSeek (and transformers) keep them:
@@ -236,12 +236,12 @@ class RoutedExperts(nn.Module):
         width = self.down_proj.shape[-1]
         if form == "dense":
             combine = torch.zeros(x.shape[0], self.n_routed_experts, dtype=weights.dtype, device=x.device)
-            combine = ops.expert_shard(combine.scatter(1, ids, weights), parallel.ep_rank, parallel.ep)  # [T, E']
+            combine = collectives.expert_shard(combine.scatter(1, ids, weights), parallel.ep_rank, parallel.ep)  # [T, E']
             gate, up = torch.einsum("td,efd->etf", x, self.gate_up_proj).split(width, dim=-1)  # [E', T, I] each
             out = torch.einsum("eti,edi->etd", F.silu(gate) * up, self.down_proj)  # [E', T, D]
             # Weigh and sum the experts in fp32 (the weights are fp32): one rounding, not E of them.
             return torch.einsum("etd,te->td", out.float(), combine).to(x.dtype)  # [T, D]
-        ids, weights = moe_ops.expert_routes(ids, weights, self.n_routed_experts, parallel.ep_rank, parallel.ep)
+        ids, weights = moe.expert_routes(ids, weights, self.n_routed_experts, parallel.ep_rank, parallel.ep)
         if form == "gather":
             # Multiply-and-sum over gathered weights, so a compiler fuses the gather into the
             # reduction (each weight read once, never copied); products accumulate in fp32, as a
@@ -259,8 +259,8 @@ class RoutedExperts(nn.Module):
             counts = counts.scatter_add(0, routes, torch.ones_like(routes))[:-1]  # [E'] routes per local expert
             offsets = counts.cumsum(0).to(torch.int32)  # [E']
             rows = x[order // per_token]  # [M, D] each route's token
-            gate, up = moe_ops.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offsets).split(width, dim=-1)  # [M, I]
-            out = moe_ops.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offsets)  # [M, D]; 0 off-shard
+            gate, up = moe.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offsets).split(width, dim=-1)  # [M, I]
+            out = moe.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offsets)  # [M, D]; 0 off-shard
             unsort = torch.zeros_like(order).scatter(0, order, torch.arange(order.shape[0], device=x.device))  # [M]
             routed = out[unsort].view(tokens, per_token, -1)  # [T, K, D]
         # Weigh and sum the routes in fp32 (the weights are fp32): one rounding, not K of them.
@@ -281,13 +281,13 @@ class MoE(nn.Module):
         if parallel.tokens_replicated:
             # Static MoE: the group already shares these tokens; each rank adds its experts' share.
             weights, ids = self.gate(tokens)  # [T, K]
-            routed = ops.all_reduce(self.experts(tokens, weights, ids, parallel, self._form(tokens, step)), "ep")  # [T, D]
+            routed = collectives.all_reduce(self.experts(tokens, weights, ids, parallel, self._form(tokens, step)), "ep")  # [T, D]
         else:
             # Generic: route after dispatch, so every rank routes the tokens it computes on.
-            dispatched = ops.moe_dispatch(tokens, "ep", parallel.ep)  # [T * ep, D]
+            dispatched = collectives.moe_dispatch(tokens, "ep", parallel.ep)  # [T * ep, D]
             weights, ids = self.gate(dispatched)  # [T * ep, K]
             partial = self.experts(dispatched, weights, ids, parallel, self._form(dispatched, step))  # [T * ep, D]
-            routed = ops.moe_combine(partial, "ep", parallel.ep)  # [T, D]
+            routed = collectives.moe_combine(partial, "ep", parallel.ep)  # [T, D]
         return (routed + self.shared_experts(tokens)).view_as(x)
 
     def _form(self, rows: Tensor, step: "StepInputs") -> str:
@@ -332,21 +332,21 @@ class Indexer(nn.Module):
             q_latent: [B, Q, q_lora_rank] the normalised q LoRA latent.
 
         Returns:
-            [B, Q, k] absolute key positions, best first (`sparse_ops.NO_KEY` padding).
+            [B, Q, k] absolute key positions, best first (`sparse.NO_KEY` padding).
         """
         rows, width = x.shape[:2]
         q = self._rope(self.wq_b(q_latent).view(rows, width, self.heads, self.head_dim),
                        cos[:, :, None], sin[:, :, None])  # [B, Q, G, J]
         head_weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads**-0.5  # [B, Q, G]
         parallel, block_size = step.parallel, step.kv_pool.shape[2]
-        logits = sparse_ops.paged_indexer_logits(
+        logits = sparse.paged_indexer_logits(
             q, head_weights, step.kv_pool, self.layer, step.block_table, step.positions, self.key_offset,
             self.head_dim**-0.5, parallel.cp_rank, parallel.cp,
         )  # [B, Q, K] this shard's keys
         # A static width: the bucket's block table bounds the context.
         k = min(self.topk, step.block_table.shape[1] * block_size)
-        positions, scores = sparse_ops.index_candidates(logits, k, block_size, parallel.cp_rank, parallel.cp)
-        return sparse_ops.index_topk_combine(positions, scores, "cp")  # [B, Q, k] the group's top-k
+        positions, scores = sparse.index_candidates(logits, k, block_size, parallel.cp_rank, parallel.cp)
+        return sparse.index_topk_combine(positions, scores, "cp")  # [B, Q, k] the group's top-k
 
 
 class Attention(nn.Module):
@@ -397,7 +397,7 @@ class Attention(nn.Module):
         latent = self.kv_a_layernorm(latent)  # [B, Q, R]
         k_rope = self.rotary.apply(k_rope, cos, sin)  # [B, Q, P]
         cached = [latent, k_rope] + ([self.indexer.key(x, cos, sin)] if hasattr(self, "indexer") else [])
-        ops.kv_write(step.kv_pool, self.layer, torch.cat(cached, dim=-1), step.slot_mapping)  # [B, Q, C]
+        paged_attention.kv_write(step.kv_pool, self.layer, torch.cat(cached, dim=-1), step.slot_mapping)  # [B, Q, C]
 
         kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = kv_b.split([self.nope_dim, self.v_dim], dim=1)  # [H, nope, R], [H, V, R]
@@ -407,16 +407,16 @@ class Attention(nn.Module):
         parallel = step.parallel
         if hasattr(self, "indexer"):
             selected = self.indexer.select(x, q_lora, cos, sin, step)  # [B, Q, k]
-            out_latent, lse = sparse_ops.sparse_mla_attention(
+            out_latent, lse = sparse.sparse_mla_attention(
                 q_latent, q_rope, step.kv_pool, self.layer, step.block_table, step.positions, selected,
                 self.softmax_scale, self.bf16_probabilities, parallel.cp_rank, parallel.cp,
             )  # [B, Q, H, R] fp32, [B, Q, H]
         else:
-            out_latent, lse = ops.paged_mla_attention(
+            out_latent, lse = paged_attention.paged_mla_attention(
                 q_latent, q_rope, step.kv_pool, self.layer, step.block_table, step.positions, self.softmax_scale,
                 parallel.cp_rank, parallel.cp,
             )  # [B, Q, H, R] fp32, [B, Q, H]
-        out_latent = ops.attention_combine(out_latent, lse, "cp")  # the CP group's shards, combined
+        out_latent = collectives.attention_combine(out_latent, lse, "cp")  # the CP group's shards, combined
         out = torch.einsum("bqhr,hvr->bqhv", out_latent, w_uv.float()).to(x.dtype)  # [B, Q, H, V]
         return self.o_proj(out.reshape(rows, width, self.num_heads * self.v_dim))
 
@@ -443,7 +443,7 @@ class StepInputs:
     Attributes:
         positions: [B, Q] int64 absolute position of each token.
         block_table: [B, M] int32/int64 pool blocks of each row's sequence.
-        slot_mapping: [B, Q] int64 flat pool slot per token, `ops.PADDING_SLOT` for padding.
+        slot_mapping: [B, Q] int64 flat pool slot per token, `PADDING_SLOT` for padding.
         kv_pool: [L, N, S, C] the paged cache, written in place.
         parallel: this rank's place among the others.
         moe_form: the routed experts' form (one of `MOE_FORMS`), or None for `moe_form_for`'s.

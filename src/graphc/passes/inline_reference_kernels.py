@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import torch.fx
 
-from graphc.moe_ops import expert_routes_reference
-from graphc.ops import expert_shard_reference, paged_mla_attention_reference
-from graphc.sparse_ops import (index_candidates_reference, paged_indexer_logits_reference,
+from graphc.ops.moe import expert_routes_reference
+from graphc.ops.collectives import expert_shard_reference
+from graphc.ops.paged_attention import paged_mla_attention_reference
+from graphc.ops.sparse import (index_candidates_reference, paged_indexer_logits_reference,
                                sparse_mla_attention_reference)
 from graphc.passes.inline import inline_function
 from graphc.passes.manager import PassContext, PassResult
-from graphc.passes.verifier import graphc_op
+from graphc.passes.graph import graphc_op
 
 REFERENCE_KERNELS = {
     "graphc::paged_mla_attention": paged_mla_attention_reference,

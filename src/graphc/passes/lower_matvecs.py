@@ -13,7 +13,7 @@ Measured on the 140 M model's decode graphs (bench/bench_scale.py's shape), one 
 (9.8 -> 35, 11.6 -> 47, 18 -> 80 ms) although a lone matrix-vector product of 8 rows streams
 at 18 GB/s against the GEMM's 9.7: inside the graph inductor fuses differently; so only one-row
 layers are rewritten (`MAX_ROWS`). The export backend runs ops eagerly, where the product would
-be materialised: it keeps `linear` (see `pipeline.BACKEND_SPECIFIC`).
+be materialised: it keeps `linear` (the pass's backends in `registry.PIPELINE`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.fx
 
 from graphc.passes.manager import PassContext, PassResult
-from graphc.passes.verifier import COLLECTIVE_OPS, graphc_op, op_argument
+from graphc.passes.graph import COLLECTIVE_OPS, graphc_op, op_argument
 
 
 def lower_trivial_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:

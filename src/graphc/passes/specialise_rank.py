@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.fx
 
 from graphc.passes.manager import PassContext, PassResult
-from graphc.passes.verifier import graphc_op, op_argument, set_op_argument
+from graphc.passes.graph import graphc_op, op_argument, set_op_argument
 
 
 def specialise_rank(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:

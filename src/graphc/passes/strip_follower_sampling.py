@@ -12,7 +12,7 @@ import torch
 import torch.fx
 
 from graphc.passes.manager import PassContext, PassResult
-from graphc.passes.verifier import graphc_op
+from graphc.passes.graph import graphc_op
 
 
 def strip_follower_sampling(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:

@@ -1,57 +1,16 @@
-"""The graph verifier run before and after every pass (invariants in README.md)."""
+"""The graph verifier run before and after every pass (invariants in README.md), and the check
+that every rank of a bucket issues the same collectives."""
 
 from __future__ import annotations
 
 import torch
 import torch.fx
 
-from graphc.capture import POOL_BLOCKS_DIM, STEP_INPUTS
+from graphc.errors import GraphcError
+from graphc.passes.graph import COLLECTIVE_OPS, collective_sequence, graphc_op, op_argument, step_placeholders
 from graphc.passes.manager import GraphInvariantError, PassContext
+from graphc.step import POOL_BLOCKS_DIM
 from graphc.topology import GROUPS
-
-COLLECTIVE_OPS = ("graphc::moe_dispatch", "graphc::moe_combine", "graphc::attention_combine", "graphc::all_reduce",
-                  "graphc::index_topk_combine")
-"""Ops that move data between ranks; each names its group in its `group` argument."""
-
-
-def graphc_op(node: torch.fx.Node) -> str | None:
-    """The `graphc::name` of a graphc custom-op node, else None."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return None
-    name = node.target.name()
-    return name if name.startswith("graphc::") else None
-
-
-def op_argument(node: torch.fx.Node, name: str):
-    """A graphc op node's argument by schema name (positional or keyword, else its default)."""
-    schema = node.target._schema
-    index = next(i for i, a in enumerate(schema.arguments) if a.name == name)
-    if index < len(node.args):
-        return node.args[index]
-    return node.kwargs.get(name, schema.arguments[index].default_value)
-
-
-def set_op_argument(node: torch.fx.Node, name: str, value) -> None:
-    """Set a graphc op node's argument by schema name, positionally."""
-    schema = node.target._schema
-    index = next(i for i, a in enumerate(schema.arguments) if a.name == name)
-    args = list(node.args) + [a.default_value for a in schema.arguments[len(node.args):index + 1]]
-    args[index] = value
-    node.args = tuple(args)
-    node.kwargs = {k: v for k, v in node.kwargs.items() if k != name}
-
-
-def collective_sequence(gm: torch.fx.GraphModule) -> list[tuple[str, str, tuple]]:
-    """(op, group, input shape) of every collective, in graph order."""
-    return [(graphc_op(n), op_argument(n, "group"), tuple(n.args[0].meta["val"].shape))
-            for n in gm.graph.nodes if graphc_op(n) in COLLECTIVE_OPS]
-
-
-def step_placeholders(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
-    """The per-step input placeholders by name (they follow the weights)."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return dict(zip(STEP_INPUTS, placeholders[-len(STEP_INPUTS):]))
-
 
 def verify(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     gm.graph.lint()
@@ -75,3 +34,13 @@ def verify(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
 def _symbols(size) -> set:
     """The free symbols of a (possibly symbolic) size; none for an int."""
     return set() if isinstance(size, int) else set(size.node.expr.free_symbols)
+
+
+def check_rank_agreement(graphs: dict[int, torch.fx.GraphModule], bucket_name: str) -> None:
+    """Every rank of a bucket must issue the same collectives, in the same order, on the same
+    groups with the same shapes, or the job hangs; refuse graphs that would not (`graphs` by rank)."""
+    sequences = {rank: collective_sequence(gm) for rank, gm in graphs.items()}
+    for rank, sequence in sequences.items():
+        if sequence != sequences[0]:
+            raise GraphcError(f"{bucket_name}: rank {rank} would issue collectives {sequence} but rank 0 "
+                              f"{sequences[0]}; the ranks would deadlock")

@@ -4,30 +4,14 @@ from __future__ import annotations
 
 import torch.fx
 
-from graphc.capture import POOL_BLOCKS_DIM
 from graphc.passes.manager import GraphInvariantError, PassContext, PassResult
-from graphc.passes.verifier import step_placeholders
-
-
-def expected_step_shapes(ctx: PassContext) -> dict[str, tuple[int, ...]]:
-    rows, width = ctx.bucket.rows, ctx.bucket.width
-    per_row = (rows,)
-    return {
-        "input_ids": (rows, width),
-        "positions": (rows, width),
-        "block_table": (rows, ctx.blocks_per_row),
-        "slot_mapping": (rows, width),
-        "logits_index": per_row,
-        "temperature": per_row,
-        "top_k": per_row,
-        "top_p": per_row,
-        "seed": per_row,
-    }
+from graphc.passes.graph import step_placeholders
+from graphc.step import POOL_BLOCKS_DIM, step_shapes
 
 
 def verify_bucket_shapes(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     inputs = step_placeholders(gm)
-    for name, shape in expected_step_shapes(ctx).items():
+    for name, shape in step_shapes(ctx.bucket.rows, ctx.bucket.width, ctx.blocks_per_row).items():
         actual = tuple(inputs[name].meta["val"].shape)
         if actual != shape:
             raise GraphInvariantError(f"{name} has shape {actual}, bucket {ctx.bucket.name} needs {shape}", inputs[name])

@@ -20,7 +20,7 @@ import re
 import zipfile
 from pathlib import Path
 
-from graphc.artifact import ArtifactError
+from graphc.artifacts.manifest import ArtifactError
 
 ALLOWED_ENTRY = re.compile(
     r"^[0-9A-Za-z_.-]+/(archive_format|archive_version|byteorder|\.data/version|\.data/serialization_id"

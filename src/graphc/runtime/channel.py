@@ -17,14 +17,16 @@ order). The leader creates and alone unlinks the segment; followers detach witho
 from __future__ import annotations
 
 import json
+import math
 import time
 from multiprocessing import shared_memory
 
 import numpy as np
 import torch
 
-from graphc.buckets import Bucket
+from graphc.buckets.selection import Bucket
 from graphc.errors import GraphcError
+from graphc.step import step_shapes
 
 STARTUP_BYTES = 1 << 16
 KINDS = ("prefill", "decode")
@@ -32,6 +34,9 @@ KINDS = ("prefill", "decode")
 HEADER_WORDS = 3
 """A slot starts with the step's bucket: kind, size, tokens per row."""
 STEP_FIELDS = ("input_ids", "positions", "logits_index", "block_table", "slot_mapping")
+"""The step inputs the leader sends (the sampler's stay on the leader)."""
+PER_RANK_FIELDS = frozenset({"block_table", "slot_mapping"})
+"""Fields sent as [world, ...]: each rank's own KV shard."""
 
 
 def remove_segment(name: str) -> None:
@@ -64,8 +69,7 @@ class StepChannel:
         self.name, self.world, self.rank, self.timeout = name, world, rank, timeout
         self.max_rows, self.max_width, self.blocks_per_row = max_rows, max_width, blocks_per_row
         header = 3 + world
-        cells = max_rows * max_width
-        self.slot_words = HEADER_WORDS + 3 * cells + max_rows + world * (max_rows * blocks_per_row + cells)
+        self.slot_words = HEADER_WORDS + sum(self._capacity(name) for name in STEP_FIELDS)
         size = 8 * (header + 2 * self.slot_words) + STARTUP_BYTES
         if rank == 0:
             remove_segment(name)  # a crashed run's leftover of the same name
@@ -138,9 +142,7 @@ class StepChannel:
         slot = self.slots[step % 2]
         kind, size, tokens_per_row = (int(v) for v in slot[:3])
         bucket = Bucket(KINDS[kind], size, tokens_per_row)
-        rows, width = bucket.rows, bucket.width
-        shapes = {"input_ids": (rows, width), "positions": (rows, width), "logits_index": (rows,),
-                  "block_table": (self.world, rows, self.blocks_per_row), "slot_mapping": (self.world, rows, width)}
+        shapes = self._shapes(bucket.rows, bucket.width)
         fields, offset = {}, HEADER_WORDS
         for name in STEP_FIELDS:
             count = int(np.prod(shapes[name]))
@@ -153,11 +155,13 @@ class StepChannel:
         """Leader: no step `step` or later will come."""
         self.header[1] = step
 
+    def _shapes(self, rows: int, width: int) -> dict[str, tuple[int, ...]]:
+        shapes = step_shapes(rows, width, self.blocks_per_row)
+        return {name: (self.world, *shapes[name]) if name in PER_RANK_FIELDS else shapes[name] for name in STEP_FIELDS}
+
     def _capacity(self, name: str) -> int:
-        cells = self.max_rows * self.max_width
-        return {"input_ids": cells, "positions": cells, "logits_index": self.max_rows,
-                "block_table": self.world * self.max_rows * self.blocks_per_row,
-                "slot_mapping": self.world * cells}[name]
+        """Words of `name` in a slot: room for the largest step."""
+        return math.prod(self._shapes(self.max_rows, self.max_width)[name])
 
     def close(self) -> None:
         self.header = self.slots = self.startup = None  # views first: the buffer cannot close under them

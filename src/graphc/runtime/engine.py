@@ -9,16 +9,17 @@ never schedule, allocate or sample.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from graphc.artifact import Manifest
-from graphc.buckets import Bucket
+from graphc.artifacts.manifest import Manifest
+from graphc.buckets.selection import Bucket
 from graphc.errors import GraphcError
-from graphc.paged import step_metadata
+from graphc.runtime.paged import step_metadata
 from graphc.runtime.channel import StepChannel
 from graphc.runtime.loader import LoadedRank, load_rank
 from graphc.runtime.scheduler import Request, Result, Scheduler
@@ -59,10 +60,10 @@ class Engine:
         self.loaded: LoadedRank = load_rank(Path(artifacts), rank, manifest, trusted_key)
         manifest = self.manifest = self.loaded.manifest
         self.rank, self.channel = rank, channel
-        self.world, self.cp = manifest.topology["world"], manifest.topology["cp"]
+        self.world, self.cp = manifest.topology.world, manifest.topology.cp
         if self.world > 1 and channel is None:
             raise GraphcError(
-                f"{artifacts}: compiled for {self.world} ranks (cp={self.cp}, ep={manifest.topology['ep']}); "
+                f"{artifacts}: compiled for {self.world} ranks (cp={self.cp}, ep={manifest.topology.ep}); "
                 "serve it with `graphc run`, which launches one process per rank"
             )
         self.steps = 0
@@ -71,14 +72,14 @@ class Engine:
         """Per bucket name, what the leader's steps ran there (across `generate` calls)."""
         model = manifest.model
         self.kv_pool = torch.zeros(
-            model["num_hidden_layers"], self.loaded.num_blocks, manifest.kv_cache["block_size"],
-            model["kv_cache_dim"], dtype=getattr(torch, model["dtype"]),
+            model.num_hidden_layers, self.loaded.num_blocks, manifest.kv_cache.block_size,
+            model.kv_cache_dim, dtype=getattr(torch, model.dtype),
         )
 
     def startup_info(self) -> dict:
         """What every rank must agree on before serving (published once by the leader)."""
         m = self.manifest
-        return {"buckets": m.buckets, "kv_blocks": self.loaded.num_blocks, "block_size": m.kv_cache["block_size"]}
+        return {"buckets": dataclasses.asdict(m.buckets), "kv_blocks": self.loaded.num_blocks, "block_size": m.kv_cache.block_size}
 
     def _run(self, bucket: Bucket, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         tokens, _ = self.loaded.runners[bucket](self.loaded.weights, {"kv_pool": self.kv_pool, **inputs})
@@ -87,18 +88,13 @@ class Engine:
     def generate(self, requests: list[Request]) -> list[Result]:
         """Leader (or single rank): run every request to completion; results in request order."""
         m = self.manifest
-        scheduler = Scheduler(
-            requests, prefill=m.buckets["prefill"], decode=m.buckets["decode"],
-            context_limit=m.buckets["context_limit"], block_size=m.kv_cache["block_size"],
-            num_blocks=self.loaded.num_blocks, max_num_prefilling_tokens=m.runtime["max_num_prefilling_tokens"],
-            eos_token_ids=m.model["eos_token_id"], kv_shards=self.cp, prompt_as_decode=m.buckets["prompt_as_decode"],
-        )
+        scheduler = Scheduler.for_manifest(requests, m, self.loaded.num_blocks)
         with torch.no_grad():
             while not scheduler.done:
                 step = scheduler.next_step()
                 started = time.perf_counter()
                 rows = [(s.blocks, tokens, start) for s, tokens, start in step.rows]
-                shards = [step_metadata(rows, step.bucket.width, m.kv_cache["blocks_per_row"],
+                shards = [step_metadata(rows, step.bucket.width, m.kv_cache.blocks_per_row,
                                         total_rows=step.bucket.rows, shard=shard) for shard in range(self.cp)]
                 input_ids, positions, _, _, last = shards[0]
                 if self.channel is not None:

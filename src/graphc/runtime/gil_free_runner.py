@@ -2,7 +2,7 @@
 
 The stock runner keeps the GIL for the whole call. A graphc collective inside the package calls
 back into Python and blocks in gloo, whose worker threads may need the GIL (to free a tensor),
-which the blocked call path still holds: the ranks deadlock (shared/PLATFORM.md; seen here on the
+which the blocked call path still holds: the ranks deadlock (docs/platform.md; seen here on the
 first multi-rank step). Released around the call, the GIL is re-taken only by the callbacks that
 need it. A tiny C++ extension, built once per host into torch's extension cache.
 """

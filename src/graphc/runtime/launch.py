@@ -24,10 +24,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from graphc.artifact import Manifest, read_manifest
+from graphc.artifacts.directory import read_manifest
+
+from graphc.artifacts.manifest import Manifest
 from graphc.errors import GraphcError, Interrupted
 from graphc.runtime.channel import StepChannel, remove_segment
 from graphc.runtime.engine import BucketStats, Engine
+from graphc.runtime.loader import kv_pool_blocks
 from graphc.runtime.scheduler import Request, Result
 
 FAULT_ENV = "GRAPHC_FAULT_INJECTION"
@@ -53,7 +56,7 @@ def _worker(artifacts: str, batches: list[list[Request]], channel_name: str,
     import torch
     import torch.distributed as dist
 
-    from graphc.distributed import register_groups
+    from graphc.ops.distributed import register_groups
     from graphc.topology import Topology
 
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -69,7 +72,7 @@ def _worker(artifacts: str, batches: list[list[Request]], channel_name: str,
     engine = None
     try:
         manifest = read_manifest(Path(artifacts), trusted_key)  # every rank verifies what it loads
-        register_groups(Topology(manifest.topology["cp"], manifest.topology["ep"]), rank)
+        register_groups(Topology(manifest.topology.cp, manifest.topology.ep), rank)
         engine = open_engine(artifacts, manifest, rank, channel_name)
         dist.barrier()
         if rank == 0:
@@ -77,7 +80,7 @@ def _worker(artifacts: str, batches: list[list[Request]], channel_name: str,
             engine.stop_followers()
         else:
             engine.follow()
-        dist.barrier()  # before teardown: gloo can abort at exit otherwise (shared/PLATFORM.md)
+        dist.barrier()  # before teardown: gloo can abort at exit otherwise (docs/platform.md)
         return outcomes if rank == 0 else None
     finally:
         if engine is not None:
@@ -92,11 +95,11 @@ def open_engine(artifacts: str, manifest: Manifest, rank: int, channel_name: str
     Raises:
         GraphcError: this follower's serving parameters differ from the leader's.
     """
-    world = manifest.topology["cp"]
+    world = manifest.topology.cp
     buckets = manifest.buckets
-    channel = StepChannel(channel_name, world, max_rows=max(buckets["decode"]),
-                          max_width=max(*buckets["prefill"], buckets["prompt_as_decode"]),
-                          blocks_per_row=manifest.kv_cache["blocks_per_row"], rank=rank)
+    channel = StepChannel(channel_name, world, max_rows=max(buckets.decode),
+                          max_width=max(*buckets.prefill, buckets.prompt_as_decode),
+                          blocks_per_row=manifest.kv_cache.blocks_per_row, rank=rank)
     try:
         engine = Engine(artifacts, rank=rank, channel=channel, manifest=manifest)  # manifest verified by the caller
         if rank == 0:
@@ -129,24 +132,30 @@ def _arm_fault_injection(rank: int) -> None:
     Engine._run = run_then_die
 
 
-def serve(artifacts: Path, batches: list[list[Request]], world: int, monitor_interval: float = 0.5,
-          trusted_key: Path | None = None, verbose: bool = False) -> list[list[Result]]:
-    """Run each batch of requests in turn (one `generate` each) on `world` local ranks started
-    once; returns the leader's results per batch. With `trusted_key`, every rank refuses
-    artifacts that key did not sign.
+def serve(artifacts: Path, batches: list[list[Request]], manifest: Manifest | None = None,
+          trusted_key: Path | None = None, verbose: bool = False, monitor_interval: float = 0.5) -> list[BatchOutcome]:
+    """Run each batch of requests in turn (one `generate` each) and return the leader's results
+    and bucket statistics per batch: `graphc run`'s and `graphc sweep`'s one way to serve.
+
+    Artifacts for one rank run in this process; for several, one process per rank is started
+    once for all the batches (torchrun's agent). `manifest`: already read (and verified) by the
+    caller; otherwise read here, refusing with `trusted_key` artifacts that key did not sign.
+    `verbose` lets the elastic agent's own log lines through (by default only graphc's one-line
+    errors show).
 
     Raises:
         GraphcError: a rank failed (named), after every other rank was stopped.
     """
-    return [outcome.results for outcome in serve_batches(artifacts, batches, world, monitor_interval, trusted_key,
-                                                         verbose)]
+    manifest = manifest or read_manifest(artifacts, trusted_key)
+    if manifest.topology.world == 1:
+        engine = Engine(artifacts, manifest=manifest)
+        return [generate_batch(engine, batch) for batch in batches]
+    kv_pool_blocks(manifest)  # GRAPHC_NUM_KV_BLOCKS checked here, not once per rank after start-up
+    return _serve_ranks(Path(artifacts), batches, manifest.topology.world, monitor_interval, trusted_key, verbose)
 
 
-def serve_batches(artifacts: Path, batches: list[list[Request]], world: int,
-                  monitor_interval: float = 0.5, trusted_key: Path | None = None,
-                  verbose: bool = False) -> list[BatchOutcome]:
-    """`serve`, keeping each batch's bucket statistics from the leader; `verbose` lets the
-    elastic agent's own log lines through (by default only graphc's one-line errors show)."""
+def _serve_ranks(artifacts: Path, batches: list[list[Request]], world: int, monitor_interval: float,
+                 trusted_key: Path | None, verbose: bool) -> list[BatchOutcome]:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

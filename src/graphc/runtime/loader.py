@@ -11,11 +11,10 @@ import psutil
 import torch
 from safetensors.torch import load_file
 
-import graphc.moe_ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
-import graphc.ops  # noqa: F401
-import graphc.sparse_ops  # noqa: F401  (and the sparse-attention ops of V3.2 graphs)
-from graphc.artifact import GraphEntry, Manifest, RankEntry, read_manifest
-from graphc.buckets import Bucket
+import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
+from graphc.artifacts.directory import read_manifest
+from graphc.artifacts.manifest import GraphEntry, Manifest, RankEntry
+from graphc.buckets.selection import Bucket
 from graphc.errors import GraphcError
 from graphc.runtime.archive_check import check_export_archive
 
@@ -51,7 +50,7 @@ class GraphRunner:
     static AOTInductor package silently accepts a wrong shape and returns garbage)."""
 
     def __init__(self, entry: GraphEntry, call: Callable, num_blocks: int):
-        self.bucket = Bucket(entry.kind, entry.size, entry.tokens_per_row)
+        self.bucket = entry.bucket
         self.call = call
         self.shapes = {name: tuple(num_blocks if s == -1 else s for s in spec.shape)
                        for name, spec in entry.inputs.items()}
@@ -78,23 +77,23 @@ class LoadedRank:
 def kv_pool_blocks(manifest: Manifest) -> int:
     """The pool size: the manifest's, unless GRAPHC_NUM_KV_BLOCKS overrides it."""
     override = os.environ.get(NUM_KV_BLOCKS_ENV)
-    blocks = manifest.kv_cache["num_blocks"]
+    blocks = manifest.kv_cache.num_blocks
     if override is not None:
         try:
             blocks = int(override)
         except ValueError:
             raise GraphcError(f"{NUM_KV_BLOCKS_ENV}={override!r} is not an integer") from None
-    needed = manifest.kv_cache["blocks_per_row"]
+    needed = manifest.kv_cache.blocks_per_row
     source = NUM_KV_BLOCKS_ENV if override is not None else "kv_cache.num_blocks"
     if blocks < max(needed, 2):
         raise GraphcError(
             f"{source}={blocks}: the pool must hold "
-            f"one sequence of context_limit {manifest.buckets['context_limit']} ({needed} blocks of "
-            f"{manifest.kv_cache['block_size']}, and at least 2)"
+            f"one sequence of context_limit {manifest.buckets.context_limit} ({needed} blocks of "
+            f"{manifest.kv_cache.block_size}, and at least 2)"
         )
     model = manifest.model
-    pool_bytes = (model["num_hidden_layers"] * blocks * manifest.kv_cache["block_size"] * model["kv_cache_dim"]
-                  * getattr(torch, model["dtype"]).itemsize)
+    pool_bytes = (model.num_hidden_layers * blocks * manifest.kv_cache.block_size * model.kv_cache_dim
+                  * getattr(torch, model.dtype).itemsize)
     available = psutil.virtual_memory().available
     if pool_bytes > available:
         raise GraphcError(f"{source}={blocks}: a pool of {pool_bytes / 2**30:.1f} GiB exceeds this host's "
@@ -123,7 +122,7 @@ def load_rank(artifacts: Path, rank: int = 0, manifest: Manifest | None = None,
                           f"({len(entry.weight_names)} listed, {len(stored)} stored; e.g. {differ[0]}); recompile")
     weights = [stored[name] for name in entry.weight_names]
     load = LOADERS[manifest.backend]
-    collectives = manifest.topology["world"] > 1
+    collectives = manifest.topology.world > 1
     runners = {}
     for graph in entry.graphs:
         runner = GraphRunner(graph, load(artifacts / graph.file, collectives), num_blocks)

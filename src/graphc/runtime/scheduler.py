@@ -32,9 +32,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from graphc.buckets import Bucket, max_prefill_chunk, smallest_fitting
-from graphc.paged import BlockAllocator, SequenceBlocks
+from graphc.artifacts.manifest import Manifest
+from graphc.buckets.selection import Bucket, max_prefill_chunk, smallest_fitting
+from graphc.runtime.paged import BlockAllocator, SequenceBlocks
 from graphc.sampling import Sampling
+from graphc.step import ceil_div
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,17 @@ class Step:
 
 
 class Scheduler:
+    @classmethod
+    def for_manifest(cls, requests: list[Request], manifest: Manifest, num_blocks: int) -> Scheduler:
+        """The scheduler of compiled artifacts: their bucket table, KV layout (a pool of
+        `num_blocks` per rank, the manifest's or GRAPHC_NUM_KV_BLOCKS') and runtime section."""
+        buckets, kv = manifest.buckets, manifest.kv_cache
+        return cls(requests, prefill=buckets.prefill, decode=buckets.decode, context_limit=buckets.context_limit,
+                   block_size=kv.block_size, num_blocks=num_blocks,
+                   max_num_prefilling_tokens=manifest.runtime.max_num_prefilling_tokens,
+                   eos_token_ids=manifest.model.eos_token_id, kv_shards=manifest.topology.cp,
+                   prompt_as_decode=buckets.prompt_as_decode)
+
     def __init__(self, requests: list[Request], *, prefill: list[int], decode: list[int], context_limit: int,
                  block_size: int, num_blocks: int, max_num_prefilling_tokens: int, eos_token_ids: list[int],
                  kv_shards: int = 1, prompt_as_decode: int = 0):
@@ -129,7 +142,7 @@ class Scheduler:
         return None
 
     def _blocks_per_shard(self, request: Request) -> list[int]:
-        blocks = -(-self._lifetime(request) // self.block_size)
+        blocks = ceil_div(self._lifetime(request), self.block_size)
         return [len(range(shard, blocks, self.kv_shards)) for shard in range(self.kv_shards)]
 
     @property

@@ -1,0 +1,142 @@
+"""The manifest: the typed contract between the compiler, which writes it, and the runtime, which
+reads it (`graphc.artifacts.directory.read_manifest`, checked by `graphc.artifacts.schema`).
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from graphc.backends import BackendName
+from graphc.buckets.selection import Bucket
+from graphc.errors import GraphcError
+from graphc.sampling import Sampling
+
+FORMAT_VERSION = 3
+MANIFEST = "manifest.yaml"
+
+
+class ArtifactError(GraphcError):
+    """Artifacts that cannot be served: missing, tampered with, or from another version."""
+
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: list[int]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    """One bucket's compiled graph on one rank."""
+
+    kind: str
+    """"prefill" or "decode"."""
+    size: int
+    """The bucket size (prefill tokens or decode rows)."""
+    tokens_per_row: int
+    """Decode: new tokens per row (1, or the prompt-as-decode size); prefill: 1."""
+    file: str
+    """Path relative to the artifacts directory."""
+    sha256: str
+    inputs: dict[str, TensorSpec]
+    """Step inputs (not weights) by name, with the shape the graph was compiled for; a dim of -1
+    is the pool's block count, which is sized at run time."""
+    moe_form: str
+    """The routed experts' formulation the graph computes (`graphc.models.moe_forms.MOE_FORMS`)."""
+
+    @property
+    def bucket(self) -> Bucket:
+        return Bucket(self.kind, self.size, self.tokens_per_row)
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    rank: int
+    weights: str
+    """Safetensors file of this rank's weights, in the order the graphs take them."""
+    weights_sha256: str
+    weight_names: list[str]
+    graphs: list[GraphEntry]
+    samples: bool
+    """Whether this rank's graphs sample (the leader) or stop at the logits (followers)."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the runtime needs of the model: vocabulary and EOS ids, the KV pool's layer count,
+    width and dtype (written by `pipeline.compile` from the checkpoint's config)."""
+
+    vocab_size: int
+    eos_token_id: list[int]
+    num_hidden_layers: int
+    kv_cache_dim: int
+    dtype: Literal["float32", "bfloat16"]
+    sparse_probabilities: Literal["bf16", "fp32"] | None = None
+
+
+@dataclass(frozen=True)
+class TopologyInfo:
+    """The ranks: world = cp, ep dividing it (`graphc.topology.Topology`)."""
+
+    cp: int
+    ep: int
+    world: int
+
+
+@dataclass(frozen=True)
+class BucketTable:
+    """model.yaml's resolved buckets: every rank has one graph per bucket of this table."""
+
+    prefill: list[int]
+    decode: list[int]
+    prompt_as_decode: int
+    context_limit: int
+
+
+@dataclass(frozen=True)
+class KVCacheInfo:
+    """The paged pool: tokens per block, blocks (overridable at run time), blocks per row."""
+
+    block_size: int
+    num_blocks: int
+    blocks_per_row: int
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """Scheduler and sampling defaults from model.yaml's runtime section."""
+
+    max_num_prefilling_tokens: int
+    max_new_tokens: int
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class Manifest:
+    graphc_version: str
+    torch_version: str
+    backend: BackendName
+    model_fingerprint: str
+    model: ModelInfo
+    topology: TopologyInfo
+    buckets: BucketTable
+    kv_cache: KVCacheInfo
+    runtime: RuntimeInfo
+    ranks: list[RankEntry]
+    tokenizer: str | None = None
+    tokenizer_sha256: str | None = None
+    format_version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Compile-time facts kept for `graphc inspect` (op counts per graph, pass log)."""
+
+    def to_yaml(self) -> str:
+        # Absent optional model fields (a V3 model's sparse_probabilities) stay absent.
+        data = asdict(self)
+        data["model"] = {k: v for k, v in data["model"].items() if v is not None}
+        return yaml.safe_dump(data, sort_keys=False)
+

@@ -1,0 +1,118 @@
+"""The compiler's side of the artifacts: weights files, the model fingerprint, the manifest.
+
+Everything here writes into the staging directory of `graphc.artifacts.directory.atomic_directory`;
+the runtime never imports it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from graphc import __version__
+from graphc.artifacts.directory import sha256_file
+from graphc.artifacts.manifest import (MANIFEST, BucketTable, GraphEntry, KVCacheInfo, Manifest, ModelInfo, RankEntry,
+                                       RuntimeInfo, TensorSpec, TopologyInfo)
+from graphc.artifacts.signing import SIGNATURE, sign
+from graphc.buckets.selection import Bucket
+from graphc.config import GraphcConfig
+from graphc.models.args import ModelArgs
+from graphc.step import blocks_per_row
+from graphc.topology import Topology
+
+
+@dataclass(frozen=True)
+class WeightsFile:
+    path: str
+    """Relative to the artifacts directory."""
+    sha256: str
+    names: list[str]
+    """The tensors in the order the graphs take them."""
+
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    """One bucket's graph on one rank, as the emitter left it."""
+
+    bucket: Bucket
+    file: Path
+    """The compiled file (in the compile cache)."""
+    inputs: dict[str, TensorSpec]
+    moe_form: str
+
+
+def write_weights(tensors: dict[str, torch.Tensor], staging: Path) -> WeightsFile:
+    """Write one rank's weights once under `weights/`, named by content."""
+    folder = staging / "weights"
+    folder.mkdir(exist_ok=True)
+    partial = folder / "weights.partial"
+    save_file({name: t.detach().contiguous() for name, t in tensors.items()}, partial, metadata={"format": "pt"})
+    digest = sha256_file(partial)
+    final = folder / f"{digest}.safetensors"
+    partial.rename(final)
+    return WeightsFile(f"weights/{final.name}", digest, list(tensors))
+
+
+def model_fingerprint(checkpoint: Path) -> str:
+    """sha256 of config.json and every safetensors file's header and size.
+
+    Headers hold every tensor's name, dtype, shape and offsets; hashing them (not the data) keeps
+    fingerprinting fast on multi-hundred-GB checkpoints.
+    """
+    digest = hashlib.sha256((checkpoint / "config.json").read_bytes())
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            header_length = struct.unpack("<Q", f.read(8))[0]
+            digest.update(path.name.encode())
+            digest.update(f.read(header_length))
+        digest.update(str(path.stat().st_size).encode())
+    return digest.hexdigest()
+
+
+def write_manifest(staging: Path, config: GraphcConfig, backend: str, args: ModelArgs, sparse_probabilities: str,
+                   topology: Topology, graphs: dict[int, list[CompiledGraph]], weights: dict[int, WeightsFile],
+                   extra: dict, sign_key: Path | None) -> Manifest:
+    """Copy each distinct graph file and the tokenizer into `staging`, then write (and with
+    `sign_key` sign) the manifest describing them. `graphs` and `weights` are by rank."""
+    (staging / "graphs").mkdir(exist_ok=True)
+    ranks = []
+    for rank, compiled in graphs.items():
+        entries = []
+        for graph in compiled:
+            name = f"graphs/{graph.file.name}"
+            if not (staging / name).exists():
+                shutil.copyfile(graph.file, staging / name)
+            entries.append(GraphEntry(graph.bucket.kind, graph.bucket.size, graph.bucket.tokens_per_row, name,
+                                      sha256_file(staging / name), graph.inputs, graph.moe_form))
+        shard = weights[rank]
+        ranks.append(RankEntry(rank, shard.path, shard.sha256, shard.names, entries, samples=rank == 0))
+    tokenizer = config.model.checkpoint / "tokenizer.json"
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, staging / "tokenizer.json")
+    b, kv, runtime = config.buckets, config.kv_cache, config.runtime
+    manifest = Manifest(
+        graphc_version=__version__,
+        torch_version=str(torch.__version__),
+        backend=backend,
+        model_fingerprint=model_fingerprint(config.model.checkpoint),
+        model=ModelInfo(args.vocab_size, list(args.eos_token_id), args.num_hidden_layers, args.kv_cache_dim,
+                        config.model.dtype, sparse_probabilities if args.sparse_attention else None),
+        topology=TopologyInfo(topology.cp, topology.ep, topology.world),
+        buckets=BucketTable(list(b.prefill), list(b.decode), b.prompt_as_decode, b.context_limit),
+        kv_cache=KVCacheInfo(kv.block_size, kv.num_blocks, blocks_per_row(b.context_limit, kv.block_size)),
+        runtime=RuntimeInfo(runtime.max_num_prefilling_tokens, runtime.max_new_tokens, runtime.sampling),
+        ranks=ranks,
+        tokenizer="tokenizer.json" if tokenizer.is_file() else None,
+        tokenizer_sha256=sha256_file(staging / "tokenizer.json") if tokenizer.is_file() else None,
+        extra=extra,
+    )
+    (staging / MANIFEST).write_text(manifest.to_yaml())
+    if sign_key is not None:
+        (staging / SIGNATURE).write_bytes(sign((staging / MANIFEST).read_bytes(), sign_key))
+    return manifest

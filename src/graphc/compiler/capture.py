@@ -1,0 +1,107 @@
+"""Capture: one `torch.export` per bucket shape, weights as graph inputs, no dynamic compute dims.
+
+The captured program is rank-agnostic: the model plus the sampler, with the graphc:: ops as single
+nodes for the passes to specialise per rank. What changes shapes is fixed at capture: the
+context- and expert-parallel group sizes, each rank's number of experts, and the MoE form
+(static or generic). torch.export bakes sizes into view and reshape arguments, so a pass cannot
+soundly turn an all-gathered [T * ep] token batch into a [T] one after the fact. Weights enter as a list input (in
+`weight_names` order) rather than as lifted parameters, so graphs of every bucket share one
+weight file per rank and identical graphs hash identically whatever the weights.
+
+The only symbolic dim is the KV pool's block count: it sizes the cache, not any computation,
+and the runtime may change it (`GRAPHC_NUM_KV_BLOCKS`) without recompiling.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.export import Dim, ExportedProgram
+
+from graphc.ops import sampler
+from graphc.buckets.selection import Bucket
+from graphc.models.deepseek_v3 import DeepseekV3, Parallelism
+from graphc.step import FLOAT_INPUTS, POOL_BLOCKS_DIM, STEP_INPUTS, step_shapes
+
+
+def weight_names(model: DeepseekV3) -> list[str]:
+    """The checkpoint-derived tensors the forward reads: parameters (tied ones once), then
+    persistent buffers. Non-persistent buffers (RoPE frequencies) are derived from the config and
+    become graph constants."""
+    persistent = set(model.state_dict())
+    return [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers() if n in persistent]
+
+
+def model_weights(model: DeepseekV3) -> dict[str, Tensor]:
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    return {name: tensors[name] for name in weight_names(model)}
+
+
+class StepGraph(torch.nn.Module):
+    """One serving step: the model over the paged cache, then the sampler.
+
+    Returns:
+        tokens: [B] the sampled next token of each row.
+        logits: [B, V] the logits it was sampled from.
+    """
+
+    def __init__(self, model: DeepseekV3, parallel: Parallelism = Parallelism(), moe_form: str | None = None):
+        super().__init__()
+        # Held in a list so nn.Module does not register it: its tensors must reach the graph as
+        # inputs, not as lifted parameters.
+        self._model = [model]
+        self.weight_names = weight_names(model)
+        self.parallel = parallel
+        self.moe_form = moe_form
+
+    def forward(self, weights: list[Tensor], input_ids, positions, block_table, slot_mapping, kv_pool,
+                logits_index, temperature, top_k, top_p, seed) -> tuple[Tensor, Tensor]:
+        logits = torch.func.functional_call(
+            self._model[0], dict(zip(self.weight_names, weights)),
+            (input_ids, positions, block_table, slot_mapping, kv_pool, logits_index), {"parallel": self.parallel, "moe_form": self.moe_form},
+        )  # [B, V]
+        return sampler.sample(logits, temperature, top_k, top_p, seed), logits
+
+
+def example_step_inputs(bucket: Bucket, blocks_per_row: int, kv_pool_shape: tuple[int, ...],
+                        dtype: torch.dtype) -> dict[str, Tensor]:
+    """Distinct example tensors of the bucket's shapes (one tensor per input: shared example
+    tensors would be captured as one aliased input)."""
+    shapes = step_shapes(bucket.rows, bucket.width, blocks_per_row)
+    inputs = {name: torch.zeros(shapes[name], dtype=torch.float32 if name in FLOAT_INPUTS else torch.int64)
+              for name in shapes}
+    # Values a step could hold (distinct slots, in-range positions and logits rows), not all zeros.
+    inputs["positions"] = torch.arange(bucket.width).repeat(bucket.rows, 1)
+    inputs["slot_mapping"] = torch.arange(bucket.rows * bucket.width).view(shapes["slot_mapping"])
+    inputs["logits_index"].fill_(bucket.width - 1)
+    inputs["top_p"].fill_(1.0)
+    inputs["kv_pool"] = torch.zeros(kv_pool_shape, dtype=dtype)
+    return {name: inputs[name] for name in STEP_INPUTS}
+
+
+def capture_bucket(model: DeepseekV3, bucket: Bucket, blocks_per_row: int, num_blocks: int,
+                   block_size: int, parallel: Parallelism = Parallelism(), moe_form: str | None = None) -> ExportedProgram:
+    """Export the step for one bucket shape.
+
+    `parallel` fixes what changes shapes (group sizes, static or generic MoE; `model` holds one
+    rank's share of the experts); the rank-specific numbers it carries are rank 0's, and the
+    `specialise_rank` pass rewrites them for the other ranks. `moe_form` fixes the routed
+    experts' formulation (`MOE_FORMS`; by default the model's rule for the bucket's size).
+    """
+    step = StepGraph(model, parallel, moe_form)
+    args = model.args
+    pool_shape = (args.num_hidden_layers, num_blocks, block_size, args.kv_cache_dim)
+    inputs = example_step_inputs(bucket, blocks_per_row, pool_shape, model.dtype)
+    weights = list(model_weights(model).values())
+    dynamic = {name: None for name in STEP_INPUTS}
+    dynamic["kv_pool"] = {POOL_BLOCKS_DIM: Dim("num_blocks", min=2)}
+    with torch.no_grad():
+        program = torch.export.export(
+            step, (weights, *inputs.values()),
+            dynamic_shapes={"weights": [None] * len(weights), **dynamic},
+        )
+    # The program keeps its example inputs, the weights among them: every per-rank copy would
+    # duplicate them and `torch.export.save` would write them into every graph file.
+    program.example_inputs = None
+    return program

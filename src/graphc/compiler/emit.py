@@ -1,0 +1,137 @@
+"""Emit: content-hash specialised programs, compile each distinct one once, cache the results.
+
+A graph's key is the sha256 of what determines its compiled form: the backend, the graphc and
+torch versions, the graph code, its signature, its constants and the shapes and dtypes of every
+node. Weights are graph inputs, so they are not part of the key. Compiled files live in a content-addressed
+cache (`GRAPHC_CACHE_DIR`, default `~/.cache/graphc`), so an unchanged graph is never compiled
+twice, across buckets, ranks and runs. Misses compile in parallel worker processes.
+
+The cache is written atomically inside itself (temporary files in the cache directory, then a
+rename: never across filesystems) and each entry's sha256 is recorded beside it when written; an
+entry is reused only while its content still has that hash, else it is compiled again. That
+catches corruption and files dropped into the cache, not a writer who also forges the record:
+the cache directory must be writable only by those trusted to compile (README, trust model).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import multiprocessing
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from torch.export import ExportedProgram
+
+from graphc import __version__
+from graphc.artifacts.directory import sha256_file
+from graphc.backends import backend as backend_named, compile_program
+from graphc.errors import GraphcError
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    label: str
+    """What the progress bar shows, e.g. `decode-4 rank 0`."""
+    key: str
+    """Content hash of the program (see `program_key`)."""
+    program: ExportedProgram
+
+
+def cache_dir() -> Path:
+    folder = Path(os.environ.get("GRAPHC_CACHE_DIR") or Path.home() / ".cache" / "graphc")
+    if folder.exists() and not folder.is_dir():
+        raise GraphcError(f"GRAPHC_CACHE_DIR={str(folder)!r} is not a directory; point it at a directory "
+                          "(it is created if missing)")
+    return folder
+
+
+def _record(entry: Path) -> Path:
+    return entry.with_name(entry.name + ".sha256")
+
+
+def _is_intact(entry: Path) -> bool:
+    """Whether a cache entry exists and still has the hash recorded when it was written."""
+    record = _record(entry)
+    return entry.is_file() and record.is_file() and record.read_text().strip() == sha256_file(entry)
+
+
+def _store(partial: Path, entry: Path) -> None:
+    """Move a compiled file (written inside the cache directory) into place, then record its hash:
+    an entry whose record is missing or stale counts as absent."""
+    digest = sha256_file(partial)
+    os.replace(partial, entry)  # atomic: an entry is whole or absent
+    with tempfile.NamedTemporaryFile("w", dir=entry.parent, prefix=".record-", delete=False) as record:
+        record.write(digest + "\n")
+    os.replace(record.name, _record(entry))
+
+
+def program_key(program: ExportedProgram, backend: str) -> str:
+    digest = hashlib.sha256()
+    for part in (backend, __version__, torch.__version__, program.graph_module.code,
+                 str(program.graph_signature), str(program.range_constraints)):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    for name, constant in sorted(program.constants.items()):
+        digest.update(name.encode())
+        digest.update(constant.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    for node in program.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            digest.update(f"{node.name}:{tuple(value.shape)}:{value.dtype}\0".encode())
+    return digest.hexdigest()
+
+
+def compile_all(jobs: list[CompileJob], backend: str, workers: int, show_progress: bool = True) -> dict[str, Path]:
+    """Compile every distinct job (by key) not already cached; return key -> cached file."""
+    folder = cache_dir() / backend
+    folder.mkdir(parents=True, exist_ok=True)
+    extension = backend_named(backend).extension
+    results = {job.key: folder / f"{job.key}.{extension}" for job in jobs}
+    labels: dict[str, list[str]] = {}
+    for job in jobs:
+        labels.setdefault(job.key, []).append(job.label)
+    todo = {job.key: job for job in jobs if not _is_intact(results[job.key])}
+    if not todo:
+        return results
+    # Scratch space inside the cache directory: compiled files move into place by rename.
+    with tempfile.TemporaryDirectory(prefix=".graphc-programs-", dir=folder) as scratch, Progress(
+        TextColumn("[bold]compiling[/] {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=Console(stderr=True), disable=not show_progress, transient=False,
+    ) as progress:
+        task = progress.add_task(backend, total=len(todo))
+        programs = {}
+        # Same extension as the cache entry: AOTInductor insists on package paths ending in .pt2.
+        partials = {key: Path(scratch) / f"{key}.partial.{extension}" for key in todo}
+        for key, job in todo.items():
+            programs[key] = Path(scratch) / f"{key}.pt2"
+            torch.export.save(job.program, str(programs[key]))
+
+        def compiled(key: str, partial: Path) -> None:
+            _store(partial, results[key])
+            progress.advance(task)
+
+        if not backend_named(backend).parallel_compile or workers <= 1 or len(todo) == 1:
+            for key in todo:
+                progress.update(task, description=f"{backend}: {', '.join(labels[key])}")
+                compile_program(backend, programs[key], partials[key])
+                compiled(key, partials[key])
+            return results
+        context = multiprocessing.get_context("spawn")  # fork would inherit the parent's threads and locks
+        with concurrent.futures.ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=context) as pool:
+            futures = {pool.submit(compile_program, backend, programs[key], partials[key]): key for key in todo}
+            running = set(futures.values())
+            progress.update(task, description=f"{backend}: {len(running)} graphs")
+            for future in concurrent.futures.as_completed(futures):
+                key = futures[future]
+                future.result()
+                running.discard(key)
+                compiled(key, partials[key])
+                in_flight = ", ".join(sorted(label for k in running for label in labels[k]))
+                progress.update(task, description=f"{backend}: {in_flight or 'done'}")
+    return results

@@ -1,0 +1,145 @@
+"""`compile()`: the ordered stages from model.yaml to an artifacts directory, nothing else."""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from graphc.artifacts.directory import atomic_directory, check_replaceable
+from graphc.artifacts.manifest import Manifest, TensorSpec
+from graphc.artifacts.signing import private_key
+from graphc.artifacts.writer import CompiledGraph, write_manifest, write_weights
+from graphc.buckets.selection import all_buckets
+from graphc.compiler.capture import capture_bucket, model_weights
+from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
+from graphc.config import GraphcConfig
+from graphc.models.checkpoint import load_expert_shard
+from graphc.models.deepseek_v3 import Parallelism
+from graphc.models.moe_forms import step_moe_form
+from graphc.passes.graph import step_placeholders
+from graphc.passes.manager import PassContext, PassManager, op_counts
+from graphc.passes.registry import backend_passes, check_pass_names
+from graphc.passes.verifier import check_rank_agreement, verify
+from graphc.step import POOL_BLOCKS_DIM, STEP_INPUTS, blocks_per_row
+from graphc.topology import Topology
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    backend: str | None = None
+    """Overrides model.yaml's backend."""
+    disabled_passes: frozenset[str] = frozenset()
+    dump_graphs: Path | None = None
+    verify_passes: bool = False
+    workers: int = max(1, min(4, os.cpu_count() or 1))
+    force: bool = False
+    show_progress: bool = True
+    sign_key: Path | None = None
+    """An Ed25519 private key (PEM): sign the manifest (`manifest.sig`), which covers every file."""
+
+
+def check_options(out: Path, options: CompileOptions) -> None:
+    """Fail fast, before any work, on options that cannot succeed."""
+    check_pass_names(options.disabled_passes)
+    check_replaceable(Path(out), options.force)
+    if options.sign_key is not None:
+        private_key(options.sign_key)  # a key that cannot sign fails before any work
+    cache_dir()  # a GRAPHC_CACHE_DIR that cannot be a cache fails here, not after the capture
+
+
+def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOptions()) -> Manifest:
+    """Compile `config` into the artifacts directory `out` (written atomically). One function on
+    purpose: its numbered stages read top to bottom as the pipeline; each is a call elsewhere."""
+    check_options(out, options)
+    backend = options.backend or config.backend
+    topology = Topology(config.topology.cp, config.topology.ep)
+    b, kv = config.buckets, config.kv_cache
+    table_width = blocks_per_row(b.context_limit, kv.block_size)
+    dtype = getattr(torch, config.model.dtype)
+    with atomic_directory(out, options.force) as staging:
+        # 1. Model: expert-parallel rank 0's module (every rank's when ep = 1); the other shards
+        # are loaded one at a time when their weights are written (step 5).
+        model = load_expert_shard(config.model.checkpoint, topology, 0, dtype, config.model.sparse_probabilities)
+        args, sparse_probabilities = model.args, model.sparse_probabilities
+        # 2. Capture: one rank-agnostic program per bucket, with what changes shapes fixed.
+        parallel = Parallelism(cp=topology.cp, ep=topology.ep,
+                               tokens_replicated=topology.ep > 1 and "static_moe" not in options.disabled_passes)
+        buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode)
+        moe_forms = {bucket: step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
+                                           args.n_routed_experts, topology.ep, parallel.tokens_replicated)
+                     for bucket in buckets}
+        captured = {bucket: capture_bucket(model, bucket, table_width, kv.num_blocks, kv.block_size, parallel,
+                                           moe_forms[bucket])
+                    for bucket in buckets}
+        # 3. Specialise each program for each rank (passes/registry.py), then check the ranks agree.
+        passes = backend_passes(backend)
+        manager = PassManager(passes, verify, verify=options.verify_passes,
+                              disabled=options.disabled_passes & {name for name, _ in passes},
+                              dump_dir=options.dump_graphs)
+        programs, pass_logs = {}, {}
+        for rank in range(topology.world):
+            for bucket, capture in captured.items():
+                # Every rank specialises its own copy; the capture stays rank-agnostic.
+                program = copy_program(capture) if topology.world > 1 else capture
+                log = manager.run(program.graph_module, PassContext(topology, rank, bucket, table_width))
+                _sync_output_signature(program)
+                programs[rank, bucket] = program
+                pass_logs[f"{bucket.name} rank {rank}"] = log.changes()
+        for bucket in buckets:
+            check_rank_agreement({rank: programs[rank, bucket].graph_module for rank in range(topology.world)},
+                                 bucket.name)
+        # 4. Emit: compile each distinct program once (cached).
+        keys = {where: program_key(program, backend) for where, program in programs.items()}
+        compiled = compile_all([CompileJob(f"{bucket.name} rank {rank}", keys[rank, bucket], program)
+                                for (rank, bucket), program in programs.items()],
+                               backend, options.workers, options.show_progress)
+        graphs = {rank: [CompiledGraph(bucket, compiled[keys[rank, bucket]], _step_specs(programs[rank, bucket]),
+                                       moe_forms[bucket]) for bucket in buckets]
+                  for rank in range(topology.world)}
+        extra = {"op_counts": {f"{bucket.name} rank {rank}": op_counts(program.graph_module)
+                               for (rank, bucket), program in programs.items()},
+                 "passes": pass_logs}
+        del programs, captured
+        # 5. Weights, one expert shard in memory at a time: rank 0's, then each other's, loaded,
+        # written and dropped (the captured programs hold no weights).
+        shards = {0: write_weights(model_weights(model), staging)}
+        del model
+        for ep_rank in range(1, topology.ep):
+            shard = load_expert_shard(config.model.checkpoint, topology, ep_rank, dtype,
+                                      config.model.sparse_probabilities)
+            shards[ep_rank] = write_weights(model_weights(shard), staging)
+            del shard
+        # 6. Manifest: graphs, weights and tokenizer by hash, signed on request.
+        return write_manifest(staging, config, backend, args, sparse_probabilities, topology, graphs,
+                              {rank: shards[topology.ep_rank(rank)] for rank in range(topology.world)},
+                              extra, options.sign_key)
+
+
+def copy_program(capture: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """A deep copy for passes to edit (each rank's, `graphc probe`'s) without touching `capture`."""
+    with warnings.catch_warnings():
+        # torch 2.13's own pytree specs warn about themselves when deep-copied; nothing to act on.
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+        return copy.deepcopy(capture)
+
+
+def _sync_output_signature(program) -> None:
+    """Point the program's output specs at the graph's output nodes (a pass may replace them)."""
+    outputs = next(n for n in program.graph.nodes if n.op == "output").args[0]
+    for spec, node in zip(program.graph_signature.output_specs, outputs):
+        spec.arg.name = node.name
+
+
+def _step_specs(program) -> dict[str, TensorSpec]:
+    specs = {}
+    for name, node in step_placeholders(program.graph_module).items():
+        value = node.meta["val"]
+        shape = [-1 if (name == "kv_pool" and d == POOL_BLOCKS_DIM) else int(s) for d, s in enumerate(value.shape)]
+        specs[name] = TensorSpec(shape, str(value.dtype).removeprefix("torch."))
+    assert list(specs) == list(STEP_INPUTS)
+    return specs

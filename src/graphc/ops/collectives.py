@@ -1,0 +1,124 @@
+"""graphc:: collectives: the places where parallel execution differs from one device.
+
+On one device (no process group for the semantic group) each is the identity or a copy; the
+passes set group sizes per rank and drop the ones a topology makes trivial. Shape letters as in
+`graphc.ops.paged_attention`; G ranks of a group, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from graphc.ops.distributed import process_group
+from graphc.ops.library import define_op
+
+
+def all_gather_group(tensor: Tensor, pg) -> Tensor:
+    """[G, *tensor.shape]: every rank's tensor, in rank order."""
+    gathered = tensor.new_empty((pg.size() * tensor.shape[0], *tensor.shape[1:]))
+    torch.distributed.all_gather_single(gathered, tensor.contiguous(), group=pg)
+    return gathered.view(pg.size(), *tensor.shape)
+
+
+def _attention_combine(out: Tensor, lse: Tensor, group: str) -> Tensor:
+    """Combine the partial attentions of a context-parallel `group` exactly.
+
+    Each rank attended over its own shard of the keys; with L = logsumexp over ranks of lse,
+    the full attention is sum over ranks of exp(lse_r - L) * out_r. On one device the identity.
+
+    Args:
+        out: [B, Q, H, R] this rank's partial output.
+        lse: [B, Q, H] fp32 log-sum-exp of this rank's scores (-inf where it saw no key).
+        group: semantic group name ("cp").
+
+    Returns:
+        [B, Q, H, R] the attention over every rank's keys, in out's dtype.
+    """
+    pg = process_group(group)
+    if pg is None:
+        return out.clone(memory_format=torch.contiguous_format)
+    outs, lses = (all_gather_group(t, pg) for t in (out, lse))  # [G, B, Q, H, R], [G, B, Q, H]
+    weights = torch.exp(lses - torch.logsumexp(lses, dim=0))  # [G, B, Q, H]; position 0 is always seen
+    return (weights[..., None] * outs.float()).sum(dim=0).to(out.dtype).contiguous()
+
+
+attention_combine = define_op("attention_combine(Tensor out, Tensor lse, str group) -> Tensor", _attention_combine,
+                            lambda out, lse, group: out.new_empty(out.shape))
+
+
+def _moe_dispatch(hidden: Tensor, group: str, group_size: int = 1) -> Tensor:
+    """Bring every token of the expert-parallel `group` to this rank before routing.
+
+    Captured with group_size 1 (the identity); the expert-sharding pass sets the group's size,
+    and the static-MoE rewrite removes the op where the tokens are already replicated.
+
+    Args:
+        hidden: [T, D] this rank's tokens.
+        group: semantic group name ("ep").
+        group_size: ranks in the group.
+
+    Returns:
+        [T * group_size, D] the group's tokens, rank-major (an all-gather).
+    """
+    pg = process_group(group) if group_size > 1 else None
+    if pg is None:
+        return hidden.clone(memory_format=torch.contiguous_format)
+    return all_gather_group(hidden, pg).reshape(-1, hidden.shape[-1])
+
+
+moe_dispatch = define_op("moe_dispatch(Tensor hidden, str group, int group_size=1) -> Tensor", _moe_dispatch,
+                       lambda hidden, group, group_size=1: hidden.new_empty(
+                           (hidden.shape[0] * group_size, *hidden.shape[1:])))
+
+
+def _moe_combine(partial: Tensor, group: str, group_size: int = 1) -> Tensor:
+    """Sum the routed-expert outputs of the `group` and return this rank's tokens.
+
+    Args:
+        partial: [T * group_size, D] this rank's experts' contribution to every dispatched token.
+        group: semantic group name ("ep").
+        group_size: ranks in the group.
+
+    Returns:
+        [T, D] the group's summed expert output for this rank's tokens (a reduce-scatter).
+    """
+    pg = process_group(group) if group_size > 1 else None
+    if pg is None:
+        return partial.clone(memory_format=torch.contiguous_format)
+    out = partial.new_empty((partial.shape[0] // group_size, *partial.shape[1:]))
+    torch.distributed.reduce_scatter_single(out, partial.contiguous(), group=pg)
+    return out
+
+
+moe_combine = define_op("moe_combine(Tensor partial, str group, int group_size=1) -> Tensor", _moe_combine,
+                      lambda partial, group, group_size=1: partial.new_empty(
+                          (partial.shape[0] // group_size, *partial.shape[1:])))
+
+
+def _all_reduce(partial: Tensor, group: str) -> Tensor:
+    """Sum `partial` over the `group` (what the static-MoE rewrite puts in place of moe_combine)."""
+    out = partial.clone(memory_format=torch.contiguous_format)
+    pg = process_group(group)
+    if pg is not None:
+        torch.distributed.all_reduce(out, group=pg)
+    return out
+
+
+all_reduce = define_op("all_reduce(Tensor partial, str group) -> Tensor", _all_reduce,
+                     lambda partial, group: partial.new_empty(partial.shape))
+
+
+def expert_shard_reference(combine: Tensor, shard: int = 0, num_shards: int = 1) -> Tensor:
+    """This rank's experts' columns of the [T, E] combine matrix: [T, E / num_shards].
+
+    Captured with one shard (every column); the expert-sharding pass sets the rank's shard.
+    """
+    width = combine.shape[1] // num_shards
+    return combine[:, shard * width : (shard + 1) * width].contiguous()
+
+
+expert_shard = define_op("expert_shard(Tensor combine, int shard=0, int num_shards=1) -> Tensor", expert_shard_reference,
+                       lambda combine, shard=0, num_shards=1: combine.new_empty(
+                           (combine.shape[0], combine.shape[1] // num_shards)))
+

@@ -1,0 +1,52 @@
+"""Graph helpers every pass shares: finding graphc:: ops, reading and setting their arguments by
+schema name, the step's input placeholders, the collectives a graph issues."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from graphc.step import STEP_INPUTS
+
+COLLECTIVE_OPS = ("graphc::moe_dispatch", "graphc::moe_combine", "graphc::attention_combine", "graphc::all_reduce",
+                  "graphc::index_topk_combine")
+"""Ops that move data between ranks; each names its group in its `group` argument."""
+
+
+def graphc_op(node: torch.fx.Node) -> str | None:
+    """The `graphc::name` of a graphc custom-op node, else None."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    name = node.target.name()
+    return name if name.startswith("graphc::") else None
+
+
+def op_argument(node: torch.fx.Node, name: str):
+    """A graphc op node's argument by schema name (positional or keyword, else its default)."""
+    schema = node.target._schema
+    index = next(i for i, a in enumerate(schema.arguments) if a.name == name)
+    if index < len(node.args):
+        return node.args[index]
+    return node.kwargs.get(name, schema.arguments[index].default_value)
+
+
+def set_op_argument(node: torch.fx.Node, name: str, value) -> None:
+    """Set a graphc op node's argument by schema name, positionally."""
+    schema = node.target._schema
+    index = next(i for i, a in enumerate(schema.arguments) if a.name == name)
+    args = list(node.args) + [a.default_value for a in schema.arguments[len(node.args):index + 1]]
+    args[index] = value
+    node.args = tuple(args)
+    node.kwargs = {k: v for k, v in node.kwargs.items() if k != name}
+
+
+def collective_sequence(gm: torch.fx.GraphModule) -> list[tuple[str, str, tuple]]:
+    """(op, group, input shape) of every collective, in graph order."""
+    return [(graphc_op(n), op_argument(n, "group"), tuple(n.args[0].meta["val"].shape))
+            for n in gm.graph.nodes if graphc_op(n) in COLLECTIVE_OPS]
+
+
+def step_placeholders(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
+    """The per-step input placeholders by name (they follow the weights)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return dict(zip(STEP_INPUTS, placeholders[-len(STEP_INPUTS):]))

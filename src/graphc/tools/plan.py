@@ -1,0 +1,155 @@
+"""`graphc plan`: what a compile would build and what serving it costs, before any capture.
+
+Everything here is arithmetic on the config, the checkpoint's config.json and (optionally) a
+workload of prompt lengths: the bucket table, the padding the workload would pay in it (against
+a power-of-two ladder with as many graphs), the graphs per rank and in all, and the collectives
+each rank issues per step with their payloads. Tests hold the collective counts to those of
+compiled graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from graphc.buckets.selection import Bucket, all_buckets, max_prefill_chunk
+
+from graphc.buckets.planner import Histogram, chunk_histogram, padding_waste, power_of_two_ladder
+from graphc.config import GraphcConfig
+from graphc.errors import GraphcError
+from graphc.models.args import ModelArgs
+from graphc.models.moe_forms import step_moe_form
+from graphc.step import blocks_per_row
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective a rank issues in a step: `count` calls, each taking `bytes_in`."""
+
+    op: str
+    group: str
+    count: int
+    bytes_in: int
+
+
+def step_collectives(args: ModelArgs, cp: int, ep: int, bucket: Bucket, dtype: str,
+                     static_moe: bool = True, context_slots: int | None = None) -> list[Collective]:
+    """The collectives of one step in `bucket` on any rank (every rank issues the same ones).
+
+    Attention: one `attention_combine` per layer over cp, all-gathering the fp32 partial output
+    [T, H, R] and its log-sum-exp [T, H]. MoE layers over ep: the static form all-reduces the
+    routed output [T, D]; the generic form all-gathers the tokens [T, D] and reduce-scatters
+    [T * ep, D]. Sparse attention (V3.2) adds one `index_topk_combine` per layer over cp,
+    all-gathering each token's k candidate positions (int64) and scores (fp32), k =
+    min(index_topk, context_slots), context_slots being the block table's token capacity. A group
+    of one rank issues nothing (the pass lowers it away).
+    """
+    tokens = bucket.rows * bucket.width
+    moe_layers = args.num_hidden_layers - args.first_k_dense_replace
+    hidden = tokens * args.hidden_size * DTYPE_BYTES[dtype]
+    out: list[Collective] = []
+    if cp > 1:
+        heads = args.num_attention_heads
+        if args.sparse_attention:
+            selected = min(args.index_topk, context_slots or args.index_topk)
+            out.append(Collective("index_topk_combine", "cp", args.num_hidden_layers, tokens * selected * (8 + 4)))
+        out.append(Collective("attention_combine", "cp", args.num_hidden_layers, tokens * heads * (args.kv_lora_rank + 1) * 4))
+    if ep > 1 and moe_layers:
+        if static_moe:
+            out.append(Collective("all_reduce", "ep", moe_layers, hidden))
+        else:
+            out.append(Collective("moe_dispatch", "ep", moe_layers, hidden))
+            out.append(Collective("moe_combine", "ep", moe_layers, hidden * ep))
+    return out
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def describe(config: GraphcConfig, args: ModelArgs, workload: Histogram | None) -> list[str]:
+    """The plan report, line by line."""
+    b, t = config.buckets, config.topology
+    buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode)
+    origin = f"planned from {b.auto.workload}, budget {b.auto.graphs} graphs per rank" if b.auto else "as listed"
+    lines = [f"buckets ({origin}); context_limit {b.context_limit}",
+             f"  prefill chunks      {b.prefill}",
+             f"  decode batches      {b.decode}",
+             f"  prompt-as-decode P  {b.prompt_as_decode}" + ("  (off)" if b.prompt_as_decode == 0 else
+                                                              "  (plain decode rows)" if b.prompt_as_decode == 1 else
+                                                              f"  ([B, {b.prompt_as_decode}] graphs per decode batch)")]
+    if workload:
+        lines += _waste_lines(config, workload)
+    world = t.cp
+    lines += [f"graphs: {len(buckets)} per rank x {world} rank(s) = {len(buckets) * world} in all, "
+              f"{len(buckets) * world} distinct" + (" (each rank's are specialised to its KV shard and experts; "
+                                                    "only the leader's sample)" if world > 1 else "")]
+    lines.append(f"routed-expert form and collectives per step, every rank (cp={t.cp}, ep={t.ep}, static MoE):")
+    for bucket in buckets:
+        slots = blocks_per_row(config.buckets.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
+        calls = step_collectives(args, t.cp, t.ep, bucket, config.model.dtype, context_slots=slots)
+        text = ", ".join(f"{c.count} x {c.op}({c.group}) of {_bytes(c.bytes_in)}" for c in calls) or "none"
+        form = step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
+                             args.n_routed_experts, t.ep, tokens_replicated=True)
+        lines.append(f"  {bucket.name:14s} MoE {form:8s} {text}")
+    return lines
+
+
+def _waste_lines(config: GraphcConfig, workload: Histogram) -> list[str]:
+    b = config.buckets
+    if max(workload) >= b.context_limit:
+        raise GraphcError(f"workload: prompt length {max(workload)} does not fit context_limit {b.context_limit}")
+    chunks = _chunks(config, workload)
+    requests = sum(workload.values())
+    waste = padding_waste(chunks, b.prefill)
+    ladder = power_of_two_ladder(len(b.prefill), max(b.prefill))
+    ladder_waste = padding_waste(chunks, ladder)
+    lines = [f"expected prefill padding over {requests} prompts (tokens per request):"]
+    lines += [f"  prefill-{size:<8d} {w / requests:10.1f}" for size, w in waste.items()]
+    total, ladder_total = sum(waste.values()) / requests, sum(ladder_waste.values()) / requests
+    lines.append(f"  total          {total:10.1f}   vs power-of-two ladder {ladder}: {ladder_total:.1f}"
+                 + (f" ({ladder_total / total:.2f}x)" if total else ""))
+    return lines
+
+
+def _chunks(config: GraphcConfig, workload: Histogram) -> Histogram:
+    """The prefill chunks the runtime makes of the workload's prompts."""
+    return chunk_histogram(workload, max_prefill_chunk(config.buckets.prefill, config.runtime.max_num_prefilling_tokens))
+
+
+def plot(path: Path, config: GraphcConfig, workload: Histogram) -> None:
+    """The prompt-length distribution with the prefill bucket edges and each bucket's padding."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise GraphcError("--plot needs matplotlib (pip install matplotlib)") from None
+    b = config.buckets
+    chunks = _chunks(config, workload)
+    waste = padding_waste(chunks, b.prefill)
+    figure, axis = plt.subplots(figsize=(9, 4.5))
+    lengths = sorted(chunks)
+    axis.bar(lengths, [chunks[n] for n in lengths], width=max(1.0, max(lengths) / 300), color="tab:blue",
+             label="prefill chunks")
+    for size in b.prefill:
+        axis.axvline(size, color="tab:red", linestyle="--", linewidth=1)
+        axis.annotate(f"{size}\nwaste {waste[size] / sum(workload.values()):.1f}", (size, axis.get_ylim()[1] * 0.9),
+                      fontsize=7, ha="right", color="tab:red")
+    if b.prompt_as_decode > 1:
+        axis.axvspan(0, b.prompt_as_decode, color="tab:green", alpha=0.15, label=f"prompt-as-decode (P={b.prompt_as_decode})")
+    axis.set_xlabel("chunk length (tokens)")
+    axis.set_ylabel("count")
+    axis.set_title("prompt chunks and prefill buckets (padded tokens per request)")
+    axis.legend(loc="upper center")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

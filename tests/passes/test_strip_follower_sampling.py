@@ -1,0 +1,39 @@
+"""strip_follower_sampling: followers' graphs have no sampler but keep the logits (and with them
+every collective); the leader's graph is untouched."""
+
+from __future__ import annotations
+
+import torch
+
+from graphc.buckets.selection import Bucket
+from graphc.passes.graph import collective_sequence
+from graphc.passes.manager import op_counts
+from graphc.passes.strip_follower_sampling import strip_follower_sampling
+from graphc.passes.verifier import verify
+from passes_support import captured, context, copy_program, run_program
+
+BUCKET = Bucket("decode", 2)
+
+
+def test_a_followers_sampler_becomes_zeros_and_its_logits_stay(tiny_checkpoints):
+    model, program = captured(tiny_checkpoints["lora-groups"], BUCKET)
+    before = copy_program(program)
+    ctx = context(BUCKET, cp=2, ep=2, rank=1)
+
+    result = strip_follower_sampling(program.graph_module, ctx)
+
+    assert result.modified
+    assert "graphc::sample" not in op_counts(result.graph_module)
+    assert collective_sequence(result.graph_module) == collective_sequence(before.graph_module)
+    verify(result.graph_module, ctx)
+    (tokens, logits), pool = run_program(program, model, BUCKET)
+    (tokens_before, logits_before), pool_before = run_program(before, model, BUCKET)
+    assert torch.equal(tokens, torch.zeros_like(tokens_before)) and tokens.dtype == tokens_before.dtype
+    assert torch.equal(logits, logits_before) and torch.equal(pool, pool_before)
+
+
+def test_the_leaders_graph_keeps_its_sampler(tiny_checkpoints):
+    _, program = captured(tiny_checkpoints["lora-groups"], BUCKET)
+    result = strip_follower_sampling(program.graph_module, context(BUCKET, cp=2, ep=2, rank=0))
+    assert not result.modified
+    assert op_counts(result.graph_module)["graphc::sample"] == 1

@@ -1,0 +1,86 @@
+"""The leader -> followers shared-memory step channel, in one process (two endpoints)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphc.buckets.selection import Bucket
+from graphc.runtime.channel import ChannelTimeout, StepChannel
+
+WORLD, ROWS, WIDTH, BLOCKS = 2, 4, 8, 3
+PREFILL_8 = Bucket("prefill", 8)
+
+
+@pytest.fixture
+def endpoints():
+    name = f"graphc-test-{uuid.uuid4().hex[:12]}"
+    leader = StepChannel(name, WORLD, ROWS, WIDTH, BLOCKS, rank=0, timeout=2.0)
+    follower = StepChannel(name, WORLD, ROWS, WIDTH, BLOCKS, rank=1, timeout=2.0)
+    yield leader, follower
+    follower.close()
+    leader.close()
+    assert not Path(f"/dev/shm/{name}").exists(), "the leader must unlink its segment"
+
+
+def _fields(rows, width, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, 100, (rows, width), generator=g),
+        "positions": torch.randint(0, 100, (rows, width), generator=g),
+        "logits_index": torch.randint(0, width, (rows,), generator=g),
+        "block_table": torch.randint(0, 9, (WORLD, rows, BLOCKS), generator=g),
+        "slot_mapping": torch.randint(-1, 50, (WORLD, rows, width), generator=g),
+    }
+
+
+def test_startup_metadata_round_trips(endpoints):
+    leader, follower = endpoints
+    leader.publish_startup({"kv_blocks": 64, "buckets": {"prefill": [8, 32]}})
+    assert follower.receive_startup() == {"kv_blocks": 64, "buckets": {"prefill": [8, 32]}}
+
+
+def test_steps_of_every_shape_arrive_intact_then_stop(endpoints):
+    leader, follower = endpoints
+    buckets = [Bucket("prefill", 8), Bucket("decode", 4), Bucket("decode", 2, 3), Bucket("prefill", 5)]
+    for step, bucket in enumerate(buckets):
+        fields = _fields(bucket.rows, bucket.width, step)
+        leader.publish(step, bucket, fields)
+        got_bucket, got = follower.receive(step)
+        assert got_bucket == bucket
+        for name, tensor in fields.items():
+            assert torch.equal(got[name], tensor), name
+    leader.stop(len(buckets))
+    assert follower.receive(len(buckets)) is None
+
+
+def test_the_leader_never_overwrites_a_slot_a_follower_has_not_read(endpoints):
+    leader, follower = endpoints
+    leader.publish(0, PREFILL_8, _fields(1, 8, 0))
+    leader.publish(1, PREFILL_8, _fields(1, 8, 1))  # the other slot: fine
+    with pytest.raises(ChannelTimeout, match=r"rank 0: timed out .* waiting for followers to read step 0"):
+        leader.publish(2, PREFILL_8, _fields(1, 8, 2))  # would overwrite step 0's slot
+    follower.receive(0)
+    leader.publish(2, PREFILL_8, _fields(1, 8, 2))
+
+
+def test_a_follower_waiting_for_a_dead_leader_times_out_naming_itself(endpoints):
+    _, follower = endpoints
+    with pytest.raises(ChannelTimeout, match=r"rank 1: timed out after 2 s waiting for step 0 from the leader"):
+        follower.receive(0)
+
+
+def test_a_stale_segment_of_the_same_name_is_replaced():
+    name = f"graphc-test-{uuid.uuid4().hex[:12]}"
+    first = StepChannel(name, WORLD, ROWS, WIDTH, BLOCKS, rank=0)
+    first.publish_startup({"run": 1})
+    second = StepChannel(name, WORLD, ROWS, WIDTH, BLOCKS, rank=0)  # a crashed run's leftover
+    follower = StepChannel(name, WORLD, ROWS, WIDTH, BLOCKS, rank=1, timeout=0.5)
+    with pytest.raises(ChannelTimeout):
+        follower.receive_startup()  # the new segment has no start-up yet: the old one is gone
+    for channel in (follower, second):
+        channel.close()
+    first.segment.close()

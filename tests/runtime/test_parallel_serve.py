@@ -1,0 +1,89 @@
+"""Compiled multi-rank graphs, served by `graphc.runtime.launch.serve` (one process per rank under
+torchrun's agent, gloo collectives, the shared-memory step channel), give the single-rank tokens
+(fp32), at every topology of the issue, on both CPU backends, with and without the static-MoE
+rewrite. Every rank runs its own specialised graphs: its KV shard, its experts; followers have no
+sampler and take each step from the leader."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphc.artifacts.directory import read_manifest
+from graphc.runtime import Engine, Request
+from graphc.runtime.launch import serve
+
+TOPOLOGIES = [  # (cp, ep, static MoE); with ep = 1 the two MoE forms are the same graph
+    (2, 1, True), (2, 2, True), (2, 2, False), (4, 1, True), (4, 2, True), (4, 2, False), (4, 4, True), (4, 4, False),
+]
+NEW_TOKENS = 12
+# Compiles take most of the time, so one prefill bucket (8) and one decode bucket (2): prompts of
+# 1, 9 and 40 tokens run in 1, 2 and 5 chunks (the longest spans 7 KV blocks of 8, on every CP
+# shard), and three sequences decode in steps of 2 and a padded 1. Bucket choice itself is tested
+# on one rank (test_serve_vs_transformers.py).
+PROMPTS = [[(5 * i + n) % 250 + 3 for i in range(n)] for n in (1, 9, 40)]
+EXPORT_CASE = ("wide-16e", "small", PROMPTS)  # 16 experts
+INDUCTOR_CASE = ("lora-groups", "small", PROMPTS)
+
+
+def _check_tokens(compiled, backend, case, cp, ep, static, new_tokens=NEW_TOKENS):
+    preset, buckets, prompts = case
+    requests = [Request(p, new_tokens, stop_at_eos=False) for p in prompts]
+    expected = Engine(compiled(preset, backend, buckets)).generate(requests)
+    [outcome] = serve(compiled(preset, backend, buckets, cp, ep, static), [requests])
+    results = outcome.results
+    assert [r.output_ids for r in results] == [r.output_ids for r in expected]
+
+
+@pytest.mark.parametrize("cp, ep, static", TOPOLOGIES)
+def test_export_ranks_serve_the_single_rank_tokens(cp, ep, static, compiled):
+    _check_tokens(compiled, "export", EXPORT_CASE, cp, ep, static)
+
+
+# Export runs every topology; the inductor backend lowers the same ops, so the two MoE forms at
+# two ranks cover every collective it must compile (the static form's all-reduce, the generic
+# form's dispatch/combine; attention_combine in both). Each AOTInductor graph costs ~19 s of CPU
+# and every rank's graphs are distinct: the full matrix (52 graphs) cost CI ~10 min. The GitHub
+# sweep workflow runs the inductor backend at 2x1, 2x2, 4x2 and 4x4.
+INDUCTOR_TOPOLOGIES = [(2, 2, True), (2, 2, False)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp, ep, static", INDUCTOR_TOPOLOGIES)
+def test_inductor_ranks_serve_the_single_rank_tokens(cp, ep, static, compiled):
+    _check_tokens(compiled, "inductor", INDUCTOR_CASE, cp, ep, static)
+
+
+@pytest.mark.slow
+def test_sixteen_ranks_serve_the_single_rank_tokens(compiled):
+    """cp = ep = 16 on the 16-expert preset: one routed expert per rank. Two prompts (2 and 5
+    chunks) and 6 new tokens: the steps of 16 processes on two cores are the test's cost."""
+    preset, buckets, prompts = EXPORT_CASE
+    _check_tokens(compiled, "export", (preset, buckets, prompts[1:]), 16, 16, True, new_tokens=6)
+
+
+@pytest.mark.parametrize("cp, ep, static", [(2, 2, True), (2, 2, False), (4, 4, True), (4, 4, False)])
+def test_graph_structure_per_rank(cp, ep, static, compiled):
+    preset, buckets, _ = EXPORT_CASE
+    manifest = read_manifest(compiled(preset, "export", buckets, cp, ep, static))
+    counts = manifest.extra["op_counts"]
+    moe_layers = 3  # wide-16e: first_k_dense_replace = 0
+    for rank in range(cp):
+        for bucket in ("prefill-8", "decode-2"):
+            ops = counts[f"{bucket} rank {rank}"]
+            assert ("graphc::sample" in ops) == (rank == 0)  # followers take the leader's tokens
+            assert ops["graphc::attention_combine"] == 3  # one per layer, over the cp group
+            if static:  # the static form: no dispatch, one all-reduce per MoE layer
+                assert ops["graphc::all_reduce"] == moe_layers and "graphc::moe_dispatch" not in ops
+            else:
+                assert ops["graphc::moe_dispatch"] == ops["graphc::moe_combine"] == moe_layers
+                assert "graphc::all_reduce" not in ops
+    assert [r.samples for r in manifest.ranks] == [True] + [False] * (cp - 1)
+    # Every rank holds different experts: different weight files.
+    assert len({r.weights for r in manifest.ranks}) == cp
+
+
+def test_single_rank_engine_refuses_multi_rank_artifacts(compiled):
+    from graphc.errors import GraphcError
+
+    with pytest.raises(GraphcError, match=r"compiled for 2 ranks \(cp=2, ep=2\); serve it with `graphc run`"):
+        Engine(compiled(EXPORT_CASE[0], "export", EXPORT_CASE[1], 2, 2))

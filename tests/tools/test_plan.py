@@ -1,0 +1,101 @@
+"""`graphc plan`: the dry run before capture. Its collective counts are held to compiled graphs."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from graphc.artifacts.directory import read_manifest
+from graphc.buckets.selection import Bucket
+from graphc.cli import EXIT_BAD_INPUT, cli
+from graphc.models.checkpoint import load_model_args
+from graphc.tools.plan import step_collectives
+from support import SPARSE_V32, TEST_BUCKETS, model_yaml
+
+OPS = {"attention_combine": "graphc::attention_combine", "all_reduce": "graphc::all_reduce",
+       "moe_dispatch": "graphc::moe_dispatch", "moe_combine": "graphc::moe_combine",
+       "index_topk_combine": "graphc::index_topk_combine"}
+
+
+@pytest.mark.parametrize("preset, cp, ep, static", [
+    ("wide-16e", 2, 1, True), ("wide-16e", 2, 2, True), ("wide-16e", 2, 2, False), ("wide-16e", 4, 4, True),
+    (SPARSE_V32, 2, 2, True),  # sparse attention: a top-k combine per layer too
+])
+def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, cp, ep, static, compiled, tiny_checkpoints):
+    manifest = read_manifest(compiled(preset, "export", "small", cp, ep, static))
+    args = load_model_args(tiny_checkpoints[preset])
+    slots = manifest.kv_cache.blocks_per_row * manifest.kv_cache.block_size
+    for rank in manifest.ranks:
+        for graph in rank.graphs:
+            bucket = graph.bucket
+            counts = manifest.extra["op_counts"][f"{bucket.name} rank {rank.rank}"]
+            in_graph = {op: n for op, n in counts.items() if op in OPS.values()}
+            planned = {OPS[c.op]: c.count
+                       for c in step_collectives(args, cp, ep, bucket, "float32", static, context_slots=slots)}
+            assert planned == in_graph, (bucket.name, rank.rank)
+
+
+def test_payloads_follow_the_tokens_of_the_bucket(tiny_checkpoints):
+    args = load_model_args(tiny_checkpoints["wide-16e"])  # hidden 64, 4 heads, kv_lora_rank 32
+    [attention, moe] = step_collectives(args, 2, 2, Bucket("decode", 4, 3), "bfloat16")
+    assert attention.bytes_in == 12 * 4 * 33 * 4  # [T, H, R] + [T, H], fp32
+    assert (moe.op, moe.bytes_in) == ("all_reduce", 12 * 64 * 2)
+    generic = step_collectives(args, 2, 2, Bucket("prefill", 8), "float32", static_moe=False)
+    assert [(c.op, c.bytes_in) for c in generic[1:]] == [("moe_dispatch", 8 * 64 * 4), ("moe_combine", 2 * 8 * 64 * 4)]
+
+
+def test_sparse_attention_adds_the_top_k_candidates(tiny_checkpoints):
+    args = load_model_args(tiny_checkpoints[SPARSE_V32])  # index_topk 16
+    [topk, attention, _] = step_collectives(args, 2, 2, Bucket("prefill", 8), "float32", context_slots=64)
+    assert (topk.op, topk.group, topk.count) == ("index_topk_combine", "cp", 3)
+    assert topk.bytes_in == 8 * 16 * (8 + 4)  # [T, k] int64 positions + fp32 scores
+    [short, *_] = step_collectives(args, 2, 2, Bucket("prefill", 8), "float32", context_slots=8)
+    assert short.bytes_in == 8 * 8 * 12  # k is capped by the context the block table holds
+
+
+@pytest.fixture
+def auto_yaml(tmp_path, tiny_checkpoints):
+    (tmp_path / "lengths.txt").write_text("".join(f"{(i * 37) % 120 + 1}\n" for i in range(200)))
+    config = model_yaml(tiny_checkpoints["lora-groups"], TEST_BUCKETS["standard"])
+    config["buckets"] = {"context_limit": 128, "auto": {"workload": "lengths.txt", "graphs": 6, "max_decode_batch": 4}}
+    config["topology"] = {"cp": 2, "ep": 2}
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(config))
+    return tmp_path / "model.yaml"
+
+
+def test_plan_prints_buckets_waste_graphs_and_collectives_and_plots(auto_yaml, tmp_path):
+    result = CliRunner().invoke(cli, ["plan", str(auto_yaml), "--plot", str(tmp_path / "out" / "plan.png")])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "planned from" in out and "budget 6 graphs per rank" in out
+    assert "expected prefill padding over 200 prompts" in out and "vs power-of-two ladder" in out
+    assert "per rank x 2 rank(s)" in out
+    assert "x attention_combine(cp)" in out and "x all_reduce(ep)" in out
+    assert (tmp_path / "out" / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_a_workload_is_an_error(tmp_path, tiny_checkpoints):
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(model_yaml(tiny_checkpoints["lora-groups"], TEST_BUCKETS["standard"])))
+    result = CliRunner().invoke(cli, ["plan", str(tmp_path / "model.yaml"), "--plot", str(tmp_path / "p.png")])
+    assert result.exit_code == EXIT_BAD_INPUT
+    assert result.stderr.strip() == "error: --plot needs a workload: pass --workload or set buckets.auto.workload"
+    assert result.stdout == ""  # refused before any report
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_the_shipped_example_plots_with_the_shipped_workload(tmp_path, tiny_checkpoints):
+    """examples/tiny.yaml (its checkpoint pointed at a test one) with examples/tiny-workload.txt,
+    the two commands the README shows."""
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    config = yaml.safe_load((examples / "tiny.yaml").read_text())
+    config["model"]["checkpoint"] = str(tiny_checkpoints["lora-groups"])
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(config))
+    plot = tmp_path / "plan.png"
+    result = CliRunner().invoke(cli, ["plan", str(tmp_path / "tiny.yaml"), "--workload",
+                                      str(examples / "tiny-workload.txt"), "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    assert "expected prefill padding over 283 prompts" in result.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

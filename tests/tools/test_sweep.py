@@ -1,0 +1,109 @@
+"""`graphc sweep`: every bucket at every topology, checked against one rank and transformers;
+and it fails, naming the bucket, when a bucket's tokens are wrong."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from graphc.buckets.selection import all_buckets
+from graphc.cli import cli
+from graphc.config import load_config
+from graphc.errors import GraphcError
+from graphc.runtime.engine import Engine
+from graphc.tools.sweep import bucket_table, parse_topologies, sweep
+from support import TEST_BUCKETS, model_yaml
+
+BUCKETS = TEST_BUCKETS["prompt_as_decode"]  # prefill 8, 32; decode 1, 4; P = 4
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory, tiny_checkpoints):
+    root = tmp_path_factory.mktemp("sweep")
+    (root / "model.yaml").write_text(yaml.safe_dump(model_yaml(tiny_checkpoints["lora-groups"], BUCKETS)))
+    return root / "model.yaml"
+
+
+@pytest.fixture(scope="module")
+def clean_run(model_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep-out")
+    result = CliRunner().invoke(cli, ["sweep", str(model_path), "--topologies", "2x2", "--out", str(out)])
+    return result, out
+
+
+def test_sweep_passes_and_every_bucket_ran_at_every_topology(clean_run):
+    result, out = clean_run
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "sweep.json").read_text())
+    assert [s["topology"] for s in report] == ["1x1", "2x2"]  # 1x1 added first: the reference
+    expected = {b.name for b in all_buckets(BUCKETS["prefill"], BUCKETS["decode"], BUCKETS["prompt_as_decode"])}
+    for stage in report:
+        ran = {bucket for case in stage["cases"] for bucket in case["buckets"]}
+        assert ran == expected, stage["topology"]
+        assert all(case["failures"] == [] for case in stage["cases"])
+    suites = ET.parse(out / "sweep.xml").getroot().findall("testsuite")
+    assert [s.get("name") for s in suites] == ["export 1x1", "export 2x2"]
+    assert all(s.get("failures") == "0" and int(s.get("tests")) >= 8 for s in suites)
+    markdown = (out / "sweep.md").read_text()
+    assert "| decode-4x4 | ✓" in markdown and "All cases matched." in markdown
+    assert "transformers reference: yes" in result.stderr
+
+
+def test_a_wrong_bucket_fails_the_sweep_and_is_named(model_path, tmp_path, monkeypatch):
+    original = Engine._run
+
+    def wrong_in_decode_4(self, bucket, inputs):
+        tokens = original(self, bucket, inputs)
+        return (tokens + 1) % 256 if bucket.name == "decode-4" else tokens
+
+    monkeypatch.setattr(Engine, "_run", wrong_in_decode_4)
+    result = CliRunner().invoke(cli, ["sweep", str(model_path), "--topologies", "1x1", "--out", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "case(s) differ" in result.stderr
+    failures = ET.parse(tmp_path / "sweep.xml").getroot().iter("failure")
+    messages = [f.get("message") for f in failures]
+    assert messages and all("decode-4" in m and "differ from transformers" in m for m in messages)
+    markdown = (tmp_path / "sweep.md").read_text()
+    assert "| decode-4 | ✗ decode-4x4: 3 short prompt(s) with a running decode; decode-4 full; decode-4 padded ·" in markdown
+    # decode-4x4 ran only in a case that also needed decode-4: both are suspects, nothing else is
+    assert "Suspect buckets (run only by failing cases):\n- export 1x1: decode-4, decode-4x4\n" in markdown
+    assert "| decode-1x4 | ✓" in markdown  # a bucket only passing cases ran stays green
+
+
+def test_buckets_the_runtime_cannot_reach_are_reported(tmp_path, tiny_checkpoints, monkeypatch):
+    """prefill-32 above a prefilling budget of 16: prompts are chunked by 8, so nothing runs it."""
+    config = model_yaml(tiny_checkpoints["lora-groups"], {**BUCKETS, "prompt_as_decode": 0})
+    config["runtime"]["max_num_prefilling_tokens"] = 16
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(config))
+    stages = sweep(load_config(tmp_path / "model.yaml"), tmp_path / "work", [(1, 1)], ["export"], log=lambda line: None)
+    assert stages[0].unexercised == ["prefill-32"]
+    from graphc.tools.sweep import markdown
+
+    assert "Compiled but never run" in markdown(stages) and "- export 1x1: prefill-32" in markdown(stages)
+
+
+def test_topologies_parse_sorted_with_the_reference_first():
+    assert parse_topologies("4x4, 2x1,2x2") == [(1, 1), (2, 1), (2, 2), (4, 4)]
+    for bad, says in [("2by2", "is not CPxEP"), ("2x4", "ep must divide cp"), ("0x0", "must be positive")]:
+        with pytest.raises(GraphcError, match=says):
+            parse_topologies(bad)
+
+
+def test_an_impossible_stage_is_refused_before_any_work(model_path, tmp_path):
+    with pytest.raises(GraphcError, match=r"topology\.ep: 3 must divide"):
+        sweep(load_config(model_path), tmp_path, [(1, 1), (3, 3)], ["export"], log=lambda line: None)
+    assert not any(tmp_path.iterdir())
+
+
+def test_bucket_table_sums_stats_per_bucket_and_marks_failures():
+    from graphc.tools.sweep import CaseResult, Stage
+
+    stats = {"steps": 2, "tokens": 6, "padding": 2, "seconds": 0.5}
+    stage = Stage("export", "1x1", [CaseResult("a", [[1]], {"decode-4": stats}),
+                                    CaseResult("b", [[1]], {"decode-4": stats}, ["differs"])], None)
+    cell = bucket_table([stage])["decode-4"]["export 1x1"]
+    assert cell == {"matched": False, "failed_cases": ["b"], "steps": 4, "tokens": 12, "padding": 4, "seconds": 1.0}
