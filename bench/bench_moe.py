@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from graphc import ops
-from graphc.ops.distributed import register_groups
 from graphc.models.checkpoint import load_model
 from graphc.models.deepseek_v3 import Parallelism
 from graphc.models.tiny import make_tiny_checkpoint
+from graphc.ops.distributed import register_groups
 from graphc.topology import Topology
 from ranks import run_ranks
 

@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 import yaml
 
+from graphc.compiler.pipeline import CompileOptions, compile
 from graphc.config import load_config
-from graphc.tools.generate import PagedKV, generate
 from graphc.models.checkpoint import load_model
 from graphc.models.tiny import make_tiny_checkpoint
-from graphc.compiler.pipeline import CompileOptions, compile
 from graphc.runtime import Engine, Request
+from graphc.tools.generate import PagedKV, generate
 from timing import best_of
 
 PROMPT, LONG_PROMPT, NEW = 16, 128, 65
@@ -82,8 +82,8 @@ Engine(sys.argv[1]).generate([Request(list(range(3, 19)), 1)])
 
 TTFT_TORCH_COMPILE = """
 import sys, torch
-from graphc.tools.generate import generate
 from graphc.models.checkpoint import load_model
+from graphc.tools.generate import generate
 model = load_model(sys.argv[1])
 model.forward = torch.compile(model.forward, dynamic=False)
 generate(model, [list(range(3, 19))], 1)

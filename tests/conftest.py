@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints (graphc's own and transformers-written), built once per session."""
+"""Shared fixtures: tiny checkpoints (graphc's own and transformers-written), built once per session;
+and the `inductor` tier marker, put on every test parametrized with the inductor backend."""
 
 from __future__ import annotations
 
@@ -18,6 +19,15 @@ _REPORT: list[str] = []
 @pytest.fixture(scope="session")
 def report():
     return _REPORT.append
+
+
+def pytest_collection_modifyitems(items):
+    # A test that takes the backend as a parameter compiles with AOTInductor (about 20 s a graph
+    # on two cores) exactly when that parameter is "inductor": mark those cases, not the others.
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "inductor" in params.values():
+            item.add_marker(pytest.mark.inductor)
 
 
 def pytest_terminal_summary(terminalreporter):

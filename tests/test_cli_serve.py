@@ -14,14 +14,16 @@ import pytest
 import yaml
 from click.testing import CliRunner, Result
 
-import graphc.runtime.loader
-from graphc.passes.registry import PASS_NAMES, backend_passes
 from graphc.artifacts.manifest import FORMAT_VERSION, MANIFEST
 from graphc.cli import cli
+from graphc.passes.registry import PASS_NAMES, backend_passes
 from graphc.runtime import Engine, Request
+import graphc.runtime.loader
 from graphc.sampling import Sampling
 
 from support import TEST_BUCKETS, model_yaml
+
+pytestmark = pytest.mark.compiles
 
 EXIT_BAD_INPUT = 2
 PRESET = "lora-groups"

@@ -34,13 +34,13 @@ from typing import Any, Literal
 
 import yaml
 
-from graphc.buckets.planner import BucketPlan, plan_buckets, read_workload
 from graphc.backends import BackendName
+from graphc.buckets.planner import BucketPlan, plan_buckets, read_workload
 from graphc.errors import ConfigError, GraphcError
-from graphc.typed import build
 from graphc.models.args import model_args_from_hf_config, read_hf_config
 from graphc.sampling import SAMPLING_RULES, Sampling, sampling_error
 from graphc.step import blocks_per_row
+from graphc.typed import build
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ def sampling_error(name: str, value) -> str | None:
 
 @dataclass(frozen=True)
 class Sampling:
-    """How one request picks its tokens (see `ops.sample`); also `runtime.sampling` in model.yaml."""
+    """How one request picks its tokens (see `graphc.ops.sampler`); also `runtime.sampling` in model.yaml."""
 
     temperature: float = 0.0
     """0 is greedy; otherwise logits are divided by it before sampling."""

@@ -1,5 +1,5 @@
 """Strict conversion of YAML data into dataclasses: the one loader of `model.yaml` (config.py) and
-of artifact manifests (artifact.py). Torch-free."""
+of artifact manifests (artifacts/schema.py). Torch-free."""
 
 from __future__ import annotations
 

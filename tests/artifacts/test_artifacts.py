@@ -17,20 +17,22 @@ import pytest
 import torch
 import yaml
 
-import graphc.artifacts.writer
-import graphc.compiler.emit
-import graphc.compiler.pipeline
-import graphc.runtime.loader
 from graphc import __version__
 from graphc.artifacts.directory import read_manifest, sha256_file
 from graphc.artifacts.manifest import FORMAT_VERSION, MANIFEST, ArtifactError
+import graphc.artifacts.writer
 from graphc.buckets.selection import Bucket
+import graphc.compiler.emit
+import graphc.compiler.pipeline
+from graphc.compiler.pipeline import CompileOptions, compile
 from graphc.config import load_config
 from graphc.errors import GraphcError
-from graphc.compiler.pipeline import CompileOptions, compile
 from graphc.runtime import Engine, Request
+import graphc.runtime.loader
 
 from support import TEST_BUCKETS, model_yaml
+
+pytestmark = pytest.mark.compiles
 
 PRESET = "lora-groups"
 NUM_BLOCKS_ENV = "GRAPHC_NUM_KV_BLOCKS"

@@ -15,12 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from graphc.artifacts.directory import read_manifest, sha256_file
-
 from graphc.artifacts.manifest import MANIFEST, ArtifactError
 from graphc.runtime import Engine
 from graphc.runtime.archive_check import check_export_archive
+
+pytestmark = pytest.mark.compiles
 
 PRESET = "lora-groups"  # its checkpoint has a tokenizer
 
@@ -314,8 +317,6 @@ def test_a_sign_key_that_is_no_private_key_fails_before_any_work(tmp_path, tiny_
 
 # --- any mutation of real artifacts: a one-line refusal or the same tokens --------------------------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 RUN = ["--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--ignore-eos",
        "--temperature", "0", "--top-k", "0", "--top-p", "1", "--seed", "0"]  # the manifest's sampling defaults unused

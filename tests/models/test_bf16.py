@@ -20,9 +20,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphc.tools.generate import PagedKV, generate
 from graphc.models.checkpoint import load_model
 from graphc.models.tiny import PRESETS
+from graphc.tools.generate import PagedKV, generate
 from support import SPARSE_V32, hf_greedy, load_hf
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], list(range(10, 47)), [9, 8, 7, 6, 5, 4, 3, 2]]

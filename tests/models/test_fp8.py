@@ -132,6 +132,7 @@ def test_broken_fp8_checkpoints_name_the_tensor(fp8_checkpoint, tmp_path, break_
         load_model(broken)
 
 
+@pytest.mark.compiles
 def test_an_fp8_checkpoint_compiles_and_serves_its_eager_tokens(fp8_checkpoint, tmp_path):
     import yaml
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphc.tools.generate import PagedKV, generate
 from graphc.models.checkpoint import load_model
 from graphc.models.tiny import PRESETS
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
+from graphc.tools.generate import PagedKV, generate
 from support import hf_greedy, load_hf
 
 SOURCES = ["graphc", "transformers"]

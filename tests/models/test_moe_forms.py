@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from graphc.artifacts.directory import read_manifest
+from graphc.compiler.pipeline import CompileOptions, compile
 from graphc.config import load_config
 from graphc.models.checkpoint import load_model
 from graphc.models.deepseek_v3 import Parallelism
@@ -18,7 +19,6 @@ from graphc.models.moe_forms import MOE_FORMS, moe_form_for, step_moe_form
 from graphc.models.tiny import PRESETS
 from graphc.ops.moe import expert_routes, grouped_mm
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
-from graphc.compiler.pipeline import CompileOptions, compile
 from support import model_yaml
 
 # --- the rule ---------------------------------------------------------------------------------------
@@ -130,6 +130,7 @@ def _routed_form_of(program, weight_names: list[str]) -> str:
     return "grouped" if torch.ops.graphc.grouped_mm.default in reached else "dense"
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("choice", ["auto", "dense"])
 def test_each_bucket_runs_the_form_its_manifest_names(choice, tmp_path, tiny_checkpoints):
     config = model_yaml(tiny_checkpoints["lora-groups"], {"prefill": [8], "decode": [1, 4, 8], "prompt_as_decode": 0,

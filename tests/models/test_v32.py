@@ -15,13 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphc.ops import sparse
 from graphc.artifacts.directory import read_manifest
-from graphc.tools.generate import PagedKV, generate
 from graphc.models.checkpoint import load_model
-from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
+from graphc.ops import sparse
 from graphc.runtime import Engine, Request
 from graphc.runtime.launch import serve
+from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
+from graphc.tools.generate import PagedKV, generate
 from graphc.topology import Topology
 from multirank import greedy_on_rank, run_ranks
 from support import SPARSE_TOPK, SPARSE_V32, hf_greedy, load_hf
@@ -140,6 +140,7 @@ def single_rank_selection(tiny_checkpoints):
     return sparse_generate_on_rank(0, Topology(1, 1), str(tiny_checkpoints[SPARSE_V32]))
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("cp, ep", [(2, 2), (4, 2)])
 def test_context_parallel_top_k_and_tokens_equal_one_rank(cp, ep, tiny_checkpoints, single_rank_selection):
     tokens, selections = single_rank_selection
@@ -163,6 +164,7 @@ def eager_tokens(tiny_checkpoints):
     return generate(model, CASE_PROMPTS, 12, kv=PagedKV(block_size=8, num_blocks=64), stop_at_eos=False)
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("backend", ["export", "inductor"])
 def test_compiled_sparse_model_gives_the_eager_tokens(backend, compiled, eager_tokens):
     artifacts = compiled(SPARSE_V32, backend, "small")
@@ -170,6 +172,8 @@ def test_compiled_sparse_model_gives_the_eager_tokens(backend, compiled, eager_t
     assert read_manifest(artifacts).model.sparse_probabilities == "fp32"  # an fp32 model's default
 
 
+@pytest.mark.compiles
+@pytest.mark.multirank
 def test_compiled_ranks_serve_the_eager_tokens(compiled, eager_tokens):
     """The top-k combine as a compiled collective, served by one process per rank (cp = 4 is the
     eager test's above: the same ops, a larger group)."""

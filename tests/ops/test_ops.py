@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphc.step import PADDING_SLOT
 from graphc.ops import collectives, paged_attention, sampler
+from graphc.step import PADDING_SLOT
 
 L, N, S, R, P, H = 2, 6, 4, 8, 4, 3  # layers, pool blocks, block size, latent, rope, heads
 

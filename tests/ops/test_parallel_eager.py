@@ -15,6 +15,8 @@ import torch
 from graphc.topology import Topology
 from multirank import greedy_on_rank, run_ranks
 
+pytestmark = pytest.mark.multirank
+
 BLOCK_SIZE, BLOCKS_PER_SHARD, BLOCKS_PER_ROW = 4, 10, 12
 PROMPT = [(11 * i) % 250 + 3 for i in range(30)]  # 8 blocks of 4: every shard owns some
 CHUNK, DECODE_STEPS = 13, 6

@@ -8,8 +8,8 @@ import torch
 from graphc.buckets.selection import Bucket
 from graphc.errors import GraphcError
 from graphc.passes.manager import GraphInvariantError, PassFailure, PassManager, PassResult
-from graphc.passes.verifier import verify
 from graphc.passes.registry import PIPELINE, check_pass_names
+from graphc.passes.verifier import verify
 
 SPECIALISE = [(entry.name, entry.run) for entry in PIPELINE if entry.run is not None]
 """Every rewrite of the pipeline, whatever the backend."""

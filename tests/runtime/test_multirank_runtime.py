@@ -20,6 +20,8 @@ from graphc.runtime.loader import NUM_KV_BLOCKS_ENV
 from graphc.topology import Topology
 from multirank import run_ranks
 
+pytestmark = [pytest.mark.multirank, pytest.mark.compiles]
+
 PRESET = "lora-groups"
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]]  # 11 tokens: two prefill chunks
 NEW_TOKENS = 10
@@ -39,6 +41,7 @@ def _graphc_segments() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("graphc-*")}
 
 
+@pytest.mark.inductor
 def test_inductor_ranks_run_twenty_generations_in_one_job_without_a_hang(small_artifacts):
     expected = [r.output_ids for r in Engine(small_artifacts("inductor", 1, 1)).generate(_requests())]
     outcomes = serve(small_artifacts("inductor"), [_requests() for _ in range(20)])

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from graphc.step import PADDING_SLOT
 from graphc.runtime.paged import BlockAllocator, OutOfBlocks, SequenceBlocks, step_metadata
+from graphc.step import PADDING_SLOT
 
 
 def test_allocator_hands_out_distinct_blocks_and_refuses_beyond_the_pool():

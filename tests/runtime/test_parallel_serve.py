@@ -12,6 +12,8 @@ from graphc.artifacts.directory import read_manifest
 from graphc.runtime import Engine, Request
 from graphc.runtime.launch import serve
 
+pytestmark = [pytest.mark.multirank, pytest.mark.compiles]
+
 TOPOLOGIES = [  # (cp, ep, static MoE); with ep = 1 the two MoE forms are the same graph
     (2, 1, True), (2, 2, True), (2, 2, False), (4, 1, True), (4, 2, True), (4, 2, False), (4, 4, True), (4, 4, False),
 ]
@@ -47,6 +49,7 @@ def test_export_ranks_serve_the_single_rank_tokens(cp, ep, static, compiled):
 INDUCTOR_TOPOLOGIES = [(2, 2, True), (2, 2, False)]
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 @pytest.mark.parametrize("cp, ep, static", INDUCTOR_TOPOLOGIES)
 def test_inductor_ranks_serve_the_single_rank_tokens(cp, ep, static, compiled):

@@ -10,6 +10,8 @@ from graphc.artifacts.directory import read_manifest
 from graphc.runtime import Engine, Request
 from graphc.runtime.launch import serve
 
+pytestmark = pytest.mark.compiles
+
 PRESET = "lora-groups"
 # 35 = 32 + a 3-token tail; 2 and 4 fit P = 4 whole; 9 takes prefill-32 (9 > P).
 PROMPTS = [[(7 * i + n) % 250 + 3 for i in range(n)] for n in (35, 2, 4, 9)]
@@ -41,6 +43,7 @@ def test_one_rank_gives_the_prefill_tokens_and_uses_the_prompt_as_decode_graphs(
     assert engine.stats["decode-4x4"].steps >= 1 and engine.stats["decode-4x4"].tokens >= 2 + 4 + 3
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("cp", [2, 4])
 def test_context_parallel_ranks_give_the_prefill_tokens(cp, compiled, through_prefill):
     # The fewest graphs that still hold a [B, P] step (compiles are most of a multi-rank test's time).

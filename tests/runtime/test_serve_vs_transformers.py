@@ -18,8 +18,11 @@ LENGTHS = [1, 8, 20, 32, 75]
 NEW_TOKENS = 24
 # Every preset on export; inductor lowers the same ops, so one preset there (its compiles cost ~20 s
 # a graph; the V3.2 sparse ops are compiled with inductor in test_v32.py).
-BACKEND_PRESETS = [("export", p) for p in ("lora-groups", "direct-q-yarn", "yarn-mscale", "wide-16e", "v32")] + [
-    ("inductor", "lora-groups")
+# The first case is the fast tier's one end-to-end compile and serve; the others carry `compiles`.
+BACKEND_PRESETS = [("export", "lora-groups")] + [
+    pytest.param(backend, preset, marks=pytest.mark.compiles)
+    for backend, preset in [*(("export", p) for p in ("direct-q-yarn", "yarn-mscale", "wide-16e", "v32")),
+                            ("inductor", "lora-groups")]
 ]
 
 
@@ -51,6 +54,7 @@ def test_served_tokens_equal_transformers_generate(backend, preset, compiled, re
     assert serve(compiled(preset, backend), prompts()) == reference(preset)
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("backend", ["export", "inductor"])
 def test_prompts_served_together_equal_each_served_alone(backend, compiled):
     artifacts = compiled("lora-groups", backend)
@@ -58,6 +62,7 @@ def test_prompts_served_together_equal_each_served_alone(backend, compiled):
     assert together == [serve(artifacts, [p])[0] for p in prompts()]
 
 
+@pytest.mark.compiles
 def test_tokens_do_not_depend_on_the_bucket_set(compiled, reference):
     # Bucket choice is host logic, the same whatever the backend: export only.
     assert serve(compiled("lora-groups", "export", "alternative"), prompts()) == reference("lora-groups")

@@ -18,6 +18,8 @@ from graphc.runtime.engine import Engine
 from graphc.tools.sweep import bucket_table, parse_topologies, sweep
 from support import TEST_BUCKETS, model_yaml
 
+pytestmark = pytest.mark.compiles
+
 BUCKETS = TEST_BUCKETS["prompt_as_decode"]  # prefill 8, 32; decode 1, 4; P = 4
 
 
@@ -35,6 +37,7 @@ def clean_run(model_path, tmp_path_factory):
     return result, out
 
 
+@pytest.mark.multirank
 def test_sweep_passes_and_every_bucket_ran_at_every_topology(clean_run):
     result, out = clean_run
     assert result.exit_code == 0, result.output

@@ -69,7 +69,7 @@ class RankEntry:
 @dataclass(frozen=True)
 class ModelInfo:
     """What the runtime needs of the model: vocabulary and EOS ids, the KV pool's layer count,
-    width and dtype (written by `pipeline.compile` from the checkpoint's config)."""
+    width and dtype (written at compile time from the checkpoint's config)."""
 
     vocab_size: int
     eos_token_id: list[int]

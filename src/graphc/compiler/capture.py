@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 from torch.export import Dim, ExportedProgram
 
-from graphc.ops import sampler
 from graphc.buckets.selection import Bucket
 from graphc.models.deepseek_v3 import DeepseekV3, Parallelism
+from graphc.ops import sampler
 from graphc.step import FLOAT_INPUTS, POOL_BLOCKS_DIM, STEP_INPUTS, step_shapes
 
 

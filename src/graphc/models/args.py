@@ -239,7 +239,9 @@ def check_field_types(config: dict[str, Any]) -> None:
 
 
 def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
-    """Translate an HF DeepSeek-V3 `config.json` into `ModelArgs`, refusing other architectures."""
+    """Translate an HF DeepSeek-V3 `config.json` into `ModelArgs`, refusing other architectures.
+
+    One function on purpose: a field-by-field translation that reads top to bottom."""
     architectures = config.get("architectures") or []
     if isinstance(architectures, str):
         architectures = [architectures]

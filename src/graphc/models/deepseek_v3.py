@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphc.ops import collectives, moe, paged_attention, sparse
 from graphc.models.args import ModelArgs, RopeArgs, yarn_mscale
 from graphc.models.moe_forms import MOE_FORMS, moe_form_for
+from graphc.ops import collectives, moe, paged_attention, sparse
 
 FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "self_attn.indexer.weights_proj.weight")
 """Parameters that stay fp32 whatever the model dtype, as DeepSeek (and transformers) keep them:

@@ -8,7 +8,7 @@ That total order is what makes the selection the same at every CP degree: each r
 top-k holds every key of that rank that is in the global top-k, and the CP combine re-sorts the
 gathered candidates by the same order.
 
-Shape letters as in `graphc.ops`, plus: I indexer heads, J indexer head width, K keys of this
+Shape letters as in `graphc.ops.paged_attention`, plus: I indexer heads, J indexer head width, K keys of this
 shard, k selected keys per query.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from graphc.ops.distributed import process_group
 from graphc.ops.collectives import all_gather_group
+from graphc.ops.distributed import process_group
 from graphc.ops.library import define_op
 from graphc.ops.paged_attention import context_block_table, read_context_keys, shard_key_positions
 from graphc.step import ceil_div
@@ -47,14 +47,14 @@ def paged_indexer_logits_reference(
     score[b, q, k] = sum_i head_weights[b, q, i] * relu(softmax_scale * q_index[b, q, i] . key[b, k]),
     in fp32 (transformers' formulation of DeepSeek's indexer, without the FP8 quantisation of the
     released kernel). Only blocks holding the row's context are dereferenced
-    (`ops.context_block_table`); keys past the query's position score -inf.
+    (`paged_attention.context_block_table`); keys past the query's position score -inf.
 
     Args:
         q_index: [B, Q, I, J] roped indexer queries.
         head_weights: [B, Q, I] fp32 per-head weights (already scaled by I ** -0.5).
         kv_pool: [L, N, S, C] the paged pool; the indexer key is dims key_offset.. of each slot.
         layer: which layer's cache to read.
-        block_table, positions, shard, num_shards: as for `ops.paged_mla_attention`.
+        block_table, positions, shard, num_shards: as for `paged_attention.paged_mla_attention`.
         key_offset: where the indexer key starts in a cached vector.
         softmax_scale: J ** -0.5.
 
@@ -167,7 +167,8 @@ def sparse_mla_attention_reference(
     shard: int = 0,
     num_shards: int = 1,
 ) -> tuple[Tensor, Tensor]:
-    """Absorbed MLA of each query over its selected keys, as FlashMLA's sparse kernel computes it.
+    """Absorbed MLA of each query over its selected keys, as FlashMLA's sparse kernel computes it
+    (one function on purpose: its body is the kernel's loop, in the kernel's order).
 
     The selected keys are visited in the order given, KERNEL_KEY_BLOCK at a time, with an online
     softmax: per block, m' = max(m, max s), p = exp(s - m') in fp32, l = l * exp(m - m') + sum(p),
@@ -176,11 +177,11 @@ def sparse_mla_attention_reference(
     without it P stays fp32 (the public reference's numerics). out = acc / l, lse = m + log(l).
 
     Under context parallelism each shard attends over the selected keys it holds and returns its
-    (out, lse) partial; `ops.attention_combine` merges them exactly as for dense MLA.
+    (out, lse) partial; `collectives.attention_combine` merges them exactly as for dense MLA.
 
     Args:
         q_latent, q_rope, kv_pool, layer, block_table, positions, softmax_scale, shard, num_shards:
-            as for `ops.paged_mla_attention`.
+            as for `paged_attention.paged_mla_attention`.
         selected: [B, Q, k] absolute positions of each query's keys (NO_KEY: none); a position
             past the query's own or on another shard contributes nothing.
         bf16_probabilities: round P to bf16 for the P @ V product.

@@ -6,7 +6,7 @@ a round trip into the interpreter per layer per step, and inductor cannot fuse a
 the attention compiles like the rest of the graph (halving a decode step of the tiny model).
 Targets with their own kernels (Neuron) skip this pass and lower the op to that kernel instead.
 
-`graphc::grouped_mm` stays an op: its kernel is ATen's own `_grouped_mm` (see moe_ops.py).
+`graphc::grouped_mm` stays an op: its kernel is ATen's own `_grouped_mm` (see ops/moe.py).
 `graphc::kv_write` stays an op on purpose: inlined, its in-place write into the `kv_pool` input
 is functionalised into a copy of the whole pool per layer per step (measured: a decode step
 twice as slow on the tiny model, and proportional to the pool on a real one), while the opaque
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import torch.fx
 
-from graphc.ops.moe import expert_routes_reference
 from graphc.ops.collectives import expert_shard_reference
+from graphc.ops.moe import expert_routes_reference
 from graphc.ops.paged_attention import paged_mla_attention_reference
 from graphc.ops.sparse import (index_candidates_reference, paged_indexer_logits_reference,
                                sparse_mla_attention_reference)
+from graphc.passes.graph import graphc_op
 from graphc.passes.inline import inline_function
 from graphc.passes.manager import PassContext, PassResult
-from graphc.passes.graph import graphc_op
 
 REFERENCE_KERNELS = {
     "graphc::paged_mla_attention": paged_mla_attention_reference,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch.fx
 
-from graphc.passes.manager import PassContext, PassResult
 from graphc.passes.graph import COLLECTIVE_OPS, graphc_op, op_argument
+from graphc.passes.manager import PassContext, PassResult
 
 
 def lower_trivial_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch.fx
 
-from graphc.passes.manager import PassContext, PassResult
 from graphc.passes.graph import graphc_op, op_argument, set_op_argument
+from graphc.passes.manager import PassContext, PassResult
 
 
 def specialise_rank(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:

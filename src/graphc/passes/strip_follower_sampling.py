@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graphc.passes.manager import PassContext, PassResult
 from graphc.passes.graph import graphc_op
+from graphc.passes.manager import PassContext, PassResult
 
 
 def strip_follower_sampling(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:

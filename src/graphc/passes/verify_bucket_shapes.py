@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch.fx
 
-from graphc.passes.manager import GraphInvariantError, PassContext, PassResult
 from graphc.passes.graph import step_placeholders
+from graphc.passes.manager import GraphInvariantError, PassContext, PassResult
 from graphc.step import POOL_BLOCKS_DIM, step_shapes
 
 

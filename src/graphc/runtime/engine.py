@@ -19,9 +19,9 @@ import torch
 from graphc.artifacts.manifest import Manifest
 from graphc.buckets.selection import Bucket
 from graphc.errors import GraphcError
-from graphc.runtime.paged import step_metadata
 from graphc.runtime.channel import StepChannel
 from graphc.runtime.loader import LoadedRank, load_rank
+from graphc.runtime.paged import step_metadata
 from graphc.runtime.scheduler import Request, Result, Scheduler
 from graphc.sampling import sampler_inputs
 

@@ -11,11 +11,11 @@ import psutil
 import torch
 from safetensors.torch import load_file
 
-import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
 from graphc.artifacts.directory import read_manifest
 from graphc.artifacts.manifest import GraphEntry, Manifest, RankEntry
 from graphc.buckets.selection import Bucket
 from graphc.errors import GraphcError
+import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
 from graphc.runtime.archive_check import check_export_archive
 
 NUM_KV_BLOCKS_ENV = "GRAPHC_NUM_KV_BLOCKS"

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from graphc.ops import sampler
 from graphc.models.deepseek_v3 import DeepseekV3
+from graphc.ops import sampler
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
 from graphc.sampling import Sampling, sampler_inputs
 from graphc.step import ceil_div

@@ -33,10 +33,10 @@ import torch.fx
 from torch import Tensor
 
 from graphc.buckets.selection import Bucket
-from graphc.step import POOL_BLOCKS_DIM, ceil_div
 from graphc.models.deepseek_v3 import DeepseekV3, Parallelism, RoutedExperts, StepInputs
-from graphc.passes.manager import PassContext, PassManager
 from graphc.passes.graph import graphc_op, op_argument
+from graphc.passes.manager import PassContext, PassManager
+from graphc.step import POOL_BLOCKS_DIM, ceil_div
 from graphc.topology import Topology
 
 REFERENCE_DTYPE = torch.float64
