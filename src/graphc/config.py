@@ -40,6 +40,7 @@ from graphc.errors import ConfigError, GraphcError
 from graphc.models.args import model_args_from_hf_config, read_hf_config
 from graphc.sampling import SAMPLING_RULES, Sampling, sampling_error
 from graphc.step import blocks_per_row
+from graphc.topology import Topology
 from graphc.typed import build
 
 
@@ -229,22 +230,18 @@ def validate(config: GraphcConfig) -> None:
         problem = sampling_error(name, getattr(rt.sampling, name))
         if problem:
             raise ConfigError(f"runtime.sampling.{name}: {problem}")
-    _positive("topology.cp", topo.cp)
-    _positive("topology.ep", topo.ep)
-    if topo.cp % topo.ep:
-        raise ConfigError(
-            f"topology.ep: {topo.ep} must divide the world size (cp = {topo.cp}); {topo.cp} % {topo.ep} = "
-            f"{topo.cp % topo.ep}"
-        )
+    try:
+        topology = Topology(topo.cp, topo.ep)
+    except GraphcError as e:
+        raise ConfigError(str(e)) from None
     try:
         args = model_args_from_hf_config(read_hf_config(config.model.checkpoint))
     except GraphcError as e:
         raise ConfigError(f"model.checkpoint: {e}") from None
-    if args.n_routed_experts % topo.ep:
-        raise ConfigError(
-            f"topology.ep: {topo.ep} must divide the checkpoint's n_routed_experts ({args.n_routed_experts}); "
-            f"{args.n_routed_experts} % {topo.ep} = {args.n_routed_experts % topo.ep}"
-        )
+    try:
+        topology.experts(0, args.n_routed_experts)
+    except GraphcError as e:
+        raise ConfigError(str(e)) from None
     if b.context_limit > args.max_position_embeddings:
         raise ConfigError(
             f"buckets.context_limit: {b.context_limit} exceeds the checkpoint's max_position_embeddings "

@@ -23,10 +23,12 @@ class Topology:
     """Expert-parallel group size; divides the world."""
 
     def __post_init__(self) -> None:
-        if self.cp < 1 or self.ep < 1:
-            raise GraphcError(f"topology: cp ({self.cp}) and ep ({self.ep}) must be >= 1")
+        # The one place these rules live: model.yaml, manifests and `graphc sweep` build a Topology.
+        for key, value in (("cp", self.cp), ("ep", self.ep)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise GraphcError(f"topology.{key}: {value} must be a positive integer")
         if self.cp % self.ep:
-            raise GraphcError(f"topology: ep ({self.ep}) must divide the world (cp = {self.cp}); "
+            raise GraphcError(f"topology.ep: {self.ep} must divide the world size (cp = {self.cp}); "
                               f"{self.cp} % {self.ep} = {self.cp % self.ep}")
 
     @property
@@ -58,8 +60,8 @@ class Topology:
     def experts(self, rank: int, n_routed_experts: int) -> range:
         """The routed experts `rank` holds."""
         if n_routed_experts % self.ep:
-            raise GraphcError(f"topology: ep ({self.ep}) must divide n_routed_experts ({n_routed_experts}); "
-                              f"{n_routed_experts} % {self.ep} = {n_routed_experts % self.ep}")
+            raise GraphcError(f"topology.ep: {self.ep} must divide the checkpoint's n_routed_experts "
+                              f"({n_routed_experts}); {n_routed_experts} % {self.ep} = {n_routed_experts % self.ep}")
         per_rank = n_routed_experts // self.ep
         first = self.ep_rank(rank) * per_rank
         return range(first, first + per_rank)

@@ -91,7 +91,7 @@ def test_buckets_the_runtime_cannot_reach_are_reported(tmp_path, tiny_checkpoint
 
 def test_topologies_parse_sorted_with_the_reference_first():
     assert parse_topologies("4x4, 2x1,2x2") == [(1, 1), (2, 1), (2, 2), (4, 4)]
-    for bad, says in [("2by2", "is not CPxEP"), ("2x4", "ep must divide cp"), ("0x0", "must be positive")]:
+    for bad, says in [("2by2", "is not CPxEP"), ("2x4", "topology.ep: 4 must divide the world size"), ("0x0", "must be a positive integer")]:
         with pytest.raises(GraphcError, match=says):
             parse_topologies(bad)
 

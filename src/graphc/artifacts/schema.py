@@ -19,6 +19,7 @@ from graphc.errors import GraphcError
 from graphc.models.moe_forms import MOE_FORMS
 from graphc.sampling import SAMPLING_RULES, sampling_error
 from graphc.step import STEP_INPUTS, blocks_per_row
+from graphc.topology import Topology
 from graphc.typed import build
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -38,7 +39,7 @@ def _check(manifest, error: type[GraphcError]) -> None:
                                              manifest.runtime)
     positive = {
         "model.vocab_size": model.vocab_size, "model.num_hidden_layers": model.num_hidden_layers,
-        "model.kv_cache_dim": model.kv_cache_dim, "topology.cp": topology.cp, "topology.ep": topology.ep,
+        "model.kv_cache_dim": model.kv_cache_dim,
         "buckets.context_limit": buckets.context_limit, "kv_cache.block_size": kv.block_size,
         "kv_cache.num_blocks": kv.num_blocks, "runtime.max_num_prefilling_tokens": runtime.max_num_prefilling_tokens,
         "runtime.max_new_tokens": runtime.max_new_tokens,
@@ -50,8 +51,12 @@ def _check(manifest, error: type[GraphcError]) -> None:
             raise error(f"{key}: {value} must be a positive integer")
     if not buckets.prefill or not buckets.decode or buckets.prompt_as_decode < 0:
         raise error(f"buckets: {dataclasses.asdict(buckets)} needs prefill and decode sizes and prompt_as_decode >= 0")
-    if topology.world != topology.cp or topology.cp % topology.ep:
-        raise error(f"topology: {dataclasses.asdict(topology)} is not a world of cp ranks with ep dividing cp")
+    try:
+        Topology(topology.cp, topology.ep)
+    except GraphcError as e:
+        raise error(str(e)) from None
+    if topology.world != topology.cp:
+        raise error(f"topology: {dataclasses.asdict(topology)}: world must be cp")
     if kv.blocks_per_row != blocks_per_row(buckets.context_limit, kv.block_size):
         raise error(f"kv_cache.blocks_per_row: {kv.blocks_per_row} is not context_limit {buckets.context_limit} "
                     f"over block_size {kv.block_size}")

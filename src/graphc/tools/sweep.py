@@ -28,6 +28,7 @@ from typing import Callable
 from graphc.buckets.selection import all_buckets, max_prefill_chunk
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
+from graphc.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,10 @@ def parse_topologies(text: str) -> list[tuple[int, int]]:
             cp, ep = (int(v) for v in item.strip().lower().split("x"))
         except ValueError:
             raise GraphcError(f"--topologies: {item.strip()!r} is not CPxEP (e.g. 2x2)") from None
-        if cp < 1 or ep < 1 or cp % ep:
-            raise GraphcError(f"--topologies: {item.strip()!r}: cp and ep must be positive and ep must divide cp")
+        try:
+            Topology(cp, ep)
+        except GraphcError as e:
+            raise GraphcError(f"--topologies: {item.strip()!r}: {e}") from None
         out.append((cp, ep))
     return sorted(set(out) | {(1, 1)})
 
