@@ -95,7 +95,7 @@ def open_engine(artifacts: str, manifest: Manifest, rank: int, channel_name: str
     Raises:
         GraphcError: this follower's serving parameters differ from the leader's.
     """
-    world = manifest.topology.cp
+    world = manifest.topology.world
     buckets = manifest.buckets
     channel = StepChannel(channel_name, world, max_rows=max(buckets.decode),
                           max_width=max(*buckets.prefill, buckets.prompt_as_decode),
