@@ -492,3 +492,67 @@ def test_time_to_first_token_is_recorded_in_the_order_first_tokens_came():
     assert results[2].finish_reason == "error" and results[2].first_token_seconds is None  # 70 >= context 64
     assert came == [0, 1]
     assert 0 <= results[0].first_token_seconds <= results[1].first_token_seconds
+
+
+# --- arrivals, cancellation, min_new_tokens -----------------------------------------------------
+
+
+def test_a_request_submitted_between_steps_joins_the_running_decodes():
+    scheduler = make([Request(prompt(3), max_new_tokens=8)])
+    scheduler.complete(scheduler.next_step(), [100])  # the first request's prefill
+    late = scheduler.submit(Request(prompt(2, start=40), max_new_tokens=2))
+    assert late == 1
+    steps = run_to_end(scheduler)
+    # The arrival is prefilled (alternating with the running decode) and then decodes beside it.
+    assert any(len(step.rows) == 2 and step.bucket.kind == "decode" for step in steps)
+    assert [len(scheduler.results[i].output_ids) for i in (0, 1)] == [8, 2]
+
+
+def test_submitting_one_by_one_equals_the_batch():
+    requests = [Request(prompt(n, start=10 * n), max_new_tokens=n) for n in (3, 17, 1, 9)]
+    batch = make(requests)
+    one_by_one = make([])
+    assert [one_by_one.submit(r) for r in requests] == [0, 1, 2, 3]
+    batch_steps, single_steps = run_to_end(batch), run_to_end(one_by_one)
+    assert [s.bucket for s in batch_steps] == [s.bucket for s in single_steps]
+    assert [(r.output_ids, r.finish_reason) for r in batch.results.values()] == [
+        (r.output_ids, r.finish_reason) for r in one_by_one.results.values()]
+
+
+def test_a_cancelled_request_frees_its_blocks_at_once_and_keeps_its_tokens():
+    scheduler = make([Request(prompt(5), max_new_tokens=20), Request(prompt(4, start=30), max_new_tokens=20)],
+                     num_blocks=16)
+    while sum(bool(s.output) for s in scheduler.running) < 2:
+        step = scheduler.next_step()
+        scheduler.complete(step, sampled(step))
+    held = scheduler.blocks_in_use
+    assert held > 0
+    result = scheduler.cancel(0)
+    assert result.finish_reason == "cancelled" and result.output_ids and set(result.output_ids) == {100}
+    assert scheduler.blocks_in_use < held and [s.index for s in scheduler.running] == [1]
+    assert scheduler.cancel(0) is None  # already ended
+    run_to_end(scheduler)
+    assert scheduler.blocks_in_use == 0 and scheduler.results[1].finish_reason == "length"
+
+
+def test_a_waiting_request_can_be_cancelled_before_admission():
+    scheduler = make([Request(prompt(30), max_new_tokens=30), Request(prompt(30, start=50), max_new_tokens=30)],
+                     num_blocks=16)  # 15 blocks each: the second waits
+    scheduler.complete(scheduler.next_step(), [100])
+    assert [i for i, _ in scheduler.waiting] == [1]
+    assert scheduler.cancel(1).finish_reason == "cancelled"
+    assert not scheduler.waiting and scheduler.results[1].output_ids == []
+
+
+def test_eos_before_min_new_tokens_does_not_end_the_request():
+    scheduler = make([Request(prompt(3), max_new_tokens=6, min_new_tokens=3)])
+    run_to_end(scheduler, token=lambda step: [EOS] * len(step.rows))
+    assert scheduler.results[0].output_ids == [EOS, EOS, EOS] and scheduler.results[0].finish_reason == "eos"
+
+
+def test_complete_reports_each_generated_token_and_the_results_it_ended():
+    scheduler = make([Request(prompt(3), max_new_tokens=2)])
+    first = scheduler.complete(scheduler.next_step(), [7])
+    second = scheduler.complete(scheduler.next_step(), [8])
+    assert [(e.index, e.token, e.result) for e in first] == [(0, 7, None)]
+    assert [(e.index, e.token) for e in second] == [(0, 8)] and second[0].result.output_ids == [7, 8]

@@ -22,10 +22,10 @@ from graphc.errors import GraphcError
 from graphc.runtime.channel import StepChannel
 from graphc.runtime.loader import LoadedRank, load_rank
 from graphc.runtime.paged import step_metadata
-from graphc.runtime.scheduler import Request, Result, Scheduler
+from graphc.runtime.scheduler import Emitted, Request, Result, Scheduler, Step
 from graphc.sampling import sampler_inputs
 
-__all__ = ["BucketStats", "Engine", "Request", "Result"]
+__all__ = ["BucketStats", "Engine", "Request", "Result", "Session"]
 
 
 @dataclass
@@ -87,34 +87,42 @@ class Engine:
 
     def generate(self, requests: list[Request]) -> list[Result]:
         """Leader (or single rank): run every request to completion; results in request order."""
+        session = self.session()
+        indices = [session.scheduler.submit(request) for request in requests]
+        while not session.idle:
+            session.step()
+        return [session.scheduler.results[i] for i in indices]
+
+    def session(self) -> Session:
+        """A scheduler over this engine's pool, for requests submitted at any time (leader only)."""
+        return Session(self, Scheduler.for_manifest([], self.manifest, self.loaded.num_blocks))
+
+    def run_step(self, step: Step) -> list[int]:
+        """Run one scheduled step (publishing it to the followers first); its rows' tokens."""
         m = self.manifest
-        scheduler = Scheduler.for_manifest(requests, m, self.loaded.num_blocks)
+        started = time.perf_counter()
+        rows = [(s.blocks, tokens, start) for s, tokens, start in step.rows]
+        shards = [step_metadata(rows, step.bucket.width, m.kv_cache.blocks_per_row,
+                                total_rows=step.bucket.rows, shard=shard) for shard in range(self.cp)]
+        input_ids, positions, _, _, last = shards[0]
+        if self.channel is not None:
+            self.channel.publish(self.steps, step.bucket, {
+                "input_ids": input_ids, "positions": positions, "logits_index": last,
+                "block_table": torch.stack([shards[r % self.cp][2] for r in range(self.world)]),
+                "slot_mapping": torch.stack([shards[r % self.cp][3] for r in range(self.world)]),
+            })
+        sampling = sampler_inputs([s.request.sampling for s, _, _ in step.rows],
+                                  [len(s.output) for s, _, _ in step.rows], step.bucket.rows)
         with torch.no_grad():
-            while not scheduler.done:
-                step = scheduler.next_step()
-                started = time.perf_counter()
-                rows = [(s.blocks, tokens, start) for s, tokens, start in step.rows]
-                shards = [step_metadata(rows, step.bucket.width, m.kv_cache.blocks_per_row,
-                                        total_rows=step.bucket.rows, shard=shard) for shard in range(self.cp)]
-                input_ids, positions, _, _, last = shards[0]
-                if self.channel is not None:
-                    self.channel.publish(self.steps, step.bucket, {
-                        "input_ids": input_ids, "positions": positions, "logits_index": last,
-                        "block_table": torch.stack([shards[r % self.cp][2] for r in range(self.world)]),
-                        "slot_mapping": torch.stack([shards[r % self.cp][3] for r in range(self.world)]),
-                    })
-                sampling = sampler_inputs([s.request.sampling for s, _, _ in step.rows],
-                                          [len(s.output) for s, _, _ in step.rows], step.bucket.rows)
-                tokens = self._run(step.bucket, {
-                    "input_ids": input_ids, "positions": positions, "block_table": shards[0][2],
-                    "slot_mapping": shards[0][3], "logits_index": last, **sampling,
-                })
-                scheduler.complete(step, tokens[: len(step.rows)].tolist())
-                self.steps += 1
-                self.stats.setdefault(step.bucket.name, BucketStats()).add(
-                    sum(len(run) for _, run, _ in step.rows), step.bucket.rows * step.bucket.width,
-                    time.perf_counter() - started)
-        return [scheduler.results[i] for i in range(len(requests))]
+            tokens = self._run(step.bucket, {
+                "input_ids": input_ids, "positions": positions, "block_table": shards[0][2],
+                "slot_mapping": shards[0][3], "logits_index": last, **sampling,
+            })
+        self.steps += 1
+        self.stats.setdefault(step.bucket.name, BucketStats()).add(
+            sum(len(run) for _, run, _ in step.rows), step.bucket.rows * step.bucket.width,
+            time.perf_counter() - started)
+        return tokens[: len(step.rows)].tolist()
 
     def stop_followers(self) -> None:
         """Leader: tell the followers no more steps will come."""
@@ -133,3 +141,21 @@ class Engine:
                 })
                 self.steps += 1
         return self.steps
+
+
+@dataclass
+class Session:
+    """Requests in flight on the leader's engine: submit or cancel between steps, one step at a
+    time (`Engine.generate` drives one to completion; `graphc serve` drives one from a thread)."""
+
+    engine: Engine
+    scheduler: Scheduler
+
+    @property
+    def idle(self) -> bool:
+        return self.scheduler.done
+
+    def step(self) -> list[Emitted]:
+        """Run the next step; the tokens it generated (and the results of requests it ended)."""
+        step = self.scheduler.next_step()
+        return self.scheduler.complete(step, self.engine.run_step(step))

@@ -22,8 +22,12 @@ Policy, step by step:
       so every sequence advances when there are more), in the smallest decode bucket that
       holds them.
    Alternating a/b-c keeps long prompts from stalling running decodes.
-3. **Finishing.** A sequence ends at one of its model's EOS ids, at max_new_tokens, or when
-   prompt + generated reaches context_limit; its blocks return to the pool.
+3. **Finishing.** A sequence ends at one of its model's EOS ids (once it has `min_new_tokens`),
+   at max_new_tokens, when prompt + generated reaches context_limit, or when it is cancelled;
+   its blocks return to the pool at once.
+
+Requests arrive at any time (`submit`, between steps) and are admitted by the same rules; a batch
+given to the constructor is the same as submitting it in order.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class Request:
     sampling: Sampling = Sampling()
     stop_at_eos: bool = True
     """False generates through EOS tokens (benchmarks, reference comparisons)."""
+    min_new_tokens: int = 0
+    """EOS does not end the request before this many tokens."""
 
 
 @dataclass
@@ -53,7 +59,7 @@ class Result:
     request: Request
     output_ids: list[int]
     finish_reason: str
-    """"eos", "length", "context_limit", or "error"."""
+    """"eos", "length", "context_limit", "cancelled" or "error"."""
     error: str | None = None
     first_token_seconds: float | None = None
     """Time to first token: from the scheduler's start (the `generate` call) to this request's
@@ -76,6 +82,15 @@ class Sequence:
     @property
     def remaining_prompt(self) -> int:
         return len(self.request.prompt) - self.prefilled
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """What one step produced for one request: a generated token, and its result if it ended."""
+
+    index: int
+    token: int
+    result: Result | None
 
 
 @dataclass(frozen=True)
@@ -114,20 +129,48 @@ class Scheduler:
         self.waiting: deque[tuple[int, Request]] = deque()
         self.running: list[Sequence] = []
         self._last_was_prefill = False
+        self._submitted = 0
         self.started = time.perf_counter()
-        for index, request in enumerate(requests):
-            problem = self._never_fits(request)
-            if problem:
-                self.results[index] = Result(request, [], "error", problem)
-            else:
-                self.waiting.append((index, request))
+        for request in requests:
+            self.submit(request)
+
+    def submit(self, request: Request) -> int:
+        """Queue `request` (at any time between steps); returns its index. A request that can never
+        be served has its error result at once."""
+        index, self._submitted = self._submitted, self._submitted + 1
+        problem = self.refusal(request)
+        if problem:
+            self.results[index] = Result(request, [], "error", problem)
+        else:
+            self.waiting.append((index, request))
+        return index
+
+    def cancel(self, index: int) -> Result | None:
+        """End request `index` now, waiting or running: its blocks return to the pool at once and
+        its result keeps what it generated. None if it had already ended."""
+        for position, (waiting, request) in enumerate(self.waiting):
+            if waiting == index:
+                del self.waiting[position]
+                self.results[index] = Result(request, [], "cancelled")
+                return self.results[index]
+        for sequence in self.running:
+            if sequence.index == index:
+                self._finish(sequence, "cancelled")
+                return self.results[index]
+        return None
+
+    @property
+    def blocks_in_use(self) -> int:
+        """KV blocks held by admitted requests, over every shard's pool."""
+        return sum(a.num_blocks - a.free_blocks for a in self.allocators)
 
     def _lifetime(self, request: Request) -> int:
         """KV positions the request can ever write: every prompt token and every generated token
         but the last (which is returned, never fed back)."""
         return min(len(request.prompt) + request.max_new_tokens, self.context_limit) - 1
 
-    def _never_fits(self, request: Request) -> str | None:
+    def refusal(self, request: Request) -> str | None:
+        """Why `request` can never be served by these buckets and this pool, or None."""
         if not request.prompt:
             return "empty prompt: a request needs at least one token"
         if request.max_new_tokens < 1:
@@ -186,8 +229,10 @@ class Scheduler:
             self.running.append(sequence)
         return batch
 
-    def complete(self, step: Step, tokens: list[int]) -> None:
-        """Record the step's sampled tokens (one per row; padding rows already dropped)."""
+    def complete(self, step: Step, tokens: list[int]) -> list[Emitted]:
+        """Record the step's sampled tokens (one per row; padding rows already dropped); returns
+        the generated tokens, with the results of the requests they ended."""
+        emitted = []
         for (sequence, run, start), token in zip(step.rows, tokens):
             if sequence.prefilling:
                 sequence.prefilled = start + len(run)
@@ -198,14 +243,20 @@ class Scheduler:
                 sequence.first_token_seconds = time.perf_counter() - self.started
             reason = self._finish_reason(sequence)
             if reason:
-                self.running.remove(sequence)
-                for shard, allocator in enumerate(self.allocators):
-                    allocator.release(sequence.blocks.shard_blocks(shard))
-                self.results[sequence.index] = Result(sequence.request, sequence.output, reason,
-                                                      first_token_seconds=sequence.first_token_seconds)
+                self._finish(sequence, reason)
+            emitted.append(Emitted(sequence.index, token, self.results.get(sequence.index) if reason else None))
+        return emitted
+
+    def _finish(self, sequence: Sequence, reason: str) -> None:
+        self.running.remove(sequence)
+        for shard, allocator in enumerate(self.allocators):
+            allocator.release(sequence.blocks.shard_blocks(shard))
+        self.results[sequence.index] = Result(sequence.request, sequence.output, reason,
+                                              first_token_seconds=sequence.first_token_seconds)
 
     def _finish_reason(self, sequence: Sequence) -> str | None:
-        if sequence.request.stop_at_eos and sequence.output[-1] in self.eos:
+        request = sequence.request
+        if request.stop_at_eos and sequence.output[-1] in self.eos and len(sequence.output) >= request.min_new_tokens:
             return "eos"
         if len(sequence.output) >= sequence.request.max_new_tokens:
             return "length"
