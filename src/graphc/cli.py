@@ -337,6 +337,26 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
 
 @cli.command()
 @click.argument("artifacts", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: any free port.")
+@click.option("--model-name", default=None, help="The model id clients name (default: the artifacts directory's name).")
+@click.option("--max-waiting", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Requests that may wait for admission; past it, HTTP 429 with Retry-After.")
+@click.option("--grace-period", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds SIGTERM gives in-flight requests before cancelling them.")
+@click.option("--trusted-key", type=click.Path(path_type=Path), default=None,
+              help="Ed25519 public key (PEM): refuse artifacts it did not sign, before loading anything.")
+def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_key) -> None:
+    """Serve ARTIFACTS over HTTP with OpenAI's API: /v1/completions (streaming too), /v1/models,
+    /health, /metrics (Prometheus). Requests are batched continuously as they arrive."""
+    from graphc.server.app import serve_http
+
+    serve_http(artifacts, host, port, max_waiting, grace_period, model_name, trusted_key,
+               ready=lambda url: click.echo(f"serving {artifacts} on {url}", err=True))
+
+
+@cli.command()
+@click.argument("artifacts", type=click.Path(path_type=Path))
 def inspect(artifacts: Path) -> None:
     """Show ARTIFACTS' buckets, graphs, sizes and op counts (verifies hashes first)."""
     from graphc.artifacts.directory import read_manifest

@@ -14,9 +14,10 @@ class ConfigError(GraphcError):
     """A `model.yaml` problem; the message starts with the key path."""
 
 
-class Interrupted(Exception):
+class Interrupted(BaseException):
     """The user stopped a command (SIGINT) or the system did (SIGTERM): not a bug, no traceback;
-    the CLI exits 128 + the signal's number."""
+    the CLI exits 128 + the signal's number. A BaseException, as KeyboardInterrupt is: libraries
+    that wrap every Exception they meet (torch.export.load does) must let it through."""
 
     def __init__(self, signum: int):
         super().__init__(f"signal {signum}")

@@ -1,0 +1,165 @@
+"""Requests that arrive at any time: one thread runs the leader's steps while callers on other
+threads (an HTTP server's event loop) submit, receive tokens as they are produced, and cancel.
+
+The engine thread owns the scheduler. Callers never touch it: they enqueue commands, which the
+thread applies between steps (so a submit never waits for a step to finish), and get each
+request's events through the listener they submitted it with, called on the engine thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from graphc.errors import GraphcError
+from graphc.runtime.engine import Engine
+from graphc.runtime.scheduler import Request, Result
+
+Listener = Callable[[int | None, Result | None], None]
+"""Called on the engine thread with each generated token (result None), then once with the
+request's result (token None, or the last token when that token ended it)."""
+
+
+class QueueFull(GraphcError):
+    """More requests wait for admission than the engine was told to hold."""
+
+
+@dataclass
+class Ticket:
+    """A submitted request, for cancelling it."""
+
+    request: Request
+    listener: Listener
+    index: int | None = None
+    """The scheduler's index, once the engine thread has taken the request."""
+    cancelled: bool = False
+
+
+@dataclass
+class EngineState:
+    """What the engine thread last saw (for metrics and admission control)."""
+
+    waiting: int = 0
+    running: int = 0
+    blocks_in_use: int = 0
+    num_blocks: int = 0
+    steps: dict[str, int] = field(default_factory=dict)
+    failure: str | None = None
+
+
+class OnlineEngine:
+    """Drives `engine` (the leader's, or the only rank's) from a thread of its own.
+
+    Args:
+        engine: the loaded engine.
+        max_waiting: requests that may wait for admission (queued or waiting for KV blocks);
+            `submit` raises QueueFull past it rather than holding unbounded memory.
+    """
+
+    def __init__(self, engine: Engine, max_waiting: int):
+        self.engine, self.max_waiting = engine, max_waiting
+        self.session = engine.session()
+        self._commands: deque[tuple[str, Ticket]] = deque()
+        self._tickets: dict[int, Ticket] = {}
+        self._wake = threading.Condition()
+        self._stopping = False
+        self.state = EngineState(num_blocks=sum(a.num_blocks for a in self.session.scheduler.allocators))
+        self._thread = threading.Thread(target=self._loop, name="graphc-engine", daemon=True)
+        self._thread.start()
+
+    def refusal(self, request: Request) -> str | None:
+        """Why `request` can never be served here (a bad request), or None. Reads only the
+        scheduler's fixed limits: safe from any thread."""
+        return self.session.scheduler.refusal(request)
+
+    def submit(self, request: Request, listener: Listener) -> Ticket:
+        """Queue `request`; its events go to `listener`.
+
+        Raises:
+            QueueFull: `max_waiting` requests already wait.
+            GraphcError: the engine has stopped or failed.
+        """
+        with self._wake:
+            if self._stopping or self.state.failure:
+                raise GraphcError(self.state.failure or "the engine is stopping")
+            if self.state.waiting + sum(kind == "submit" for kind, _ in self._commands) >= self.max_waiting:
+                raise QueueFull(f"{self.max_waiting} requests are already waiting")
+            ticket = Ticket(request, listener)
+            self._commands.append(("submit", ticket))
+            self._wake.notify()
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """End `ticket`'s request (its KV blocks return to the pool before the next step)."""
+        with self._wake:
+            if not ticket.cancelled:
+                ticket.cancelled = True
+                self._commands.append(("cancel", ticket))
+                self._wake.notify()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel whatever is in flight and end the thread."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        scheduler = self.session.scheduler
+        try:
+            while True:
+                with self._wake:
+                    while not self._commands and self.session.idle and not self._stopping:
+                        self._wake.wait()
+                    commands, self._commands = list(self._commands), deque()
+                    stopping = self._stopping
+                for kind, ticket in commands:
+                    self._apply(kind, ticket)
+                if stopping:
+                    for ticket in list(self._tickets.values()):
+                        self._apply("cancel", ticket)
+                    return
+                if not self.session.idle:
+                    for emitted in self.session.step():
+                        ticket = self._tickets[emitted.index]
+                        if emitted.result is not None:
+                            del self._tickets[emitted.index]
+                        ticket.listener(emitted.token, emitted.result)
+                self._publish_state(scheduler)
+        except Exception as e:  # a graph or a rank failed: every request in flight gets the error
+            self._fail(f"{type(e).__name__}: {e}")
+
+    def _apply(self, kind: str, ticket: Ticket) -> None:
+        scheduler = self.session.scheduler
+        if kind == "submit":
+            if ticket.cancelled:
+                ticket.listener(None, Result(ticket.request, [], "cancelled"))
+                return
+            ticket.index = scheduler.submit(ticket.request)
+            if ticket.index in scheduler.results:  # refused at once
+                ticket.listener(None, scheduler.results[ticket.index])
+            else:
+                self._tickets[ticket.index] = ticket
+        elif ticket.index is not None and ticket.index in self._tickets:
+            del self._tickets[ticket.index]
+            ticket.listener(None, scheduler.cancel(ticket.index))
+
+    def _publish_state(self, scheduler) -> None:
+        with self._wake:
+            self.state.waiting = len(scheduler.waiting)
+            self.state.running = len(scheduler.running)
+            self.state.blocks_in_use = scheduler.blocks_in_use
+            self.state.steps = {name: stats.steps for name, stats in self.engine.stats.items()}
+
+    def _fail(self, message: str) -> None:
+        with self._wake:
+            self.state.failure = message
+            pending = [ticket for _, ticket in self._commands if not ticket.cancelled]
+            self._commands.clear()
+        for ticket in [*self._tickets.values(), *pending]:
+            ticket.listener(None, Result(ticket.request, [], "error", message))
+        self._tickets.clear()

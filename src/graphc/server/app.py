@@ -1,0 +1,300 @@
+"""The OpenAI-compatible routes over an `OnlineEngine`, and `serve_http`, which runs them.
+
+Every bad request gets HTTP 400 with OpenAI's error body and changes nothing; past the admission
+queue's bound, 429 with Retry-After. A client that disconnects cancels its request, whose KV
+blocks return to the pool before the next step. SIGTERM (or Ctrl-C) stops accepting connections,
+lets in-flight requests finish within the grace period, cancels the rest, and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import signal
+import socket
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from graphc.artifacts.manifest import Manifest
+from graphc.errors import GraphcError
+from graphc.runtime.online import OnlineEngine, QueueFull, Ticket
+from graphc.runtime.scheduler import Request as GenerationRequest
+from graphc.sampling import SAMPLING_RULES, Sampling, sampling_error
+from graphc.server.metrics import ServerMetrics
+from graphc.server.schemas import ChatCompletionRequest, CompletionRequest, error_body
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context_limit": "length"}
+"""graphc's finish reasons as OpenAI's."""
+RETRY_AFTER_SECONDS = 1
+
+
+class BadRequest(GraphcError):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+class Generation:
+    """One request's tokens as they arrive, as text deltas cut at stop strings.
+
+    Text is decoded from every token so far (a tokenizer may merge bytes across tokens); a tail
+    that is an incomplete UTF-8 character, or that could still become a stop string, is held
+    back until the next token or the end.
+    """
+
+    def __init__(self, online: OnlineEngine, metrics: ServerMetrics, request: GenerationRequest, tokenizer,
+                 stop: list[str]):
+        self.online, self.metrics, self.request = online, metrics, request
+        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.ids: list[int] = []
+        self.text, self.sent = "", 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.arrived = self.last_token = time.monotonic()
+        loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.ticket: Ticket = online.submit(
+            request, lambda token, result: loop.call_soon_threadsafe(self.events.put_nowait, (token, result)))
+
+    def cancel(self) -> None:
+        self.online.cancel(self.ticket)
+
+    async def deltas(self):
+        """Yield (text delta, token ids) until the request ends; then `finish_reason` is set."""
+        while self.finish_reason is None:
+            token, result = await self.events.get()
+            new_ids = []
+            if token is not None:
+                self._record_token()
+                self.ids.append(token)
+                new_ids.append(token)
+                self._decode()
+            if self._stopped():
+                if result is None:
+                    self.cancel()  # its blocks go back now; later tokens would be cut anyway
+                self.finish_reason = "stop"
+            elif result is not None:
+                if result.finish_reason == "error":
+                    self.error = result.error
+                self.finish_reason = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
+            end = len(self.text) if self.finish_reason else self._safe_end()
+            delta, self.sent = self.text[self.sent:end], max(self.sent, end)
+            if delta or new_ids or self.finish_reason:
+                yield delta, new_ids
+
+    def _record_token(self) -> None:
+        now = time.monotonic()
+        (self.metrics.first_token if not self.ids else self.metrics.inter_token).observe(
+            now - (self.arrived if not self.ids else self.last_token))
+        self.last_token = now
+        self.metrics.token()
+
+    def _decode(self) -> None:
+        if self.tokenizer is not None:
+            self.text = self.tokenizer.decode(self.ids)
+
+    def _stopped(self) -> bool:
+        if not self.stop or len(self.ids) < self.request.min_new_tokens:
+            return False
+        found = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
+        if found:
+            self.text = self.text[:min(found)]
+        return bool(found)
+
+    def _safe_end(self) -> int:
+        end = len(self.text)
+        while end > self.sent and self.text[end - 1] == "\ufffd":
+            end -= 1  # an incomplete UTF-8 character: its bytes are still arriving
+        if self.stop:
+            end = min(end, max(self.sent, len(self.text) - max(len(s) for s in self.stop) + 1))
+        return end
+
+
+def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: str) -> FastAPI:
+    app = FastAPI(title="graphc", docs_url=None, redoc_url=None)
+    metrics = ServerMetrics(online)
+    app.state.metrics = metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError):
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        return _error(400, f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}", param=where or None)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, error: BadRequest):
+        return _error(400, str(error), param=error.param, code=error.code)
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(request: Request, error: QueueFull):
+        return _error(429, f"the server is at capacity: {error}; retry later", kind="rate_limit_error",
+                      headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    @app.get("/health")
+    async def health():
+        if online.state.failure:
+            return _error(503, f"the engine failed: {online.state.failure}", kind="server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "graphc",
+                                            "max_model_len": manifest.buckets.context_limit}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest):
+        _check_model(body.model, model_name)
+        raise BadRequest(f"model {model_name!r} has no chat template (its artifacts carry none); "
+                         "use /v1/completions", param="messages", code="no_chat_template")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request):
+        _check_model(body.model, model_name)
+        request = _generation_request(body, manifest, tokenizer)
+        refusal = online.refusal(request)
+        if refusal:
+            raise BadRequest(refusal, param="prompt")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        generation = Generation(online, metrics, request, tokenizer, stop)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(_stream(generation, head, include_usage), media_type="text/event-stream")
+        return await _complete(generation, head, http)
+
+    return app
+
+
+def _check_model(name: str, model_name: str) -> None:
+    if name != model_name:
+        raise BadRequest(f"model {name!r} does not exist; this server serves {model_name!r}", param="model",
+                         code="model_not_found")
+
+
+def _generation_request(body: CompletionRequest, manifest: Manifest, tokenizer) -> GenerationRequest:
+    """The engine's request for `body`, or BadRequest naming the field."""
+    if isinstance(body.prompt, str):
+        if tokenizer is None:
+            raise BadRequest("a text prompt needs a tokenizer and these artifacts have none; send token ids",
+                             param="prompt")
+        prompt = tokenizer.encode(body.prompt).ids
+    else:
+        prompt = body.prompt
+    vocab = manifest.model.vocab_size
+    outside = [t for t in prompt if not 0 <= t < vocab]
+    if outside:
+        raise BadRequest(f"token id {outside[0]} is outside the vocabulary 0..{vocab - 1}", param="prompt")
+    defaults = dataclasses.asdict(manifest.runtime.sampling)
+    given = {name: getattr(body, name) for name in SAMPLING_RULES if getattr(body, name) is not None}
+    for name, value in given.items():
+        problem = sampling_error(name, value)
+        if problem:
+            raise BadRequest(f"{name}: {problem}", param=name)
+    limit = manifest.buckets.context_limit
+    if body.max_tokens is not None and body.max_tokens < 1:
+        raise BadRequest(f"max_tokens: {body.max_tokens} must be at least 1", param="max_tokens")
+    if body.max_tokens is not None and len(prompt) + body.max_tokens > limit:
+        raise BadRequest(f"this model's maximum context length is {limit} tokens; the request asks for "
+                         f"{len(prompt) + body.max_tokens} ({len(prompt)} in the prompt, {body.max_tokens} for the "
+                         "completion)", param="max_tokens")
+    max_tokens = body.max_tokens or max(1, min(manifest.runtime.max_new_tokens, limit - len(prompt)))
+    if body.min_tokens > max_tokens:
+        raise BadRequest(f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})", param="min_tokens")
+    return GenerationRequest(prompt, max_tokens, Sampling(**{**defaults, **given}), stop_at_eos=not body.ignore_eos,
+                             min_new_tokens=body.min_tokens)
+
+
+def _usage(generation: Generation) -> dict:
+    prompt, completion = len(generation.request.prompt), len(generation.ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _complete(generation: Generation, head: dict, http: Request) -> JSONResponse:
+    """The whole completion; cancelled if the client goes away first."""
+    collect = asyncio.ensure_future(_collect(generation))
+    while not collect.done():
+        await asyncio.wait([collect], timeout=0.25)
+        if not collect.done() and await http.is_disconnected():
+            generation.cancel()
+            collect.cancel()
+            return JSONResponse({}, status_code=499)
+    if generation.error:
+        return _error(500, f"the request failed: {generation.error}", kind="server_error")
+    choice = {"index": 0, "text": generation.text, "logprobs": None, "finish_reason": generation.finish_reason,
+              "token_ids": generation.ids}
+    return JSONResponse({**head, "object": "text_completion", "choices": [choice], "usage": _usage(generation)})
+
+
+async def _collect(generation: Generation) -> None:
+    async for _ in generation.deltas():
+        pass
+
+
+async def _stream(generation: Generation, head: dict, include_usage: bool):
+    """Server-sent events in OpenAI's format; a disconnect (the task cancelled) cancels the request."""
+    try:
+        async for delta, ids in generation.deltas():
+            if generation.error:
+                yield _event(error_body(f"the request failed: {generation.error}", kind="server_error"))
+                break
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": generation.finish_reason,
+                      "token_ids": ids}
+            yield _event({**head, "object": "text_completion", "choices": [choice]})
+        if include_usage:
+            yield _event({**head, "object": "text_completion", "choices": [], "usage": _usage(generation)})
+        yield "data: [DONE]\n\n"
+    finally:
+        if generation.finish_reason is None:
+            generation.cancel()
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
+
+
+def serve_http(artifacts: Path, host: str, port: int, max_waiting: int, grace_seconds: float,
+               model_name: str | None = None, trusted_key: Path | None = None, ready=print) -> None:
+    """Load the artifacts, listen on (host, port) (0: any free port) and serve until SIGTERM or
+    Ctrl-C. `ready(url)` is called once the engine is loaded and the socket listens."""
+    import uvicorn
+    from tokenizers import Tokenizer
+
+    from graphc.artifacts.directory import read_manifest
+    from graphc.runtime.engine import Engine
+
+    manifest = read_manifest(artifacts, trusted_key)
+    if manifest.topology.world > 1:
+        raise GraphcError(f"{artifacts}: compiled for {manifest.topology.world} ranks; `graphc serve` serves "
+                          "one-rank artifacts so far (serve these with `graphc run`)")
+    tokenizer = Tokenizer.from_file(str(artifacts / manifest.tokenizer)) if manifest.tokenizer else None
+    online = OnlineEngine(Engine(artifacts, manifest=manifest), max_waiting)
+    app = create_app(online, manifest, tokenizer, model_name or Path(artifacts).resolve().name)
+    listener = socket.create_server((host, port))
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace_seconds, lifespan="off")
+    server = uvicorn.Server(config)
+    # uvicorn handles SIGTERM / SIGINT while it serves, then re-raises them: to a handler that does
+    # nothing, so a graceful stop exits 0 (before this point they stop the command as usual).
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
+    ready(f"http://{host}:{listener.getsockname()[1]}")
+    try:
+        server.run(sockets=[listener])
+    finally:
+        online.stop()
+        listener.close()

@@ -1,0 +1,225 @@
+"""`graphc serve` as its users meet it: a real server process on a loopback port, driven with the
+official `openai` client (and raw HTTP for what the client would refuse to send)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx2
+import openai
+import pytest
+
+from graphc.runtime import Engine, Request
+from graphc.sampling import Sampling
+
+pytestmark = pytest.mark.compiles
+
+PRESET, BUCKETS = "lora-groups", "prompt_as_decode"  # its checkpoint has a tokenizer; [B, P] graphs too
+CONTEXT_LIMIT = 128
+
+
+class Server:
+    """`graphc serve ARTIFACTS --port 0` in a process of its own."""
+
+    def __init__(self, artifacts: Path, *options: str, env: dict | None = None):
+        self.process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "graphc"), "serve", str(artifacts), "--port", "0", "--model-name", "tiny",
+             *options], stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def drain():  # read stderr to the end so the server never blocks on a full pipe
+            for line in self.process.stderr:
+                self.lines.append(line)
+                if "serving" in line:
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        assert ready.wait(120) and self.process.poll() is None, "".join(self.lines)
+        self.url = re.search(r"on (http://\S+)", "".join(self.lines)).group(1)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx2.get(f"{self.url}/metrics").text
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(graphc_\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(60)
+
+
+@pytest.fixture(scope="module")
+def artifacts(compiled):
+    return compiled(PRESET, "export", BUCKETS)
+
+
+@pytest.fixture(scope="module")
+def server(artifacts):
+    running = Server(artifacts)
+    yield running
+    assert running.stop() == 0, "".join(running.lines)
+
+
+def prompts(count: int) -> list[list[int]]:
+    return [[(11 * i + 5 * n) % 250 + 3 for i in range(2 + (7 * n) % 40)] for n in range(count)]
+
+
+def expected(artifacts: Path, requests: list[Request]) -> list[list[int]]:
+    """What `graphc run` serves (its engine, in-process) for the same requests."""
+    return [r.output_ids for r in Engine(artifacts).generate(requests)]
+
+
+def streamed_ids(server: Server, prompt: list[int], **options) -> tuple[list[int], str | None]:
+    ids, finish = [], None
+    for chunk in server.client.completions.create(model="tiny", prompt=prompt, stream=True, **options):
+        ids += chunk.choices[0].model_extra["token_ids"]
+        finish = chunk.choices[0].finish_reason or finish
+    return ids, finish
+
+
+def test_completions_give_the_tokens_graphc_run_gives(server, artifacts):
+    batch = prompts(4)
+    greedy = expected(artifacts, [Request(p, 12) for p in batch])
+    sampled = expected(artifacts, [Request(p, 12, Sampling(temperature=0.8, top_p=0.9, seed=7)) for p in batch])
+    for prompt, want, want_sampled in zip(batch, greedy, sampled):
+        done = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert done.choices[0].model_extra["token_ids"] == want
+        assert done.usage.prompt_tokens == len(prompt) and done.usage.completion_tokens == len(want)
+        assert streamed_ids(server, prompt, max_tokens=12, temperature=0)[0] == want
+        kept = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0.8,
+                                                top_p=0.9, seed=7)
+        assert kept.choices[0].model_extra["token_ids"] == want_sampled
+
+
+def test_a_text_prompt_is_encoded_and_the_text_decoded_with_the_tokenizer(server, artifacts):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(artifacts / "tokenizer.json"))
+    done = server.client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, temperature=0)
+    [want] = expected(artifacts, [Request(tokenizer.encode("Hello there").ids, 6)])
+    assert done.choices[0].model_extra["token_ids"] == want
+    assert done.choices[0].text == tokenizer.decode(want)
+    chunks = server.client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, temperature=0,
+                                              stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == tokenizer.decode(want)
+
+
+def test_thirty_two_concurrent_streams_all_get_their_tokens(server, artifacts):
+    batch = prompts(32)
+    want = expected(artifacts, [Request(p, 10) for p in batch])
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(lambda p: streamed_ids(server, p, max_tokens=10, temperature=0)[0], batch))
+    assert got == want
+    assert server.metrics()['graphc_steps_total{bucket="decode-4x4"}'] > 0  # short prompts joined running decodes
+
+
+@pytest.mark.parametrize("body, says", [
+    ('{"model": "tiny", "prompt": [5, 6', "JSON"),
+    ({"model": "tiny", "prompt": [5, 6], "max_tokens": 4, "best_of": 2}, "best_of: Extra inputs are not permitted"),
+    ({"model": "tiny", "prompt": [5, 6], "max_tokens": "4"}, "max_tokens"),
+    ({"model": "tiny", "prompt": [5, 6], "temperature": -1}, "temperature: -1"),
+    ({"model": "tiny", "prompt": [5, 999]}, "token id 999 is outside the vocabulary"),
+    ({"model": "tiny", "prompt": list(range(3, 3 + CONTEXT_LIMIT))}, "leaves no room under context_limit"),
+    ({"model": "tiny", "prompt": [5, 6], "max_tokens": CONTEXT_LIMIT}, "maximum context length is 128 tokens"),
+    ({"model": "gpt-4", "prompt": [5, 6]}, "model 'gpt-4' does not exist"),
+    ({"model": "tiny", "prompt": [5, 6], "n": 2}, "n"),
+    ({"model": "tiny", "prompt": []}, "empty prompt"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, "no chat template"),
+])
+def test_bad_requests_get_400_with_an_openai_error_and_the_next_is_served(server, body, says):
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx2.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert says in error["message"] and error["type"] == "invalid_request_error", error
+    with pytest.raises(openai.BadRequestError):  # the client sees it as the error it knows
+        server.client.completions.create(model="tiny", prompt=[5, 6], max_tokens=4, temperature=-1)
+    assert server.client.completions.create(model="tiny", prompt=[5, 6], max_tokens=3).usage.completion_tokens == 3
+
+
+def test_models_health_and_metrics(server):
+    assert [m.id for m in server.client.models.list().data] == ["tiny"]
+    assert httpx2.get(f"{server.url}/health").json() == {"status": "ok"}
+    metrics = server.metrics()
+    assert metrics["graphc_kv_blocks_total"] == 64
+    assert {"graphc_requests_waiting", "graphc_requests_running", "graphc_generated_tokens_total",
+            "graphc_time_to_first_token_seconds_count", "graphc_inter_token_latency_seconds_count",
+            "graphc_generation_tokens_per_second"} <= set(metrics)
+
+
+def test_fifty_clients_that_disconnect_mid_stream_free_every_block(server):
+    def leave_early(n: int) -> int:
+        body = {"model": "tiny", "prompt": prompts(50)[n], "max_tokens": 80, "stream": True, "ignore_eos": True}
+        with httpx2.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            for count, _ in enumerate(response.iter_lines(), start=1):
+                if count >= 3:
+                    return count  # the connection closes with the request still generating
+        return 0
+
+    with ThreadPoolExecutor(50) as pool:
+        assert all(pool.map(leave_early, range(50)))
+    deadline = time.monotonic() + 30
+    while (m := server.metrics())["graphc_kv_blocks_in_use"] or m["graphc_requests_running"]:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.2)
+    assert server.client.completions.create(model="tiny", prompt=[5, 6], max_tokens=3).usage.completion_tokens == 3
+
+
+def test_past_the_admission_queue_requests_get_429_with_retry_after(artifacts):
+    # A pool that holds one of these requests at a time (14 of 17 blocks each), and room for two
+    # waiting: a burst of eight is served in part, the rest told to come back.
+    server = Server(artifacts, "--max-waiting", "2", env={"GRAPHC_NUM_KV_BLOCKS": "17"})
+    body = {"model": "tiny", "prompt": prompts(1)[0][:8], "max_tokens": 100, "ignore_eos": True}
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(lambda _: httpx2.post(f"{server.url}/v1/completions", json=body, timeout=120),
+                                      range(8)))
+        statuses = sorted(r.status_code for r in responses)
+        assert 200 in statuses and 429 in statuses and set(statuses) == {200, 429}, statuses
+        refused = next(r for r in responses if r.status_code == 429)
+        assert refused.headers["retry-after"] == "1" and refused.json()["error"]["type"] == "rate_limit_error"
+        served = [r.json()["choices"][0]["token_ids"] for r in responses if r.status_code == 200]
+        assert all(ids == served[0] and len(ids) == 100 for ids in served)
+    finally:
+        assert server.stop() == 0
+
+
+def test_sigterm_under_load_finishes_in_flight_streams_and_exits_0(artifacts):
+    server = Server(artifacts, "--grace-period", "60")
+    want = expected(artifacts, [Request(p, 40, stop_at_eos=False) for p in prompts(6)])
+    first_tokens = threading.Barrier(7)
+
+    def stream(prompt):
+        ids, finish = [], None
+        for n, chunk in enumerate(server.client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=40, stream=True, temperature=0,
+                extra_body={"ignore_eos": True})):
+            ids += chunk.choices[0].model_extra["token_ids"]
+            finish = chunk.choices[0].finish_reason or finish
+            if n == 0:
+                first_tokens.wait(60)
+        return ids, finish
+
+    with ThreadPoolExecutor(6) as pool:
+        streams = [pool.submit(stream, p) for p in prompts(6)]
+        first_tokens.wait(60)
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        results = [s.result() for s in streams]
+    assert server.process.wait(60) == 0, "".join(server.lines)
+    assert time.monotonic() - started < 60
+    assert [ids for ids, _ in results] == want and {f for _, f in results} == {"length"}
+    with pytest.raises(httpx2.ConnectError):
+        httpx2.get(f"{server.url}/health")
