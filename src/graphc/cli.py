@@ -351,8 +351,7 @@ def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_
     /health, /metrics (Prometheus). Requests are batched continuously as they arrive."""
     from graphc.server.app import serve_http
 
-    serve_http(artifacts, host, port, max_waiting, grace_period, model_name, trusted_key,
-               ready=lambda url: click.echo(f"serving {artifacts} on {url}", err=True))
+    serve_http(artifacts, host, port, max_waiting, grace_period, model_name, trusted_key)
 
 
 @cli.command()

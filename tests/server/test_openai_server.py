@@ -223,3 +223,23 @@ def test_sigterm_under_load_finishes_in_flight_streams_and_exits_0(artifacts):
     assert [ids for ids, _ in results] == want and {f for _, f in results} == {"length"}
     with pytest.raises(httpx2.ConnectError):
         httpx2.get(f"{server.url}/health")
+
+
+@pytest.mark.multirank
+def test_two_rank_artifacts_serve_the_one_rank_tokens_and_stop_cleanly(compiled, artifacts):
+    """The server runs in the leader rank's process; the follower runs its steps and idles with it."""
+    server = Server(compiled(PRESET, "export", "prompt_as_decode_small", 2, 2), "--grace-period", "60")
+    batch = prompts(6)
+    want = expected(artifacts, [Request(p, 12) for p in batch])
+    try:
+        time.sleep(2)  # idle between requests: the follower must still be there afterwards
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda p: streamed_ids(server, p, max_tokens=12, temperature=0)[0], batch))
+        assert got == want
+        done = server.client.completions.create(model="tiny", prompt=batch[0], max_tokens=12, temperature=0)
+        assert done.choices[0].model_extra["token_ids"] == want[0]
+    finally:
+        started = time.monotonic()
+        assert server.stop() == 0, "".join(server.lines)
+    assert time.monotonic() - started < 60
+    assert not [p for p in Path("/dev/shm").glob("graphc-*")]

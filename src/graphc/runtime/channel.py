@@ -29,6 +29,8 @@ from graphc.errors import GraphcError
 from graphc.step import step_shapes
 
 STARTUP_BYTES = 1 << 16
+START_TIMEOUT_SECONDS = 120.0
+"""How long a follower waits for the leader to create the channel, whatever its step timeout."""
 KINDS = ("prefill", "decode")
 """Bucket kinds by their number in a slot."""
 HEADER_WORDS = 3
@@ -61,11 +63,13 @@ class StepChannel:
         world: ranks in the job.
         max_rows, max_width, blocks_per_row: the largest step (from the bucket table).
         rank: 0 creates the segment (removing a stale one of the same name); others attach.
-        timeout: seconds to wait for the other side before `ChannelTimeout`.
+        timeout: seconds to wait for the other side before `ChannelTimeout`; None waits as long as
+            it takes (a server's followers, idle between requests, under an agent that stops them all
+            if a rank dies).
     """
 
     def __init__(self, name: str, world: int, max_rows: int, max_width: int, blocks_per_row: int, rank: int,
-                 timeout: float = 120.0):
+                 timeout: float | None = 120.0):
         self.name, self.world, self.rank, self.timeout = name, world, rank, timeout
         self.max_rows, self.max_width, self.blocks_per_row = max_rows, max_width, blocks_per_row
         header = 3 + world
@@ -84,7 +88,7 @@ class StepChannel:
             self.header[:] = -1
 
     def _attach(self, name: str):
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + (START_TIMEOUT_SECONDS if self.timeout is None else self.timeout)
         while True:
             try:
                 # Ranks spawned by one launcher share its resource tracker, where the leader's
@@ -98,7 +102,7 @@ class StepChannel:
                 time.sleep(0.01)
 
     def _wait(self, ready, what: str) -> None:
-        deadline, pause = time.monotonic() + self.timeout, 0.0
+        deadline, pause = time.monotonic() + (float("inf") if self.timeout is None else self.timeout), 0.0
         while not ready():
             if time.monotonic() > deadline:
                 raise ChannelTimeout(f"rank {self.rank}: timed out after {self.timeout:.0f} s waiting for {what}")

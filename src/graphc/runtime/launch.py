@@ -51,8 +51,21 @@ def generate_batch(engine: Engine, requests: list[Request]) -> BatchOutcome:
     return BatchOutcome(engine.generate(requests), engine.stats)
 
 
-def _worker(artifacts: str, batches: list[list[Request]], channel_name: str,
-            trusted_key: str | None) -> list[BatchOutcome] | None:
+@dataclass(frozen=True)
+class BatchesJob:
+    """What the leader of a `graphc run` job does: run each batch in turn."""
+
+    batches: list[list[Request]]
+    follower_timeout: float | None = 120.0
+    """How long a follower waits for the leader's next step (`StepChannel`)."""
+    ends_on_signal: bool = False
+    """Whether SIGTERM / SIGINT is the job's normal end (a server's) rather than an interruption."""
+
+    def lead(self, engine: Engine) -> list[BatchOutcome]:
+        return [generate_batch(engine, batch) for batch in self.batches]
+
+
+def _worker(artifacts: str, job, channel_name: str, trusted_key: str | None):
     import torch
     import torch.distributed as dist
 
@@ -61,8 +74,9 @@ def _worker(artifacts: str, batches: list[list[Request]], channel_name: str,
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         # An interrupt reaches every rank (the terminal signals the whole process group): exit
-        # quietly, the launcher reports it once and removes the channel's segment.
-        signal.signal(signum, lambda signum, frame: os._exit(128 + signum))
+        # quietly, the launcher reports it once and removes the channel's segment. A job that ends
+        # on a signal (a server) ignores it here: its leader drains, then stops the followers.
+        signal.signal(signum, signal.SIG_IGN if job.ends_on_signal else lambda signum, frame: os._exit(128 + signum))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ["LOCAL_WORLD_SIZE"])
     os.environ.update(GRAPHC_LOCAL_DEVICE=str(local_rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -73,11 +87,13 @@ def _worker(artifacts: str, batches: list[list[Request]], channel_name: str,
     try:
         manifest = read_manifest(Path(artifacts), trusted_key)  # every rank verifies what it loads
         register_groups(Topology(manifest.topology.cp, manifest.topology.ep), rank)
-        engine = open_engine(artifacts, manifest, rank, channel_name)
+        engine = open_engine(artifacts, manifest, rank, channel_name, job.follower_timeout)
         dist.barrier()
         if rank == 0:
-            outcomes = [generate_batch(engine, batch) for batch in batches]
-            engine.stop_followers()
+            try:
+                outcomes = job.lead(engine)
+            finally:
+                engine.stop_followers()
         else:
             engine.follow()
         dist.barrier()  # before teardown: gloo can abort at exit otherwise (docs/platform.md)
@@ -88,7 +104,8 @@ def _worker(artifacts: str, batches: list[list[Request]], channel_name: str,
         dist.destroy_process_group()
 
 
-def open_engine(artifacts: str, manifest: Manifest, rank: int, channel_name: str) -> Engine:
+def open_engine(artifacts: str, manifest: Manifest, rank: int, channel_name: str,
+                timeout: float | None = 120.0) -> Engine:
     """This rank's engine on the job's step channel, once it agrees with the leader on the
     start-up metadata (bucket table, prompt-as-decode size, context limit, KV pool).
 
@@ -99,7 +116,7 @@ def open_engine(artifacts: str, manifest: Manifest, rank: int, channel_name: str
     buckets = manifest.buckets
     channel = StepChannel(channel_name, world, max_rows=max(buckets.decode),
                           max_width=max(*buckets.prefill, buckets.prompt_as_decode),
-                          blocks_per_row=manifest.kv_cache.blocks_per_row, rank=rank)
+                          blocks_per_row=manifest.kv_cache.blocks_per_row, rank=rank, timeout=timeout)
     try:
         engine = Engine(artifacts, rank=rank, channel=channel, manifest=manifest)  # manifest verified by the caller
         if rank == 0:
@@ -151,11 +168,19 @@ def serve(artifacts: Path, batches: list[list[Request]], manifest: Manifest | No
         engine = Engine(artifacts, manifest=manifest)
         return [generate_batch(engine, batch) for batch in batches]
     kv_pool_blocks(manifest)  # GRAPHC_NUM_KV_BLOCKS checked here, not once per rank after start-up
-    return _serve_ranks(Path(artifacts), batches, manifest.topology.world, monitor_interval, trusted_key, verbose)
+    return launch_ranks(Path(artifacts), BatchesJob(batches), manifest.topology.world, monitor_interval, trusted_key,
+                        verbose)
 
 
-def _serve_ranks(artifacts: Path, batches: list[list[Request]], world: int, monitor_interval: float,
-                 trusted_key: Path | None, verbose: bool) -> list[BatchOutcome]:
+def launch_ranks(artifacts: Path, job, world: int, monitor_interval: float = 0.5, trusted_key: Path | None = None,
+                 verbose: bool = False):
+    """One process per rank under torchrun's agent: rank 0 runs `job.lead(engine)` (its return is
+    this function's), the others follow its steps.
+
+    Raises:
+        GraphcError: a rank failed (named), after every other rank was stopped.
+        Interrupted: SIGINT / SIGTERM stopped the job (unless `job.ends_on_signal`).
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -167,9 +192,11 @@ def _serve_ranks(artifacts: Path, batches: list[list[Request]], world: int, moni
                           start_method="spawn")
     try:
         with _agent_logs(verbose):
-            outputs = elastic_launch(config, _worker)(str(artifacts), batches, channel_name,
+            outputs = elastic_launch(config, _worker)(str(artifacts), job, channel_name,
                                                       None if trusted_key is None else str(trusted_key))
     except SignalException as e:  # the agent stopped every rank before raising
+        if job.ends_on_signal:
+            return None
         raise Interrupted(e.sigval) from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()

@@ -13,8 +13,10 @@ import dataclasses
 import json
 import signal
 import socket
+import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -24,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from graphc.artifacts.manifest import Manifest
 from graphc.errors import GraphcError
+from graphc.runtime.engine import Engine
 from graphc.runtime.online import OnlineEngine, QueueFull, Ticket
 from graphc.runtime.scheduler import Request as GenerationRequest
 from graphc.sampling import SAMPLING_RULES, Sampling, sampling_error
@@ -268,33 +271,57 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
     return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
 
-def serve_http(artifacts: Path, host: str, port: int, max_waiting: int, grace_seconds: float,
-               model_name: str | None = None, trusted_key: Path | None = None, ready=print) -> None:
-    """Load the artifacts, listen on (host, port) (0: any free port) and serve until SIGTERM or
-    Ctrl-C. `ready(url)` is called once the engine is loaded and the socket listens."""
-    import uvicorn
-    from tokenizers import Tokenizer
+@dataclass(frozen=True)
+class HttpJob:
+    """What the leader rank of `graphc serve` does: serve HTTP until SIGTERM / SIGINT (picklable:
+    with several ranks it travels to the leader's process)."""
 
+    artifacts: str
+    host: str
+    port: int
+    max_waiting: int
+    grace_seconds: float
+    model_name: str
+    follower_timeout: float | None = None  # followers idle between requests as long as the server does
+    ends_on_signal: bool = True
+
+    def lead(self, engine: Engine) -> None:
+        from tokenizers import Tokenizer
+
+        import uvicorn
+
+        manifest = engine.manifest
+        tokenizer = Tokenizer.from_file(str(Path(self.artifacts) / manifest.tokenizer)) if manifest.tokenizer else None
+        online = OnlineEngine(engine, self.max_waiting)
+        listener = socket.create_server((self.host, self.port))
+        config = uvicorn.Config(create_app(online, manifest, tokenizer, self.model_name), log_level="warning",
+                                timeout_graceful_shutdown=self.grace_seconds, lifespan="off")
+        # uvicorn handles SIGTERM / SIGINT while it serves, then re-raises them: to a handler that
+        # does nothing, so a graceful stop ends here (before this point they stop the command).
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: None)
+        print(f"serving {self.artifacts} on http://{self.host}:{listener.getsockname()[1]}", file=sys.stderr,
+              flush=True)
+        try:
+            uvicorn.Server(config).run(sockets=[listener])
+        finally:
+            online.stop()
+            listener.close()
+
+
+def serve_http(artifacts: Path, host: str, port: int, max_waiting: int, grace_seconds: float,
+               model_name: str | None = None, trusted_key: Path | None = None) -> None:
+    """Serve `artifacts` on (host, port) (0: any free port) until SIGTERM or Ctrl-C: in this
+    process on one rank; with several, this process is torchrun's agent, the server runs in the
+    leader rank's process and the followers run its steps."""
     from graphc.artifacts.directory import read_manifest
-    from graphc.runtime.engine import Engine
+    from graphc.runtime.launch import launch_ranks
+    from graphc.runtime.loader import kv_pool_blocks
 
     manifest = read_manifest(artifacts, trusted_key)
-    if manifest.topology.world > 1:
-        raise GraphcError(f"{artifacts}: compiled for {manifest.topology.world} ranks; `graphc serve` serves "
-                          "one-rank artifacts so far (serve these with `graphc run`)")
-    tokenizer = Tokenizer.from_file(str(artifacts / manifest.tokenizer)) if manifest.tokenizer else None
-    online = OnlineEngine(Engine(artifacts, manifest=manifest), max_waiting)
-    app = create_app(online, manifest, tokenizer, model_name or Path(artifacts).resolve().name)
-    listener = socket.create_server((host, port))
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace_seconds, lifespan="off")
-    server = uvicorn.Server(config)
-    # uvicorn handles SIGTERM / SIGINT while it serves, then re-raises them: to a handler that does
-    # nothing, so a graceful stop exits 0 (before this point they stop the command as usual).
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: None)
-    ready(f"http://{host}:{listener.getsockname()[1]}")
-    try:
-        server.run(sockets=[listener])
-    finally:
-        online.stop()
-        listener.close()
+    job = HttpJob(str(artifacts), host, port, max_waiting, grace_seconds, model_name or Path(artifacts).resolve().name)
+    if manifest.topology.world == 1:
+        job.lead(Engine(artifacts, manifest=manifest))
+        return
+    kv_pool_blocks(manifest)  # GRAPHC_NUM_KV_BLOCKS checked here, not once per rank after start-up
+    launch_ranks(Path(artifacts), job, manifest.topology.world, trusted_key=trusted_key)
