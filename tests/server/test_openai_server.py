@@ -135,7 +135,8 @@ def test_thirty_two_concurrent_streams_all_get_their_tokens(server, artifacts):
     ({"model": "gpt-4", "prompt": [5, 6]}, "model 'gpt-4' does not exist"),
     ({"model": "tiny", "prompt": [5, 6], "n": 2}, "n"),
     ({"model": "tiny", "prompt": []}, "empty prompt"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, "no chat template"),
+    ({"model": "tiny", "messages": []}, "messages"),
+    ({"model": "tiny", "messages": [{"role": "user"}]}, "messages.0.content"),
 ])
 def test_bad_requests_get_400_with_an_openai_error_and_the_next_is_served(server, body, says):
     path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
@@ -243,3 +244,47 @@ def test_two_rank_artifacts_serve_the_one_rank_tokens_and_stop_cleanly(compiled,
         assert server.stop() == 0, "".join(server.lines)
     assert time.monotonic() - started < 60
     assert not [p for p in Path("/dev/shm").glob("graphc-*")]
+
+
+def test_chat_completions_render_the_checkpoints_template_as_transformers_does(server, artifacts, tiny_checkpoints):
+    from transformers import PreTrainedTokenizerFast
+
+    checkpoint = tiny_checkpoints[PRESET]
+    template = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"), chat_template=template)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    text = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = reference(text, add_special_tokens=False)["input_ids"]
+    [want] = expected(artifacts, [Request(prompt, 8)])
+
+    done = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    assert done.choices[0].model_extra["token_ids"] == want
+    assert done.choices[0].message.role == "assistant" and done.choices[0].message.content == reference.decode(want)
+    assert done.usage.prompt_tokens == len(prompt)
+    chunks = list(server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                        stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == done.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_is_refused_clearly_where_the_checkpoint_has_no_template(tiny_checkpoints, tmp_path):
+    import shutil
+
+    import yaml
+
+    from graphc.config import load_config
+    from graphc.compiler.pipeline import CompileOptions, compile
+    from support import TEST_BUCKETS, model_yaml
+
+    checkpoint = shutil.copytree(tiny_checkpoints[PRESET], tmp_path / "checkpoint")
+    (checkpoint / "tokenizer_config.json").unlink()
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(model_yaml(checkpoint, TEST_BUCKETS["small"])))
+    compile(load_config(tmp_path / "model.yaml"), tmp_path / "artifacts", CompileOptions(show_progress=False))
+    server = Server(tmp_path / "artifacts")
+    try:
+        with pytest.raises(openai.BadRequestError, match="has no chat template"):
+            server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert server.client.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        assert server.stop() == 0

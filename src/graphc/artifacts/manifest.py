@@ -67,6 +67,16 @@ class RankEntry:
 
 
 @dataclass(frozen=True)
+class ChatTemplate:
+    """The checkpoint's chat template (transformers' Jinja format, from tokenizer_config.json) and
+    the special tokens templates refer to."""
+
+    template: str
+    bos_token: str = ""
+    eos_token: str = ""
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the runtime needs of the model: vocabulary and EOS ids, the KV pool's layer count,
     width and dtype (written at compile time from the checkpoint's config)."""
@@ -77,6 +87,8 @@ class ModelInfo:
     kv_cache_dim: int
     dtype: Literal["float32", "bfloat16"]
     sparse_probabilities: Literal["bf16", "fp32"] | None = None
+    chat_template: ChatTemplate | None = None
+    """None: the checkpoint has none, and `graphc serve` refuses chat completions."""
 
 
 @dataclass(frozen=True)

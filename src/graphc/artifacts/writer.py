@@ -7,6 +7,7 @@ the runtime never imports it.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import struct
 from dataclasses import dataclass
@@ -17,11 +18,12 @@ from safetensors.torch import save_file
 
 from graphc import __version__
 from graphc.artifacts.directory import sha256_file
-from graphc.artifacts.manifest import (MANIFEST, BucketTable, GraphEntry, KVCacheInfo, Manifest, ModelInfo, RankEntry,
-                                       RuntimeInfo, TensorSpec, TopologyInfo)
+from graphc.artifacts.manifest import (MANIFEST, BucketTable, ChatTemplate, GraphEntry, KVCacheInfo, Manifest,
+                                       ModelInfo, RankEntry, RuntimeInfo, TensorSpec, TopologyInfo)
 from graphc.artifacts.signing import SIGNATURE, sign
 from graphc.buckets.selection import Bucket
 from graphc.config import GraphcConfig
+from graphc.errors import GraphcError
 from graphc.models.args import ModelArgs
 from graphc.step import blocks_per_row
 from graphc.topology import Topology
@@ -75,6 +77,33 @@ def model_fingerprint(checkpoint: Path) -> str:
     return digest.hexdigest()
 
 
+def read_chat_template(checkpoint: Path) -> ChatTemplate | None:
+    """The chat template of the checkpoint's tokenizer_config.json (its "default" one when it
+    names several), with the bos / eos token strings templates use; None without one."""
+    path = checkpoint / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GraphcError(f"{path}: not valid JSON ({e})") from None
+    template = data.get("chat_template") if isinstance(data, dict) else None
+    if isinstance(template, list):  # [{"name": ..., "template": ...}]
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if template is None:
+        return None
+    if not isinstance(template, str):
+        raise GraphcError(f"{path}: chat_template must be a string or a list of named templates")
+
+    def token(name: str) -> str:
+        value = data.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        return value if isinstance(value, str) else ""
+
+    return ChatTemplate(template, token("bos_token"), token("eos_token"))
+
+
 def write_manifest(staging: Path, config: GraphcConfig, backend: str, args: ModelArgs, sparse_probabilities: str,
                    topology: Topology, graphs: dict[int, list[CompiledGraph]], weights: dict[int, WeightsFile],
                    extra: dict, sign_key: Path | None) -> Manifest:
@@ -102,7 +131,8 @@ def write_manifest(staging: Path, config: GraphcConfig, backend: str, args: Mode
         backend=backend,
         model_fingerprint=model_fingerprint(config.model.checkpoint),
         model=ModelInfo(args.vocab_size, list(args.eos_token_id), args.num_hidden_layers, args.kv_cache_dim,
-                        config.model.dtype, sparse_probabilities if args.sparse_attention else None),
+                        config.model.dtype, sparse_probabilities if args.sparse_attention else None,
+                        read_chat_template(config.model.checkpoint)),
         topology=TopologyInfo(topology.cp, topology.ep, topology.world),
         buckets=BucketTable(list(b.prefill), list(b.decode), b.prompt_as_decode, b.context_limit),
         kv_cache=KVCacheInfo(kv.block_size, kv.num_blocks, blocks_per_row(b.context_limit, kv.block_size)),

@@ -155,6 +155,16 @@ def tiny_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     return {name: _random_tensor(name, shapes[name], generator) for name in sorted(shapes)}
 
 
+TINY_TOKENIZER_CONFIG = {
+    "chat_template": "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    "bos_token": None,
+    "eos_token": None,
+}
+"""A chat template in transformers' format (tokenizer_config.json), so the tiny checkpoints can be
+served over a chat API like a released model (whose template is longer, not different in kind)."""
+
+
 def byte_level_tokenizer():
     """A byte-level tokenizer whose ids are the byte values 0..255 (GPT-2's byte alphabet, no
     merges): any text round-trips, and it fits the presets' 256-token vocabulary."""
@@ -226,6 +236,7 @@ def write_random_checkpoint(out: Path, config: dict[str, Any], seed: int) -> Pat
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         if config["vocab_size"] == 256:
             byte_level_tokenizer().save(str(staging / "tokenizer.json"))
+            (staging / "tokenizer_config.json").write_text(json.dumps(TINY_TOKENIZER_CONFIG, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)

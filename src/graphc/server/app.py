@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from graphc.artifacts.manifest import Manifest
+from graphc.artifacts.manifest import ChatTemplate, Manifest
 from graphc.errors import GraphcError
 from graphc.runtime.engine import Engine
 from graphc.runtime.online import OnlineEngine, QueueFull, Ticket
@@ -155,28 +155,72 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "graphc",
                                             "max_model_len": manifest.buckets.context_limit}]}
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest):
-        _check_model(body.model, model_name)
-        raise BadRequest(f"model {model_name!r} has no chat template (its artifacts carry none); "
-                         "use /v1/completions", param="messages", code="no_chat_template")
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: Request):
-        _check_model(body.model, model_name)
-        request = _generation_request(body, manifest, tokenizer)
+    async def respond(body, prompt: list[int], shape: Shape, http: Request):
+        request = _generation_request(body, prompt, manifest)
         refusal = online.refusal(request)
         if refusal:
             raise BadRequest(refusal, param="prompt")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         generation = Generation(online, metrics, request, tokenizer, stop)
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+        head = {"id": f"{shape.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_stream(generation, head, include_usage), media_type="text/event-stream")
-        return await _complete(generation, head, http)
+            return StreamingResponse(_stream(generation, head, shape, include_usage), media_type="text/event-stream")
+        return await _complete(generation, head, shape, http)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request):
+        _check_model(body.model, model_name)
+        return await respond(body, _prompt_ids(body.prompt, tokenizer), TEXT, http)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, http: Request):
+        _check_model(body.model, model_name)
+        template = manifest.model.chat_template
+        if template is None or tokenizer is None:
+            raise BadRequest(f"model {model_name!r} has no chat template (its checkpoint's tokenizer_config.json "
+                             "has none); use /v1/completions", param="messages", code="no_chat_template")
+        text = _render_chat(template, [m.model_dump() for m in body.messages])
+        return await respond(body, tokenizer.encode(text, add_special_tokens=False).ids, CHAT, http)
 
     return app
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How a response is laid out: a completion's choices carry `text`, a chat's a `message`
+    (streamed as `delta`s, the first naming the role)."""
+
+    prefix: str
+    object: str
+    chunk_object: str
+    chat: bool
+
+    def choice(self, text: str, ids: list[int], finish_reason: str | None, first: bool = False,
+               whole: bool = False) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "token_ids": ids}
+        content = {"role": "assistant", "content": text} if whole or first else ({"content": text} if text else {})
+        return {"index": 0, "message" if whole else "delta": content, "logprobs": None,
+                "finish_reason": finish_reason, "token_ids": ids}
+
+
+TEXT = Shape("cmpl", "text_completion", "text_completion", chat=False)
+CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
+
+
+def _render_chat(template: ChatTemplate, messages: list[dict]) -> str:
+    """The prompt text of `messages`, as transformers' `apply_chat_template` renders it: the
+    template runs in Jinja's immutable sandbox (it came with the artifacts: input, not code)."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    try:
+        return environment.from_string(template.template).render(
+            messages=messages, add_generation_prompt=True, bos_token=template.bos_token, eos_token=template.eos_token)
+    except TemplateError as e:
+        raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
 
 
 def _check_model(name: str, model_name: str) -> None:
@@ -185,15 +229,17 @@ def _check_model(name: str, model_name: str) -> None:
                          code="model_not_found")
 
 
-def _generation_request(body: CompletionRequest, manifest: Manifest, tokenizer) -> GenerationRequest:
-    """The engine's request for `body`, or BadRequest naming the field."""
-    if isinstance(body.prompt, str):
-        if tokenizer is None:
-            raise BadRequest("a text prompt needs a tokenizer and these artifacts have none; send token ids",
-                             param="prompt")
-        prompt = tokenizer.encode(body.prompt).ids
-    else:
-        prompt = body.prompt
+def _prompt_ids(prompt: str | list[int], tokenizer) -> list[int]:
+    if isinstance(prompt, list):
+        return prompt
+    if tokenizer is None:
+        raise BadRequest("a text prompt needs a tokenizer and these artifacts have none; send token ids",
+                         param="prompt")
+    return tokenizer.encode(prompt).ids
+
+
+def _generation_request(body, prompt: list[int], manifest: Manifest) -> GenerationRequest:
+    """The engine's request for `body` (a completion or a chat), or BadRequest naming the field."""
     vocab = manifest.model.vocab_size
     outside = [t for t in prompt if not 0 <= t < vocab]
     if outside:
@@ -223,7 +269,7 @@ def _usage(generation: Generation) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _complete(generation: Generation, head: dict, http: Request) -> JSONResponse:
+async def _complete(generation: Generation, head: dict, shape: Shape, http: Request) -> JSONResponse:
     """The whole completion; cancelled if the client goes away first."""
     collect = asyncio.ensure_future(_collect(generation))
     while not collect.done():
@@ -234,9 +280,8 @@ async def _complete(generation: Generation, head: dict, http: Request) -> JSONRe
             return JSONResponse({}, status_code=499)
     if generation.error:
         return _error(500, f"the request failed: {generation.error}", kind="server_error")
-    choice = {"index": 0, "text": generation.text, "logprobs": None, "finish_reason": generation.finish_reason,
-              "token_ids": generation.ids}
-    return JSONResponse({**head, "object": "text_completion", "choices": [choice], "usage": _usage(generation)})
+    choice = shape.choice(generation.text, generation.ids, generation.finish_reason, whole=True)
+    return JSONResponse({**head, "object": shape.object, "choices": [choice], "usage": _usage(generation)})
 
 
 async def _collect(generation: Generation) -> None:
@@ -244,18 +289,19 @@ async def _collect(generation: Generation) -> None:
         pass
 
 
-async def _stream(generation: Generation, head: dict, include_usage: bool):
+async def _stream(generation: Generation, head: dict, shape: Shape, include_usage: bool):
     """Server-sent events in OpenAI's format; a disconnect (the task cancelled) cancels the request."""
     try:
+        first = True
         async for delta, ids in generation.deltas():
             if generation.error:
                 yield _event(error_body(f"the request failed: {generation.error}", kind="server_error"))
                 break
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": generation.finish_reason,
-                      "token_ids": ids}
-            yield _event({**head, "object": "text_completion", "choices": [choice]})
+            choice = shape.choice(delta, ids, generation.finish_reason, first=first)
+            first = False
+            yield _event({**head, "object": shape.chunk_object, "choices": [choice]})
         if include_usage:
-            yield _event({**head, "object": "text_completion", "choices": [], "usage": _usage(generation)})
+            yield _event({**head, "object": shape.chunk_object, "choices": [], "usage": _usage(generation)})
         yield "data: [DONE]\n\n"
     finally:
         if generation.finish_reason is None:

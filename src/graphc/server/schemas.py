@@ -18,10 +18,10 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class CompletionRequest(_Strict):
+class _Generation(_Strict):
+    """The fields completions and chat completions share."""
+
     model: str
-    prompt: str | list[int]
-    """Text (encoded with the artifacts' tokenizer) or token ids."""
     max_tokens: int | None = None
     """Default: the manifest's runtime.max_new_tokens, within the context limit."""
     temperature: float | None = None
@@ -41,19 +41,18 @@ class CompletionRequest(_Strict):
     user: str | None = None
 
 
+class CompletionRequest(_Generation):
+    prompt: str | list[int]
+    """Text (encoded with the artifacts' tokenizer) or token ids."""
+
+
 class ChatMessage(_Strict):
     role: str
     content: str
 
 
-class ChatCompletionRequest(_Strict):
-    model: str
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stream: bool = False
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
