@@ -154,7 +154,7 @@ def test_models_health_and_metrics(server):
     assert [m.id for m in server.client.models.list().data] == ["tiny"]
     assert httpx2.get(f"{server.url}/health").json() == {"status": "ok"}
     metrics = server.metrics()
-    assert metrics["graphc_kv_blocks_total"] == 64
+    assert metrics["graphc_kv_blocks_total"] == 64 and metrics['graphc_requests_total{finish_reason="length"}'] > 0
     assert {"graphc_requests_waiting", "graphc_requests_running", "graphc_generated_tokens_total",
             "graphc_time_to_first_token_seconds_count", "graphc_inter_token_latency_seconds_count",
             "graphc_generation_tokens_per_second"} <= set(metrics)
@@ -175,6 +175,7 @@ def test_fifty_clients_that_disconnect_mid_stream_free_every_block(server):
     while (m := server.metrics())["graphc_kv_blocks_in_use"] or m["graphc_requests_running"]:
         assert time.monotonic() < deadline, m
         time.sleep(0.2)
+    assert m['graphc_requests_total{finish_reason="cancelled"}'] >= 50
     assert server.client.completions.create(model="tiny", prompt=[5, 6], max_tokens=3).usage.completion_tokens == 3
 
 

@@ -67,7 +67,14 @@ class Generation:
             request, lambda token, result: loop.call_soon_threadsafe(self.events.put_nowait, (token, result)))
 
     def cancel(self) -> None:
+        """End the request early (a stop string, or its client left); its blocks are freed."""
         self.online.cancel(self.ticket)
+        if self.finish_reason is None:
+            self._end("cancelled")
+
+    def _end(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.metrics.requests.labels(reason).inc()
 
     async def deltas(self):
         """Yield (text delta, token ids) until the request ends; then `finish_reason` is set."""
@@ -80,13 +87,13 @@ class Generation:
                 new_ids.append(token)
                 self._decode()
             if self._stopped():
+                self._end("stop")
                 if result is None:
-                    self.cancel()  # its blocks go back now; later tokens would be cut anyway
-                self.finish_reason = "stop"
+                    self.online.cancel(self.ticket)  # its blocks go back now; later tokens would be cut anyway
             elif result is not None:
                 if result.finish_reason == "error":
                     self.error = result.error
-                self.finish_reason = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
+                self._end(FINISH_REASONS.get(result.finish_reason, result.finish_reason))
             end = len(self.text) if self.finish_reason else self._safe_end()
             delta, self.sent = self.text[self.sent:end], max(self.sent, end)
             if delta or new_ids or self.finish_reason:
@@ -121,9 +128,10 @@ class Generation:
 
 
 def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: str) -> FastAPI:
+    """The app: its routes and error handlers are closures over the engine and the manifest, so
+    they read as one listing (hence one function of about 60 lines)."""
     app = FastAPI(title="graphc", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(online)
-    app.state.metrics = metrics
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError):
@@ -134,6 +142,10 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, error: BadRequest):
         return _error(400, str(error), param=error.param, code=error.code)
+
+    @app.exception_handler(GraphcError)
+    async def unavailable(request: Request, error: GraphcError):  # the engine failed or is stopping
+        return _error(503, str(error), kind="server_error")
 
     @app.exception_handler(QueueFull)
     async def queue_full(request: Request, error: QueueFull):
@@ -305,7 +317,7 @@ async def _stream(generation: Generation, head: dict, shape: Shape, include_usag
         yield "data: [DONE]\n\n"
     finally:
         if generation.finish_reason is None:
-            generation.cancel()
+            generation.cancel()  # the client went away mid-stream
 
 
 def _event(data: dict) -> str:
