@@ -153,6 +153,7 @@ def test_bad_requests_get_400_with_an_openai_error_and_the_next_is_served(server
 def test_models_health_and_metrics(server):
     assert [m.id for m in server.client.models.list().data] == ["tiny"]
     assert httpx2.get(f"{server.url}/health").json() == {"status": "ok"}
+    server.client.completions.create(model="tiny", prompt=[5, 6], max_tokens=3, extra_body={"ignore_eos": True})
     metrics = server.metrics()
     assert metrics["graphc_kv_blocks_total"] == 64 and metrics['graphc_requests_total{finish_reason="length"}'] > 0
     assert {"graphc_requests_waiting", "graphc_requests_running", "graphc_generated_tokens_total",
