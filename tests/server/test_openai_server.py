@@ -290,3 +290,24 @@ def test_chat_is_refused_clearly_where_the_checkpoint_has_no_template(tiny_check
         assert server.client.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
     finally:
         assert server.stop() == 0
+
+
+def test_a_stop_string_cuts_the_text_and_min_tokens_holds_it_off(server, artifacts):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(artifacts / "tokenizer.json"))
+    whole = server.client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    text = whole.choices[0].text
+    start = next(i for i in range(1, len(text) - 1) if "\ufffd" not in text[i:i + 2])  # a stop string past the start
+    stop = text[start:start + 2]
+    cut = server.client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0, stop=[stop],
+                                           extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = server.client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0,
+                                                stop=stop, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+    held = server.client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0, stop=[stop],
+                                            extra_body={"ignore_eos": True, "min_tokens": 12})
+    assert held.choices[0].model_extra["token_ids"] == whole.choices[0].model_extra["token_ids"]
+    assert held.choices[0].finish_reason == "length" and tokenizer.decode(whole.choices[0].model_extra["token_ids"]) == text

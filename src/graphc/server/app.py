@@ -122,8 +122,8 @@ class Generation:
         end = len(self.text)
         while end > self.sent and self.text[end - 1] == "\ufffd":
             end -= 1  # an incomplete UTF-8 character: its bytes are still arriving
-        if self.stop:
-            end = min(end, max(self.sent, len(self.text) - max(len(s) for s in self.stop) + 1))
+        if self.stop:  # the last len(stop) - 1 characters could still begin a stop string
+            end = max(self.sent, end - max(len(s) for s in self.stop) + 1)
         return end
 
 
