@@ -343,8 +343,7 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
 @click.option("--max-waiting", type=click.IntRange(min=1), default=256, show_default=True,
               help="Requests that may wait for admission; past it, HTTP 429 with Retry-After.")
 @click.option("--grace-period", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              help="Seconds SIGTERM gives in-flight requests before cancelling them (with several ranks, at most "
-                   "30: torchrun's agent kills its ranks 30 s after a SIGTERM).")
+              help="Seconds SIGTERM gives in-flight requests before cancelling them.")
 @click.option("--trusted-key", type=click.Path(path_type=Path), default=None,
               help="Ed25519 public key (PEM): refuse artifacts it did not sign, before loading anything.")
 def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_key) -> None:

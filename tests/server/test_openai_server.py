@@ -170,6 +170,7 @@ def test_fifty_clients_that_disconnect_mid_stream_free_every_block(server):
                     return count  # the connection closes with the request still generating
         return 0
 
+    generated = server.metrics()["graphc_generated_tokens_total"]
     with ThreadPoolExecutor(50) as pool:
         assert all(pool.map(leave_early, range(50)))
     deadline = time.monotonic() + 30
@@ -177,6 +178,8 @@ def test_fifty_clients_that_disconnect_mid_stream_free_every_block(server):
         assert time.monotonic() < deadline, m
         time.sleep(0.2)
     assert m['graphc_requests_total{finish_reason="cancelled"}'] >= 50
+    # Cancellation reached the engine: far fewer than the 50 x 80 tokens asked for were generated.
+    assert m["graphc_generated_tokens_total"] - generated < 50 * 80 / 4
     assert server.client.completions.create(model="tiny", prompt=[5, 6], max_tokens=3).usage.completion_tokens == 3
 
 
@@ -191,6 +194,7 @@ def test_past_the_admission_queue_requests_get_429_with_retry_after(artifacts):
                                       range(8)))
         statuses = sorted(r.status_code for r in responses)
         assert 200 in statuses and 429 in statuses and set(statuses) == {200, 429}, statuses
+        assert statuses.count(200) <= 3  # one running and two waiting, at most
         refused = next(r for r in responses if r.status_code == 429)
         assert refused.headers["retry-after"] == "1" and refused.json()["error"]["type"] == "rate_limit_error"
         served = [r.json()["choices"][0]["token_ids"] for r in responses if r.status_code == 200]

@@ -60,6 +60,8 @@ class BatchesJob:
     """How long a follower waits for the leader's next step (`StepChannel`)."""
     ends_on_signal: bool = False
     """Whether SIGTERM / SIGINT is the job's normal end (a server's) rather than an interruption."""
+    shutdown_seconds: int = 30
+    """How long the agent waits for the ranks to exit after a signal before killing them."""
 
     def lead(self, engine: Engine) -> list[BatchOutcome]:
         return [generate_batch(engine, batch) for batch in self.batches]
@@ -97,11 +99,15 @@ def _worker(artifacts: str, job, channel_name: str, trusted_key: str | None):
         else:
             engine.follow()
         dist.barrier()  # before teardown: gloo can abort at exit otherwise (docs/platform.md)
-        return outcomes if rank == 0 else None
     finally:
         if engine is not None:
             engine.channel.close()
         dist.destroy_process_group()
+    if job.ends_on_signal:
+        # The agent, stopping on the signal, never reads a return value, and a worker that
+        # returns waits for it to be read: it would sit there until the agent kills it.
+        os._exit(0)
+    return outcomes if rank == 0 else None
 
 
 def open_engine(artifacts: str, manifest: Manifest, rank: int, channel_name: str,
@@ -189,7 +195,7 @@ def launch_ranks(artifacts: Path, job, world: int, monitor_interval: float = 0.5
     channel_name = f"graphc-{run_id}"  # job-unique: two jobs on one host never collide
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=run_id, rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=monitor_interval,
-                          start_method="spawn")
+                          start_method="spawn", shutdown_timeout=job.shutdown_seconds)
     try:
         with _agent_logs(verbose):
             outputs = elastic_launch(config, _worker)(str(artifacts), job, channel_name,

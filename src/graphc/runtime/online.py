@@ -8,6 +8,7 @@ request's events through the listener they submitted it with, called on the engi
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from typing import Callable
 from graphc.errors import GraphcError
 from graphc.runtime.engine import Engine
 from graphc.runtime.scheduler import Request, Result
+
+logger = logging.getLogger(__name__)
 
 Listener = Callable[[int | None, Result | None], None]
 """Called on the engine thread with each generated token (result None), then once with the
@@ -119,6 +122,7 @@ class OnlineEngine:
                     stopping = self._stopping
                 for kind, ticket in commands:
                     self._apply(kind, ticket)
+                self._publish_state(scheduler)  # admission control counts what was just queued
                 if stopping:
                     for ticket in list(self._tickets.values()):
                         self._apply("cancel", ticket)
@@ -128,7 +132,8 @@ class OnlineEngine:
                         ticket = self._tickets[emitted.index]
                         if emitted.result is not None:
                             del self._tickets[emitted.index]
-                        ticket.listener(emitted.token, emitted.result)
+                            del scheduler.results[emitted.index]  # delivered: a server keeps no history
+                        _notify(ticket, emitted.token, emitted.result)
                 self._publish_state(scheduler)
         except Exception as e:  # a graph or a rank failed: every request in flight gets the error
             self._fail(f"{type(e).__name__}: {e}")
@@ -137,16 +142,18 @@ class OnlineEngine:
         scheduler = self.session.scheduler
         if kind == "submit":
             if ticket.cancelled:
-                ticket.listener(None, Result(ticket.request, [], "cancelled"))
+                _notify(ticket, None, Result(ticket.request, [], "cancelled"))
                 return
             ticket.index = scheduler.submit(ticket.request)
             if ticket.index in scheduler.results:  # refused at once
-                ticket.listener(None, scheduler.results[ticket.index])
+                _notify(ticket, None, scheduler.results.pop(ticket.index))
             else:
                 self._tickets[ticket.index] = ticket
         elif ticket.index is not None and ticket.index in self._tickets:
             del self._tickets[ticket.index]
-            ticket.listener(None, scheduler.cancel(ticket.index))
+            result = scheduler.cancel(ticket.index)
+            del scheduler.results[ticket.index]
+            _notify(ticket, None, result)
 
     def _publish_state(self, scheduler) -> None:
         with self._wake:
@@ -161,5 +168,14 @@ class OnlineEngine:
             pending = [ticket for _, ticket in self._commands if not ticket.cancelled]
             self._commands.clear()
         for ticket in [*self._tickets.values(), *pending]:
-            ticket.listener(None, Result(ticket.request, [], "error", message))
+            _notify(ticket, None, Result(ticket.request, [], "error", message))
         self._tickets.clear()
+
+
+def _notify(ticket: Ticket, token: int | None, result: Result | None) -> None:
+    """Call the ticket's listener; one whose caller has gone (a closed event loop at shutdown)
+    must not stop the engine for every other request."""
+    try:
+        ticket.listener(token, result)
+    except Exception:
+        logger.exception("a request's listener failed; the request was dropped")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import signal
 import socket
@@ -19,9 +20,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from graphc.artifacts.manifest import ChatTemplate, Manifest
@@ -63,8 +66,11 @@ class Generation:
         self.arrived = self.last_token = time.monotonic()
         loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
-        self.ticket: Ticket = online.submit(
-            request, lambda token, result: loop.call_soon_threadsafe(self.events.put_nowait, (token, result)))
+        def deliver(token, result):  # on the engine thread
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self.events.put_nowait, (token, result))
+
+        self.ticket: Ticket = online.submit(request, deliver)
 
     def cancel(self) -> None:
         """End the request early (a stop string, or its client left); its blocks are freed."""
@@ -177,7 +183,7 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         head = {"id": f"{shape.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_stream(generation, head, shape, include_usage), media_type="text/event-stream")
+            return GenerationStream(generation, _stream(generation, head, shape, include_usage))
         return await _complete(generation, head, shape, http)
 
     @app.post("/v1/completions")
@@ -192,6 +198,8 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         if template is None or tokenizer is None:
             raise BadRequest(f"model {model_name!r} has no chat template (its checkpoint's tokenizer_config.json "
                              "has none); use /v1/completions", param="messages", code="no_chat_template")
+        if body.max_tokens is None and body.max_completion_tokens is not None:
+            body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         text = _render_chat(template, [m.model_dump() for m in body.messages])
         return await respond(body, tokenizer.encode(text, add_special_tokens=False).ids, CHAT, http)
 
@@ -221,15 +229,25 @@ TEXT = Shape("cmpl", "text_completion", "text_completion", chat=False)
 CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
 
 
+@functools.cache
+def _compiled_template(source: str):
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    # As transformers builds it: trimmed blocks, {% break %} / {% continue %}, raise_exception.
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    environment.globals["raise_exception"] = raise_exception
+    return environment.from_string(source)
+
+
 def _render_chat(template: ChatTemplate, messages: list[dict]) -> str:
     """The prompt text of `messages`, as transformers' `apply_chat_template` renders it: the
     template runs in Jinja's immutable sandbox (it came with the artifacts: input, not code)."""
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     try:
-        return environment.from_string(template.template).render(
+        return _compiled_template(template.template).render(
             messages=messages, add_generation_prompt=True, bos_token=template.bos_token, eos_token=template.eos_token)
     except TemplateError as e:
         raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
@@ -281,15 +299,34 @@ def _usage(generation: Generation) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+class GenerationStream(StreamingResponse):
+    """The events of one generation, which is cancelled however the response ends early: a
+    client that disconnects, even before the first event, or a server past its grace period."""
+
+    def __init__(self, generation: Generation, events):
+        super().__init__(events, media_type="text/event-stream")
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.generation.finish_reason is None:
+                self.generation.cancel()
+
+
 async def _complete(generation: Generation, head: dict, shape: Shape, http: Request) -> JSONResponse:
-    """The whole completion; cancelled if the client goes away first."""
+    """The whole completion; cancelled if the client goes away first (or the handler is)."""
     collect = asyncio.ensure_future(_collect(generation))
-    while not collect.done():
-        await asyncio.wait([collect], timeout=0.25)
-        if not collect.done() and await http.is_disconnected():
+    try:
+        while not collect.done():
+            await asyncio.wait([collect], timeout=0.25)
+            if not collect.done() and await http.is_disconnected():
+                return JSONResponse({}, status_code=499)
+    finally:
+        if not collect.done():
             generation.cancel()
             collect.cancel()
-            return JSONResponse({}, status_code=499)
     if generation.error:
         return _error(500, f"the request failed: {generation.error}", kind="server_error")
     choice = shape.choice(generation.text, generation.ids, generation.finish_reason, whole=True)
@@ -302,22 +339,18 @@ async def _collect(generation: Generation) -> None:
 
 
 async def _stream(generation: Generation, head: dict, shape: Shape, include_usage: bool):
-    """Server-sent events in OpenAI's format; a disconnect (the task cancelled) cancels the request."""
-    try:
-        first = True
-        async for delta, ids in generation.deltas():
-            if generation.error:
-                yield _event(error_body(f"the request failed: {generation.error}", kind="server_error"))
-                break
-            choice = shape.choice(delta, ids, generation.finish_reason, first=first)
-            first = False
-            yield _event({**head, "object": shape.chunk_object, "choices": [choice]})
-        if include_usage:
-            yield _event({**head, "object": shape.chunk_object, "choices": [], "usage": _usage(generation)})
-        yield "data: [DONE]\n\n"
-    finally:
-        if generation.finish_reason is None:
-            generation.cancel()  # the client went away mid-stream
+    """Server-sent events in OpenAI's format."""
+    first = True
+    async for delta, ids in generation.deltas():
+        if generation.error:
+            yield _event(error_body(f"the request failed: {generation.error}", kind="server_error"))
+            break
+        choice = shape.choice(delta, ids, generation.finish_reason, first=first)
+        first = False
+        yield _event({**head, "object": shape.chunk_object, "choices": [choice]})
+    if include_usage:
+        yield _event({**head, "object": shape.chunk_object, "choices": [], "usage": _usage(generation)})
+    yield "data: [DONE]\n\n"
 
 
 def _event(data: dict) -> str:
@@ -343,10 +376,13 @@ class HttpJob:
     follower_timeout: float | None = None  # followers idle between requests as long as the server does
     ends_on_signal: bool = True
 
+    @property
+    def shutdown_seconds(self) -> int:
+        """The agent waits the grace period (and the ranks' teardown) before killing them."""
+        return int(self.grace_seconds) + 15
+
     def lead(self, engine: Engine) -> None:
         from tokenizers import Tokenizer
-
-        import uvicorn
 
         manifest = engine.manifest
         tokenizer = Tokenizer.from_file(str(Path(self.artifacts) / manifest.tokenizer)) if manifest.tokenizer else None
@@ -356,15 +392,25 @@ class HttpJob:
                                 timeout_graceful_shutdown=self.grace_seconds, lifespan="off")
         # uvicorn handles SIGTERM / SIGINT while it serves, then re-raises them: to a handler that
         # does nothing, so a graceful stop ends here (before this point they stop the command).
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: None)
+        previous = {signum: signal.signal(signum, lambda *_: None) for signum in (signal.SIGTERM, signal.SIGINT)}
         print(f"serving {self.artifacts} on http://{self.host}:{listener.getsockname()[1]}", file=sys.stderr,
               flush=True)
         try:
-            uvicorn.Server(config).run(sockets=[listener])
+            _DrainingServer(config).run(sockets=[listener])
         finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
             online.stop()
             listener.close()
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining on the first SIGTERM / SIGINT and not cut short by a second:
+    with several ranks the leader gets a Ctrl-C twice (from the terminal, then from the agent)."""
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            super().handle_exit(sig, frame)
 
 
 def serve_http(artifacts: Path, host: str, port: int, max_waiting: int, grace_seconds: float,

@@ -39,13 +39,16 @@ class ServerMetrics:
         now = time.monotonic()
         with self._lock:
             self._recent.append(now)
+            self._forget(now)
 
     def tokens_per_second(self) -> float:
-        horizon = time.monotonic() - RATE_WINDOW_SECONDS
         with self._lock:
-            while self._recent and self._recent[0] < horizon:
-                self._recent.popleft()
+            self._forget(time.monotonic())
             return len(self._recent) / RATE_WINDOW_SECONDS
+
+    def _forget(self, now: float) -> None:
+        while self._recent and self._recent[0] < now - RATE_WINDOW_SECONDS:
+            self._recent.popleft()
 
 
 class _EngineCollector:

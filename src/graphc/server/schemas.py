@@ -53,6 +53,8 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    """OpenAI's newer name for max_tokens in chat (used when max_tokens is absent)."""
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
