@@ -73,7 +73,10 @@ class StepChannel:
         self.name, self.world, self.rank, self.timeout = name, world, rank, timeout
         self.max_rows, self.max_width, self.blocks_per_row = max_rows, max_width, blocks_per_row
         header = 3 + world
-        self.slot_words = HEADER_WORDS + sum(self._capacity(name) for name in STEP_FIELDS)
+        largest = self._shapes(max_rows, max_width)
+        self.capacity = {name: math.prod(largest[name]) for name in STEP_FIELDS}
+        """Words of each field in a slot: room for the largest step (computed once, not per step)."""
+        self.slot_words = HEADER_WORDS + sum(self.capacity.values())
         size = 8 * (header + 2 * self.slot_words) + STARTUP_BYTES
         if rank == 0:
             remove_segment(name)  # a crashed run's leftover of the same name
@@ -135,7 +138,7 @@ class StepChannel:
         for name in STEP_FIELDS:
             values = fields[name].reshape(-1).numpy()
             slot[offset: offset + values.size] = values
-            offset += self._capacity(name)
+            offset += self.capacity[name]
         self.header[0] = step
 
     def receive(self, step: int) -> tuple[Bucket, dict[str, torch.Tensor]] | None:
@@ -151,7 +154,7 @@ class StepChannel:
         for name in STEP_FIELDS:
             count = int(np.prod(shapes[name]))
             fields[name] = torch.from_numpy(slot[offset: offset + count].copy()).view(shapes[name])
-            offset += self._capacity(name)
+            offset += self.capacity[name]
         self.header[3 + self.rank] = step
         return bucket, fields
 
@@ -162,10 +165,6 @@ class StepChannel:
     def _shapes(self, rows: int, width: int) -> dict[str, tuple[int, ...]]:
         shapes = step_shapes(rows, width, self.blocks_per_row)
         return {name: (self.world, *shapes[name]) if name in PER_RANK_FIELDS else shapes[name] for name in STEP_FIELDS}
-
-    def _capacity(self, name: str) -> int:
-        """Words of `name` in a slot: room for the largest step."""
-        return math.prod(self._shapes(self.max_rows, self.max_width)[name])
 
     def close(self) -> None:
         self.header = self.slots = self.startup = None  # views first: the buffer cannot close under them
