@@ -371,7 +371,8 @@ def inspect(artifacts: Path) -> None:
                    f"{'samples' if rank.samples else 'no sampler'}")
         for g in rank.graphs:
             label = g.bucket.name
-            counts = m.extra.get("op_counts", {}).get(f"{label} rank {rank.rank}", {})
+            role = "leader" if rank.samples else "follower"  # one program per role serves every rank
+            counts = m.extra.get("op_counts", {}).get(f"{label} {role}", {})
             graphc_ops = ", ".join(f"{op} x{n}" for op, n in sorted(counts.items()) if op.startswith("graphc::"))
             click.echo(f"  {label:12s} {g.file} ({(artifacts / g.file).stat().st_size / 1e6:.2f} MB; "
                        f"MoE {g.moe_form}; {sum(counts.values())} ops; {graphc_ops})")

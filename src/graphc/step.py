@@ -8,12 +8,18 @@ from __future__ import annotations
 
 STEP_INPUTS = (
     "input_ids", "positions", "block_table", "slot_mapping", "kv_pool",
-    "logits_index", "temperature", "top_k", "top_p", "seed",
+    "logits_index", "temperature", "top_k", "top_p", "seed", "coordinates",
 )
 """Per-step graph inputs after the weights, in call order."""
 
 FLOAT_INPUTS = frozenset({"temperature", "top_p"})
-"""Step inputs (besides the pool, in the model dtype) that are fp32; the others are int64."""
+"""Step inputs (besides the pool, in the model dtype) that are fp32; the others are int64 but
+`coordinates`."""
+
+COORDINATES = ("cp_rank", "ep_rank")
+"""What the int32 `coordinates` input holds, in order: the rank's place in its context-parallel
+group (its KV shard) and in its expert-parallel group (its experts). The one input that differs
+between ranks for the same step, so that every rank of a bucket runs one compiled program."""
 
 POOL_BLOCKS_DIM = 1
 """The dim of `kv_pool` [L, N, S, C] sized at run time (N, the pool's block count): the one
@@ -46,4 +52,5 @@ def step_shapes(rows: int, width: int, blocks_per_row: int) -> dict[str, tuple[i
         "top_k": per_row,
         "top_p": per_row,
         "seed": per_row,
+        "coordinates": (len(COORDINATES),),
     }

@@ -57,6 +57,10 @@ class Topology:
     def ep_rank(self, rank: int) -> int:
         return rank % self.ep
 
+    def coordinates(self, rank: int) -> list[int]:
+        """The step's `coordinates` input on `rank` (`graphc.step.COORDINATES`: cp rank, ep rank)."""
+        return [self.cp_rank(rank), self.ep_rank(rank)]
+
     def experts(self, rank: int, n_routed_experts: int) -> range:
         """The routed experts `rank` holds."""
         if n_routed_experts % self.ep:

@@ -44,7 +44,7 @@ def test_a_step_counts_the_rows_that_reach_the_ranks_experts():
 def test_expert_routes_renumber_this_shards_routes_and_zero_the_others():
     ids = torch.tensor([[0, 3], [4, 7], [2, 5]])
     weights = torch.tensor([[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]])
-    local, local_weights = expert_routes(ids, weights, 8, 1, 2)  # shard 1 of 2 holds experts 4..7
+    local, local_weights = expert_routes(ids, weights, 8, torch.tensor(1, dtype=torch.int32), 2)  # shard 1 of 2: experts 4..7
     assert local.tolist() == [[4, 4], [0, 3], [4, 1]]  # 4 = E': another shard's expert
     assert torch.equal(local_weights, torch.tensor([[0.0, 0.0], [0.3, 0.4], [0.0, 0.6]]))
     same, same_weights = expert_routes(ids, weights, 8)

@@ -7,7 +7,8 @@ import torch
 from graphc.buckets.selection import Bucket
 from graphc.passes.dead_code_elimination import dead_code_elimination
 from graphc.passes.manager import op_counts
-from passes_support import captured, context, copy_program, run_program
+from support import captured, copy_program, run_program
+from passes_support import context
 
 BUCKET = Bucket("prefill", 8)
 

@@ -11,7 +11,8 @@ from graphc.buckets.selection import Bucket
 from graphc.passes.inline_reference_kernels import inline_reference_kernels
 from graphc.passes.manager import op_counts
 from graphc.passes.verifier import verify
-from passes_support import captured, context, copy_program, run_program
+from support import captured, copy_program, run_program
+from passes_support import context
 
 
 @pytest.mark.parametrize("bucket", [Bucket("decode", 3), Bucket("prefill", 8)])

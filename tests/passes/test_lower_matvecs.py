@@ -11,7 +11,8 @@ import torch
 from graphc.buckets.selection import Bucket
 from graphc.passes.lower_matvecs import MAX_ROWS, lower_matvecs, matvec_linear
 from graphc.passes.verifier import verify
-from passes_support import captured, context, copy_program, run_program
+from support import captured, copy_program, run_program
+from passes_support import context
 
 
 def _linears(program) -> int:

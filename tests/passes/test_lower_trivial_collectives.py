@@ -6,7 +6,8 @@ from graphc.buckets.selection import Bucket
 from graphc.passes.lower_trivial_collectives import lower_trivial_collectives
 from graphc.passes.manager import op_counts
 from graphc.passes.verifier import verify
-from passes_support import captured, context, copy_program, run_program
+from support import captured, copy_program, run_program
+from passes_support import context
 
 BUCKET = Bucket("decode", 2)
 

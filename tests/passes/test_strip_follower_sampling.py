@@ -10,7 +10,8 @@ from graphc.passes.graph import collective_sequence
 from graphc.passes.manager import op_counts
 from graphc.passes.strip_follower_sampling import strip_follower_sampling
 from graphc.passes.verifier import verify
-from passes_support import captured, context, copy_program, run_program
+from support import captured, copy_program, run_program
+from passes_support import context
 
 BUCKET = Bucket("decode", 2)
 
@@ -18,7 +19,7 @@ BUCKET = Bucket("decode", 2)
 def test_a_followers_sampler_becomes_zeros_and_its_logits_stay(tiny_checkpoints):
     model, program = captured(tiny_checkpoints["lora-groups"], BUCKET)
     before = copy_program(program)
-    ctx = context(BUCKET, cp=2, ep=2, rank=1)
+    ctx = context(BUCKET, cp=2, ep=2, leader=False)
 
     result = strip_follower_sampling(program.graph_module, ctx)
 
@@ -34,6 +35,6 @@ def test_a_followers_sampler_becomes_zeros_and_its_logits_stay(tiny_checkpoints)
 
 def test_the_leaders_graph_keeps_its_sampler(tiny_checkpoints):
     _, program = captured(tiny_checkpoints["lora-groups"], BUCKET)
-    result = strip_follower_sampling(program.graph_module, context(BUCKET, cp=2, ep=2, rank=0))
+    result = strip_follower_sampling(program.graph_module, context(BUCKET, cp=2, ep=2, leader=True))
     assert not result.modified
     assert op_counts(result.graph_module)["graphc::sample"] == 1

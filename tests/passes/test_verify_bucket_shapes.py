@@ -7,7 +7,8 @@ import pytest
 from graphc.buckets.selection import Bucket
 from graphc.passes.manager import GraphInvariantError, op_counts
 from graphc.passes.verify_bucket_shapes import verify_bucket_shapes
-from passes_support import captured, context
+from support import captured
+from passes_support import context
 
 
 def test_accepts_the_bucket_it_was_captured_for_and_changes_nothing(tiny_checkpoints):

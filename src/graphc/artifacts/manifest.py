@@ -15,7 +15,7 @@ from graphc.buckets.selection import Bucket
 from graphc.errors import GraphcError
 from graphc.sampling import Sampling
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 MANIFEST = "manifest.yaml"
 
 
@@ -64,6 +64,9 @@ class RankEntry:
     graphs: list[GraphEntry]
     samples: bool
     """Whether this rank's graphs sample (the leader) or stop at the logits (followers)."""
+    coordinates: list[int]
+    """This rank's `coordinates` step input (`graphc.step.COORDINATES`: cp rank, ep rank): what
+    makes one graph file serve every follower."""
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ from graphc.topology import Topology
 from graphc.typed import build
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
-INPUT_DTYPES = {"float32", "bfloat16", "int64"}
-"""The dtypes of a step's inputs (token ids, positions and tables int64; pool and sampler floats)."""
+INPUT_DTYPES = {"float32", "bfloat16", "int64", "int32"}
+"""The dtypes of a step's inputs (token ids, positions and tables int64; pool and sampler floats;
+the rank's coordinates int32)."""
 
 
 def parse_manifest(data: Any, manifest_type: type, error: type[GraphcError]):
@@ -90,3 +91,7 @@ def _check(manifest, error: type[GraphcError]) -> None:
                             f"{', '.join(MOE_FORMS)}")
         if rank.samples != (rank.rank == 0):
             raise error(f"ranks[{rank.rank}].samples: {rank.samples}; only rank 0 samples")
+        expected = Topology(topology.cp, topology.ep).coordinates(rank.rank)
+        if rank.coordinates != expected:
+            raise error(f"ranks[{rank.rank}].coordinates: {rank.coordinates} are not this topology's "
+                        f"{expected} (cp rank, ep rank)")

@@ -40,7 +40,7 @@ class WeightsFile:
 
 @dataclass(frozen=True)
 class CompiledGraph:
-    """One bucket's graph on one rank, as the emitter left it."""
+    """One bucket's graph for one rank (the leader's or the followers' program), as the emitter left it."""
 
     bucket: Bucket
     file: Path
@@ -120,7 +120,8 @@ def write_manifest(staging: Path, config: GraphcConfig, backend: str, args: Mode
             entries.append(GraphEntry(graph.bucket.kind, graph.bucket.size, graph.bucket.tokens_per_row, name,
                                       sha256_file(staging / name), graph.inputs, graph.moe_form))
         shard = weights[rank]
-        ranks.append(RankEntry(rank, shard.path, shard.sha256, shard.names, entries, samples=rank == 0))
+        ranks.append(RankEntry(rank, shard.path, shard.sha256, shard.names, entries, samples=rank == 0,
+                               coordinates=topology.coordinates(rank)))
     tokenizer = config.model.checkpoint / "tokenizer.json"
     if tokenizer.is_file():
         shutil.copyfile(tokenizer, staging / "tokenizer.json")

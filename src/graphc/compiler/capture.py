@@ -1,7 +1,8 @@
 """Capture: one `torch.export` per bucket shape, weights as graph inputs, no dynamic compute dims.
 
-The captured program is rank-agnostic: the model plus the sampler, with the graphc:: ops as single
-nodes for the passes to specialise per rank. What changes shapes is fixed at capture: the
+The captured program serves every rank: the model plus the sampler, with the graphc:: ops as
+single nodes for the passes to rewrite, and the rank's coordinates (KV shard, expert slice) a
+step input. What changes shapes is fixed at capture: the
 context- and expert-parallel group sizes, each rank's number of experts, and the MoE form
 (static or generic). torch.export bakes sizes into view and reshape arguments, so a pass cannot
 soundly turn an all-gathered [T * ep] token batch into a [T] one after the fact. Weights enter as a list input (in
@@ -13,6 +14,8 @@ and the runtime may change it (`GRAPHC_NUM_KV_BLOCKS`) without recompiling.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import Tensor
@@ -56,12 +59,20 @@ class StepGraph(torch.nn.Module):
         self.moe_form = moe_form
 
     def forward(self, weights: list[Tensor], input_ids, positions, block_table, slot_mapping, kv_pool,
-                logits_index, temperature, top_k, top_p, seed) -> tuple[Tensor, Tensor]:
+                logits_index, temperature, top_k, top_p, seed, coordinates) -> tuple[Tensor, Tensor]:
+        # The rank's coordinates are an input, not constants: the graph is the same on every rank.
+        cp_rank, ep_rank = coordinates.unbind()
+        parallel = dataclasses.replace(self.parallel, cp_rank=cp_rank, ep_rank=ep_rank)
         logits = torch.func.functional_call(
             self._model[0], dict(zip(self.weight_names, weights)),
-            (input_ids, positions, block_table, slot_mapping, kv_pool, logits_index), {"parallel": self.parallel, "moe_form": self.moe_form},
+            (input_ids, positions, block_table, slot_mapping, kv_pool, logits_index), {"parallel": parallel, "moe_form": self.moe_form},
         )  # [B, V]
         return sampler.sample(logits, temperature, top_k, top_p, seed), logits
+
+
+def step_input_dtype(name: str) -> torch.dtype:
+    """The dtype of step input `name` (other than the pool, which is in the model dtype)."""
+    return torch.float32 if name in FLOAT_INPUTS else torch.int32 if name == "coordinates" else torch.int64
 
 
 def example_step_inputs(bucket: Bucket, blocks_per_row: int, kv_pool_shape: tuple[int, ...],
@@ -69,8 +80,7 @@ def example_step_inputs(bucket: Bucket, blocks_per_row: int, kv_pool_shape: tupl
     """Distinct example tensors of the bucket's shapes (one tensor per input: shared example
     tensors would be captured as one aliased input)."""
     shapes = step_shapes(bucket.rows, bucket.width, blocks_per_row)
-    inputs = {name: torch.zeros(shapes[name], dtype=torch.float32 if name in FLOAT_INPUTS else torch.int64)
-              for name in shapes}
+    inputs = {name: torch.zeros(shapes[name], dtype=step_input_dtype(name)) for name in shapes}
     # Values a step could hold (distinct slots, in-range positions and logits rows), not all zeros.
     inputs["positions"] = torch.arange(bucket.width).repeat(bucket.rows, 1)
     inputs["slot_mapping"] = torch.arange(bucket.rows * bucket.width).view(shapes["slot_mapping"])
@@ -85,8 +95,8 @@ def capture_bucket(model: DeepseekV3, bucket: Bucket, blocks_per_row: int, num_b
     """Export the step for one bucket shape.
 
     `parallel` fixes what changes shapes (group sizes, static or generic MoE; `model` holds one
-    rank's share of the experts); the rank-specific numbers it carries are rank 0's, and the
-    `specialise_rank` pass rewrites them for the other ranks. `moe_form` fixes the routed
+    rank's share of the experts, of the shapes every rank's share has); the rank's coordinates
+    come from the `coordinates` input. `moe_form` fixes the routed
     experts' formulation (`MOE_FORMS`; by default the model's rule for the bucket's size).
     """
     step = StepGraph(model, parallel, moe_form)

@@ -24,7 +24,7 @@ from graphc.models.moe_forms import step_moe_form
 from graphc.passes.graph import step_placeholders
 from graphc.passes.manager import PassContext, PassManager, op_counts
 from graphc.passes.registry import backend_passes, check_pass_names
-from graphc.passes.verifier import check_rank_agreement, verify
+from graphc.passes.verifier import check_role_agreement, verify
 from graphc.step import POOL_BLOCKS_DIM, STEP_INPUTS, blocks_per_row
 from graphc.topology import Topology
 
@@ -76,33 +76,38 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         captured = {bucket: capture_bucket(model, bucket, table_width, kv.num_blocks, kv.block_size, parallel,
                                            moe_forms[bucket])
                     for bucket in buckets}
-        # 3. Specialise each program for each rank (passes/registry.py), then check the ranks agree.
+        # 3. Rewrite each bucket's program for the leader and, with several ranks, for the followers
+        # (passes/registry.py): at most two programs a bucket whatever the world, the rank's
+        # coordinates being an input. Then check the two issue the same collectives.
         passes = backend_passes(backend)
         manager = PassManager(passes, verify, verify=options.verify_passes,
                               disabled=options.disabled_passes & {name for name, _ in passes},
                               dump_dir=options.dump_graphs)
+        contexts = [PassContext(topology, leader, bucket, table_width)
+                    for leader in ((True,) if topology.world == 1 else (True, False)) for bucket in buckets]
         programs, pass_logs = {}, {}
-        for rank in range(topology.world):
-            for bucket, capture in captured.items():
-                # Every rank specialises its own copy; the capture stays rank-agnostic.
-                program = copy_program(capture) if topology.world > 1 else capture
-                log = manager.run(program.graph_module, PassContext(topology, rank, bucket, table_width))
-                _sync_output_signature(program)
-                programs[rank, bucket] = program
-                pass_logs[f"{bucket.name} rank {rank}"] = log.changes()
-        for bucket in buckets:
-            check_rank_agreement({rank: programs[rank, bucket].graph_module for rank in range(topology.world)},
-                                 bucket.name)
-        # 4. Emit: compile each distinct program once (cached).
+        for ctx in contexts:
+            # Each role rewrites its own copy; the capture stays as captured.
+            program = copy_program(captured[ctx.bucket]) if topology.world > 1 else captured[ctx.bucket]
+            log = manager.run(program.graph_module, ctx)
+            _sync_output_signature(program)
+            programs[ctx.role, ctx.bucket] = program
+            pass_logs[f"{ctx.bucket.name} {ctx.role}"] = log.changes()
+        if topology.world > 1:
+            for bucket in buckets:
+                check_role_agreement(programs["leader", bucket].graph_module, programs["follower", bucket].graph_module,
+                                     bucket.name)
+        # 4. Emit: compile each distinct program once (cached); every rank's entry points at its
+        # role's file.
         keys = {where: program_key(program, backend) for where, program in programs.items()}
-        compiled = compile_all([CompileJob(f"{bucket.name} rank {rank}", keys[rank, bucket], program)
-                                for (rank, bucket), program in programs.items()],
+        compiled = compile_all([CompileJob(f"{bucket.name} {role}", keys[role, bucket], program)
+                                for (role, bucket), program in programs.items()],
                                backend, options.workers, options.show_progress)
-        graphs = {rank: [CompiledGraph(bucket, compiled[keys[rank, bucket]], _step_specs(programs[rank, bucket]),
+        graphs = {rank: [CompiledGraph(bucket, compiled[keys[_role(rank), bucket]], _step_specs(programs[_role(rank), bucket]),
                                        moe_forms[bucket]) for bucket in buckets]
                   for rank in range(topology.world)}
-        extra = {"op_counts": {f"{bucket.name} rank {rank}": op_counts(program.graph_module)
-                               for (rank, bucket), program in programs.items()},
+        extra = {"op_counts": {f"{bucket.name} {role}": op_counts(program.graph_module)
+                               for (role, bucket), program in programs.items()},
                  "passes": pass_logs}
         del programs, captured
         # 5. Weights, one expert shard in memory at a time: rank 0's, then each other's, loaded,
@@ -120,8 +125,12 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                               extra, options.sign_key)
 
 
+def _role(rank: int) -> str:
+    return "leader" if rank == 0 else "follower"
+
+
 def copy_program(capture: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """A deep copy for passes to edit (each rank's, `graphc probe`'s) without touching `capture`."""
+    """A deep copy for passes to edit (each role's, `graphc probe`'s) without touching `capture`."""
     with warnings.catch_warnings():
         # torch 2.13's own pytree specs warn about themselves when deep-copied; nothing to act on.
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)

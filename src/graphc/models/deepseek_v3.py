@@ -50,22 +50,32 @@ INDEXER_NORM_EPS = 1e-6
 class Parallelism:
     """How this rank's step relates to the other ranks' (the defaults are one device).
 
-    Plain numbers: the module never touches torch.distributed; the graphc ops it calls do.
+    Numbers and, in a step graph, the rank's coordinates as tensors: the module never touches
+    torch.distributed; the graphc ops it calls do.
     """
 
-    cp_rank: int = 0
-    """This rank's shard of every sequence's KV blocks (block j lives on rank j % cp)."""
+    cp_rank: int | Tensor = 0
+    """This rank's shard of every sequence's KV blocks (block j lives on rank j % cp). In a step
+    graph, a 0-d int32 slice of the step's `coordinates` input: one graph serves every rank."""
     cp: int = 1
     """Context-parallel ranks."""
-    ep_rank: int = 0
+    ep_rank: int | Tensor = 0
     """This rank's position in its expert-parallel group: it holds experts
-    [ep_rank * E / ep, (ep_rank + 1) * E / ep)."""
+    [ep_rank * E / ep, (ep_rank + 1) * E / ep). A tensor in a step graph, as `cp_rank`."""
     ep: int = 1
     """Expert-parallel group size."""
     tokens_replicated: bool = False
     """Every rank of the EP group holds the same tokens (the static-MoE form): skip the
     dispatch, compute this rank's experts on its own tokens, and all-reduce; otherwise gather the
     group's tokens first and reduce-scatter after (the generic form)."""
+
+    def kv_shard(self) -> Tensor:
+        """`cp_rank` as the ops take it (a 0-d int32 tensor)."""
+        return torch.as_tensor(self.cp_rank, dtype=torch.int32)
+
+    def expert_shard(self) -> Tensor:
+        """`ep_rank` as the ops take it (a 0-d int32 tensor)."""
+        return torch.as_tensor(self.ep_rank, dtype=torch.int32)
 
 
 class RMSNorm(nn.Module):
@@ -236,12 +246,12 @@ class RoutedExperts(nn.Module):
         width = self.down_proj.shape[-1]
         if form == "dense":
             combine = torch.zeros(x.shape[0], self.n_routed_experts, dtype=weights.dtype, device=x.device)
-            combine = collectives.expert_shard(combine.scatter(1, ids, weights), parallel.ep_rank, parallel.ep)  # [T, E']
+            combine = collectives.expert_shard(combine.scatter(1, ids, weights), parallel.expert_shard(), parallel.ep)  # [T, E']
             gate, up = torch.einsum("td,efd->etf", x, self.gate_up_proj).split(width, dim=-1)  # [E', T, I] each
             out = torch.einsum("eti,edi->etd", F.silu(gate) * up, self.down_proj)  # [E', T, D]
             # Weigh and sum the experts in fp32 (the weights are fp32): one rounding, not E of them.
             return torch.einsum("etd,te->td", out.float(), combine).to(x.dtype)  # [T, D]
-        ids, weights = moe.expert_routes(ids, weights, self.n_routed_experts, parallel.ep_rank, parallel.ep)
+        ids, weights = moe.expert_routes(ids, weights, self.n_routed_experts, parallel.expert_shard(), parallel.ep)
         if form == "gather":
             # Multiply-and-sum over gathered weights, so a compiler fuses the gather into the
             # reduction (each weight read once, never copied); products accumulate in fp32, as a
@@ -341,11 +351,11 @@ class Indexer(nn.Module):
         parallel, block_size = step.parallel, step.kv_pool.shape[2]
         logits = sparse.paged_indexer_logits(
             q, head_weights, step.kv_pool, self.layer, step.block_table, step.positions, self.key_offset,
-            self.head_dim**-0.5, parallel.cp_rank, parallel.cp,
+            self.head_dim**-0.5, parallel.kv_shard(), parallel.cp,
         )  # [B, Q, K] this shard's keys
         # A static width: the bucket's block table bounds the context.
         k = min(self.topk, step.block_table.shape[1] * block_size)
-        positions, scores = sparse.index_candidates(logits, k, block_size, parallel.cp_rank, parallel.cp)
+        positions, scores = sparse.index_candidates(logits, k, block_size, parallel.kv_shard(), parallel.cp)
         return sparse.index_topk_combine(positions, scores, "cp")  # [B, Q, k] the group's top-k
 
 
@@ -409,12 +419,12 @@ class Attention(nn.Module):
             selected = self.indexer.select(x, q_lora, cos, sin, step)  # [B, Q, k]
             out_latent, lse = sparse.sparse_mla_attention(
                 q_latent, q_rope, step.kv_pool, self.layer, step.block_table, step.positions, selected,
-                self.softmax_scale, self.bf16_probabilities, parallel.cp_rank, parallel.cp,
+                self.softmax_scale, self.bf16_probabilities, parallel.kv_shard(), parallel.cp,
             )  # [B, Q, H, R] fp32, [B, Q, H]
         else:
             out_latent, lse = paged_attention.paged_mla_attention(
                 q_latent, q_rope, step.kv_pool, self.layer, step.block_table, step.positions, self.softmax_scale,
-                parallel.cp_rank, parallel.cp,
+                parallel.kv_shard(), parallel.cp,
             )  # [B, Q, H, R] fp32, [B, Q, H]
         out_latent = collectives.attention_combine(out_latent, lse, "cp")  # the CP group's shards, combined
         out = torch.einsum("bqhr,hvr->bqhv", out_latent, w_uv.float()).to(x.dtype)  # [B, Q, H, V]

@@ -15,6 +15,7 @@ when a fake used `empty_like` of a permuted input).
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 _LIBRARY = torch.library.Library("graphc", "DEF")
 
@@ -27,3 +28,12 @@ def define_op(schema: str, kernel, fake):
     torch.library.register_fake(f"graphc::{name}", fake, lib=_LIBRARY)
     return getattr(torch.ops.graphc, name)
 
+Shard = Tensor | int | None
+"""A rank's place in its group as ops take it: in a step graph a 0-d int32 tensor sliced from the
+step's `coordinates` input (so one graph serves every rank of the group); in eager code an int;
+None is shard 0 (one device)."""
+
+
+def shard_number(shard: Shard) -> Tensor | int:
+    """`shard` as index arithmetic takes it (None: 0)."""
+    return 0 if shard is None else shard

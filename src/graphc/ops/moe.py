@@ -1,7 +1,7 @@
 """graphc:: ops of the routed experts' sparse forms (see `models/deepseek_v3.RoutedExperts`).
 
 - `expert_routes`: the (token, expert) routes this rank's experts serve, renumbered locally.
-  Captured with one shard; `specialise_rank` sets the rank's; CPU backends inline it.
+  The shard is the step's `coordinates` input (one graph for every rank); CPU backends inline it.
 - `grouped_mm`: one GEMM per expert over expert-sorted rows. It stays an op on every backend: its
   CPU kernel is ATen's `_grouped_mm`, which computes fp32 on the CPU but whose meta function
   admits only bf16, so it cannot be traced as itself; on Neuron it is the blockwise MoE matmul.
@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from graphc.ops.library import define_op
+from graphc.ops.library import Shard, define_op, shard_number
 
 
-def expert_routes_reference(ids: Tensor, weights: Tensor, num_experts: int, shard: int = 0,
+def expert_routes_reference(ids: Tensor, weights: Tensor, num_experts: int, shard: Shard = 0,
                             num_shards: int = 1) -> tuple[Tensor, Tensor]:
     """Renumber each route to this shard's experts; routes to other shards' experts get id E'
     (one past the last local expert: sorted after every local route) and weight 0.
@@ -35,16 +35,17 @@ def expert_routes_reference(ids: Tensor, weights: Tensor, num_experts: int, shar
         local_weights: [T, K] the weights, 0 where another shard holds the expert.
     """
     local_experts = num_experts // num_shards
-    shifted = ids - shard * local_experts
+    shifted = ids - shard_number(shard) * local_experts
     mine = (shifted >= 0) & (shifted < local_experts)
     return (torch.where(mine, shifted, local_experts).contiguous(),
             torch.where(mine, weights, torch.zeros_like(weights)).contiguous())
 
 
 expert_routes = define_op(
-    "expert_routes(Tensor ids, Tensor weights, int num_experts, int shard=0, int num_shards=1) -> (Tensor, Tensor)",
+    "expert_routes(Tensor ids, Tensor weights, int num_experts, Tensor? shard=None, int num_shards=1) "
+    "-> (Tensor, Tensor)",
     expert_routes_reference,
-    lambda ids, weights, num_experts, shard=0, num_shards=1: (ids.new_empty(ids.shape), weights.new_empty(weights.shape)),
+    lambda ids, weights, num_experts, shard=None, num_shards=1: (ids.new_empty(ids.shape), weights.new_empty(weights.shape)),
 )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from graphc.ops.library import define_op
+from graphc.ops.library import Shard, define_op, shard_number
 from graphc.step import PADDING_SLOT, ceil_div
 
 
@@ -39,7 +39,7 @@ kv_write = define_op(
 )
 
 
-def context_block_table(block_table: Tensor, positions: Tensor, block_size: int, shard: int = 0,
+def context_block_table(block_table: Tensor, positions: Tensor, block_size: int, shard: Shard = 0,
                         num_shards: int = 1) -> Tensor:
     """This shard's columns of the block table, with every entry past its row's context replaced by
     block 0, so whatever the table holds there (stale ids, garbage) never indexes the pool.
@@ -60,13 +60,13 @@ def context_block_table(block_table: Tensor, positions: Tensor, block_size: int,
         [B, ceil(M / num_shards)] pool block ids, each a block of the row's context or 0.
     """
     local_blocks = ceil_div(block_table.shape[1], num_shards)
-    logical = torch.arange(local_blocks, device=block_table.device) * num_shards + shard  # [M']
+    logical = torch.arange(local_blocks, device=block_table.device) * num_shards + shard_number(shard)  # [M']
     context_end = positions.amax(dim=1, keepdim=True)  # [B, 1] the row's last position
     holds_context = logical[None, :] * block_size <= context_end  # [B, M']
     return torch.where(holds_context, block_table[:, :local_blocks], 0)
 
 
-def read_context_keys(kv_pool: Tensor, layer: int, block_table: Tensor, positions: Tensor, shard: int = 0,
+def read_context_keys(kv_pool: Tensor, layer: int, block_table: Tensor, positions: Tensor, shard: Shard = 0,
                       num_shards: int = 1, dims: slice = slice(None)) -> tuple[Tensor, Tensor]:
     """`dims` of every cached vector of this shard's blocks of each row's context, in logical order
     (only those dims are gathered: the indexer reads its 128 of DeepSeek-V3.2's 704).
@@ -83,11 +83,11 @@ def read_context_keys(kv_pool: Tensor, layer: int, block_table: Tensor, position
     return keys, shard_key_positions(keys.shape[1], block_size, shard, num_shards, keys.device)
 
 
-def shard_key_positions(count: int, block_size: int, shard: int, num_shards: int, device=None) -> Tensor:
+def shard_key_positions(count: int, block_size: int, shard: Shard, num_shards: int, device=None) -> Tensor:
     """[count] the absolute position of each of a shard's local keys, in local order."""
     local = torch.arange(count, device=device)
     # Local key k sits in the row's logical block (k // S) * num_shards + shard.
-    return ((local // block_size) * num_shards + shard) * block_size + local % block_size
+    return ((local // block_size) * num_shards + shard_number(shard)) * block_size + local % block_size
 
 
 def paged_mla_attention_reference(
@@ -98,7 +98,7 @@ def paged_mla_attention_reference(
     block_table: Tensor,
     positions: Tensor,
     softmax_scale: float,
-    shard: int = 0,
+    shard: Shard = 0,
     num_shards: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """Absorbed multi-head latent attention of each row's queries over that row's paged cache.
@@ -150,8 +150,8 @@ def paged_mla_attention_reference(
 
 paged_mla_attention = define_op(
     "paged_mla_attention(Tensor q_latent, Tensor q_rope, Tensor kv_pool, int layer, Tensor block_table, "
-    "Tensor positions, float softmax_scale, int shard=0, int num_shards=1) -> (Tensor, Tensor)",
+    "Tensor positions, float softmax_scale, Tensor? shard=None, int num_shards=1) -> (Tensor, Tensor)",
     paged_mla_attention_reference,
-    lambda q_latent, q_rope, kv_pool, layer, block_table, positions, softmax_scale, shard=0, num_shards=1: (
+    lambda q_latent, q_rope, kv_pool, layer, block_table, positions, softmax_scale, shard=None, num_shards=1: (
         q_latent.new_empty(q_latent.shape), q_latent.new_empty(q_latent.shape[:-1], dtype=torch.float32)),
 )

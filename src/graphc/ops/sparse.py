@@ -19,7 +19,7 @@ from torch import Tensor
 
 from graphc.ops.collectives import all_gather_group
 from graphc.ops.distributed import process_group
-from graphc.ops.library import define_op
+from graphc.ops.library import Shard, define_op, shard_number
 from graphc.ops.paged_attention import context_block_table, read_context_keys, shard_key_positions
 from graphc.step import ceil_div
 
@@ -39,7 +39,7 @@ def paged_indexer_logits_reference(
     positions: Tensor,
     key_offset: int,
     softmax_scale: float,
-    shard: int = 0,
+    shard: Shard = 0,
     num_shards: int = 1,
 ) -> Tensor:
     """The indexer's score of every visible key of this shard, read through the block table.
@@ -72,9 +72,9 @@ def paged_indexer_logits_reference(
 
 paged_indexer_logits = define_op(
     "paged_indexer_logits(Tensor q_index, Tensor head_weights, Tensor kv_pool, int layer, Tensor block_table, "
-    "Tensor positions, int key_offset, float softmax_scale, int shard=0, int num_shards=1) -> Tensor",
+    "Tensor positions, int key_offset, float softmax_scale, Tensor? shard=None, int num_shards=1) -> Tensor",
     paged_indexer_logits_reference,
-    lambda q_index, head_weights, kv_pool, layer, block_table, positions, key_offset, softmax_scale, shard=0,
+    lambda q_index, head_weights, kv_pool, layer, block_table, positions, key_offset, softmax_scale, shard=None,
     num_shards=1: q_index.new_empty(
         (*q_index.shape[:2], ceil_div(block_table.shape[1], num_shards) * kv_pool.shape[2]), dtype=torch.float32),
 )
@@ -92,7 +92,7 @@ def _top_by_score(positions: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Te
     return top_positions.contiguous(), top_scores.contiguous()
 
 
-def index_candidates_reference(logits: Tensor, k: int, block_size: int, shard: int = 0,
+def index_candidates_reference(logits: Tensor, k: int, block_size: int, shard: Shard = 0,
                                num_shards: int = 1) -> tuple[Tensor, Tensor]:
     """This shard's top-k keys of each query: its candidates for the global top-k.
 
@@ -116,9 +116,9 @@ def index_candidates_reference(logits: Tensor, k: int, block_size: int, shard: i
 
 
 index_candidates = define_op(
-    "index_candidates(Tensor logits, int k, int block_size, int shard=0, int num_shards=1) -> (Tensor, Tensor)",
+    "index_candidates(Tensor logits, int k, int block_size, Tensor? shard=None, int num_shards=1) -> (Tensor, Tensor)",
     index_candidates_reference,
-    lambda logits, k, block_size, shard=0, num_shards=1: (
+    lambda logits, k, block_size, shard=None, num_shards=1: (
         logits.new_empty((*logits.shape[:2], k), dtype=torch.int64), logits.new_empty((*logits.shape[:2], k))),
 )
 
@@ -164,7 +164,7 @@ def sparse_mla_attention_reference(
     selected: Tensor,
     softmax_scale: float,
     bf16_probabilities: bool,
-    shard: int = 0,
+    shard: Shard = 0,
     num_shards: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """Absorbed MLA of each query over its selected keys, as FlashMLA's sparse kernel computes it
@@ -194,7 +194,7 @@ def sparse_mla_attention_reference(
     latent_dim, rope_dim = q_latent.shape[-1], q_rope.shape[-1]
     rows, queries, k = selected.shape
     block = selected // block_size  # [B, Q, k] logical block of each selected key
-    here = (selected != NO_KEY) & (selected <= positions[..., None]) & (block % num_shards == shard)
+    here = (selected != NO_KEY) & (selected <= positions[..., None]) & (block % num_shards == shard_number(shard))
     table = context_block_table(block_table, positions, block_size, shard, num_shards)  # [B, M']
     column = torch.where(here, block // num_shards, 0).view(rows, -1)  # [B, Q*k]
     pool_block = table.gather(1, column).view(rows, queries, k)  # [B, Q, k]
@@ -227,10 +227,10 @@ def sparse_mla_attention_reference(
 
 sparse_mla_attention = define_op(
     "sparse_mla_attention(Tensor q_latent, Tensor q_rope, Tensor kv_pool, int layer, Tensor block_table, "
-    "Tensor positions, Tensor selected, float softmax_scale, bool bf16_probabilities, int shard=0, "
+    "Tensor positions, Tensor selected, float softmax_scale, bool bf16_probabilities, Tensor? shard=None, "
     "int num_shards=1) -> (Tensor, Tensor)",
     sparse_mla_attention_reference,
     lambda q_latent, q_rope, kv_pool, layer, block_table, positions, selected, softmax_scale, bf16_probabilities,
-    shard=0, num_shards=1: (q_latent.new_empty(q_latent.shape),
+    shard=None, num_shards=1: (q_latent.new_empty(q_latent.shape),
                             q_latent.new_empty(q_latent.shape[:-1], dtype=torch.float32)),
 )

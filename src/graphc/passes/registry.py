@@ -1,6 +1,6 @@
 """The pass pipeline: the one list of graph rewrites, in order, with where each applies.
 
-`graphc compile` runs the backend's passes on every (rank, bucket) program (`backend_passes`);
+`graphc compile` runs the backend's passes on every bucket's leader and follower programs (`backend_passes`);
 `graphc probe` runs the ones that apply to a single layer (`layer_passes`); `--disable-pass`
 takes any name here (`PASS_NAMES`), capture choices included.
 """
@@ -16,7 +16,6 @@ from graphc.passes.inline_reference_kernels import inline_reference_kernels
 from graphc.passes.lower_matvecs import lower_matvecs
 from graphc.passes.lower_trivial_collectives import lower_trivial_collectives
 from graphc.passes.manager import Pass
-from graphc.passes.specialise_rank import specialise_rank
 from graphc.passes.strip_follower_sampling import strip_follower_sampling
 from graphc.passes.verify_bucket_shapes import verify_bucket_shapes
 
@@ -43,7 +42,6 @@ PIPELINE = (
               "group) since every rank holds the same tokens; disabled, the generic all-gather / reduce-scatter form"),
     PassEntry("verify_bucket_shapes", verify_bucket_shapes,
               "first: nothing should build on a graph captured with the wrong shapes", on_layers=False),
-    PassEntry("specialise_rank", specialise_rank, "the rank's own KV shard and experts (captures carry rank 0's)"),
     PassEntry("strip_follower_sampling", strip_follower_sampling,
               "followers take the leader's tokens instead of sampling", on_layers=False),
     PassEntry("lower_trivial_collectives", lower_trivial_collectives,
@@ -57,7 +55,7 @@ PIPELINE = (
               backends=("inductor",), on_layers=False),
     PassEntry("dead_code_elimination", dead_code_elimination, "last: sweep what the rewrites above left unused"),
 )
-"""Capture choices, then per-rank, per-bucket specialisation, in order (see README.md)."""
+"""Capture choices, then per-bucket, per-role (leader, follower) rewrites, in order (see README.md)."""
 
 PASS_NAMES = tuple(entry.name for entry in PIPELINE)
 
@@ -70,7 +68,7 @@ def check_pass_names(names) -> None:
 
 
 def backend_passes(backend: str) -> list[tuple[str, Pass]]:
-    """The (name, pass) pairs `backend` runs on every (rank, bucket) program, in order."""
+    """The (name, pass) pairs `backend` runs on every bucket's programs, in order."""
     return [(e.name, e.run) for e in PIPELINE if e.run is not None and backend in e.backends]
 
 

@@ -1,5 +1,5 @@
 """The graph verifier run before and after every pass (invariants in README.md), and the check
-that every rank of a bucket issues the same collectives."""
+that a bucket's leader and followers issue the same collectives."""
 
 from __future__ import annotations
 
@@ -36,11 +36,11 @@ def _symbols(size) -> set:
     return set() if isinstance(size, int) else set(size.node.expr.free_symbols)
 
 
-def check_rank_agreement(graphs: dict[int, torch.fx.GraphModule], bucket_name: str) -> None:
+def check_role_agreement(leader: torch.fx.GraphModule, follower: torch.fx.GraphModule, bucket_name: str) -> None:
     """Every rank of a bucket must issue the same collectives, in the same order, on the same
-    groups with the same shapes, or the job hangs; refuse graphs that would not (`graphs` by rank)."""
-    sequences = {rank: collective_sequence(gm) for rank, gm in graphs.items()}
-    for rank, sequence in sequences.items():
-        if sequence != sequences[0]:
-            raise GraphcError(f"{bucket_name}: rank {rank} would issue collectives {sequence} but rank 0 "
-                              f"{sequences[0]}; the ranks would deadlock")
+    groups with the same shapes, or the job hangs; refuse a follower program that would not issue
+    the leader's."""
+    expected, issued = collective_sequence(leader), collective_sequence(follower)
+    if issued != expected:
+        raise GraphcError(f"{bucket_name}: the followers would issue collectives {issued} but the leader "
+                          f"{expected}; the ranks would deadlock")

@@ -75,6 +75,8 @@ class Engine:
             model.num_hidden_layers, self.loaded.num_blocks, manifest.kv_cache.block_size,
             model.kv_cache_dim, dtype=getattr(torch, model.dtype),
         )
+        self.coordinates = torch.tensor(self.loaded.rank.coordinates, dtype=torch.int32)
+        """The rank's place in its groups: the one input that tells the shared graphs which rank runs them."""
 
     def startup_info(self) -> dict:
         """What every rank must agree on before serving (published once by the leader)."""
@@ -82,7 +84,8 @@ class Engine:
         return {"buckets": dataclasses.asdict(m.buckets), "kv_blocks": self.loaded.num_blocks, "block_size": m.kv_cache.block_size}
 
     def _run(self, bucket: Bucket, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        tokens, _ = self.loaded.runners[bucket](self.loaded.weights, {"kv_pool": self.kv_pool, **inputs})
+        tokens, _ = self.loaded.runners[bucket](self.loaded.weights, {"kv_pool": self.kv_pool,
+                                                                      "coordinates": self.coordinates, **inputs})
         return tokens
 
     def generate(self, requests: list[Request]) -> list[Result]:

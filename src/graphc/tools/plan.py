@@ -87,9 +87,10 @@ def describe(config: GraphcConfig, args: ModelArgs, workload: Histogram | None) 
     if workload:
         lines += _waste_lines(config, workload)
     world = t.cp
+    programs = len(buckets) * min(world, 2)
     lines += [f"graphs: {len(buckets)} per rank x {world} rank(s) = {len(buckets) * world} in all, "
-              f"{len(buckets) * world} distinct" + (" (each rank's are specialised to its KV shard and experts; "
-                                                    "only the leader's sample)" if world > 1 else "")]
+              f"{programs} distinct" + (" (the leader's, which sample, and the followers', shared by every other "
+                                        "rank: a rank's KV shard and experts are an input)" if world > 1 else "")]
     lines.append(f"routed-expert form and collectives per step, every rank (cp={t.cp}, ep={t.ep}, static MoE):")
     for bucket in buckets:
         slots = blocks_per_row(config.buckets.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size

@@ -144,7 +144,7 @@ def compile_layer(program, passes, bucket: Bucket, blocks_per_row: int):
 
     compiled = copy_program(program)
     manager = PassManager(passes, verifier=lambda gm, ctx: None)
-    manager.run(compiled.graph_module, PassContext(Topology(1, 1), 0, bucket, blocks_per_row))
+    manager.run(compiled.graph_module, PassContext(Topology(1, 1), True, bucket, blocks_per_row))
     return compiled
 
 
