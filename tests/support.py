@@ -96,13 +96,13 @@ def captured(checkpoint, bucket: Bucket):
     return model, capture_bucket(model, bucket, BLOCKS_PER_ROW, NUM_BLOCKS, BLOCK_SIZE)
 
 
-def run_program(program, model, bucket: Bucket, seed: int = 0, coordinates: tuple[int, int] = (0, 0)):
+def run_program(program, model, bucket: Bucket, seed: int = 0, coordinates: tuple[int, ...] = (0, 0, 1)):
     """Outputs (tokens, logits) and the written pool for realistic step inputs (on the rank of
-    `coordinates`: cp rank, ep rank)."""
+    `coordinates`: cp rank, ep rank, samples)."""
     return run_step(program.module(), model, bucket, seed, coordinates)
 
 
-def run_step(step, model, bucket: Bucket, seed: int = 0, coordinates: tuple[int, int] = (0, 0)):
+def run_step(step, model, bucket: Bucket, seed: int = 0, coordinates: tuple[int, ...] = (0, 0, 1)):
     """`run_program` for any callable of the step's signature (a program's module, a `StepGraph`)."""
     args = model.args
     pool_shape = (args.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE, args.kv_cache_dim)

@@ -394,7 +394,7 @@ def test_inspect_lists_buckets_graph_files_and_graphc_ops(artifacts):
     assert sorted(lines) == sorted(BUCKETS)
     for graph in manifest["ranks"][0]["graphs"]:
         label = f"{graph['kind']}-{graph['size']}"
-        counts = manifest["extra"]["op_counts"][f"{label} leader"]
+        counts = manifest["extra"]["op_counts"][f"{label} every-rank"]
         line = lines[label]
         assert graph["file"] in line, line
         assert f"MoE {graph['moe_form']};" in line, line
@@ -419,7 +419,7 @@ def test_inspect_labels_prompt_as_decode_graphs_by_their_own_bucket(compiled):
         files[f"{graph['kind']}-{graph['size']}{rows}"] = graph["file"]
     assert sorted(lines) == sorted(files) == sorted([*BUCKETS, "decode-1x4", "decode-4x4"])
     for label, file in files.items():
-        counts = manifest["extra"]["op_counts"][f"{label} leader"]
+        counts = manifest["extra"]["op_counts"][f"{label} every-rank"]
         assert file in lines[label] and f"{sum(counts.values())} ops" in lines[label], (label, lines[label])
 
 
@@ -442,7 +442,7 @@ def test_disabled_lowering_keeps_collectives_and_tokens(no_lowering, cli_compile
     lines = inspect_lines(out)
     assert sorted(lines) == sorted(BUCKETS)
     for bucket in BUCKETS:
-        counts = manifest["extra"]["op_counts"][f"{bucket} leader"]
+        counts = manifest["extra"]["op_counts"][f"{bucket} every-rank"]
         assert counts["graphc::moe_dispatch"] == counts["graphc::moe_combine"] == 2  # the two MoE layers
         assert "graphc::moe_dispatch x2" in lines[bucket] and "graphc::moe_combine x2" in lines[bucket]
         assert not (dumps / bucket / "rank0" / f"{PASSES.index('lower_trivial_collectives') + 1:02d}-lower_trivial_collectives.py").exists()

@@ -359,6 +359,7 @@ def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_
 def inspect(artifacts: Path) -> None:
     """Show ARTIFACTS' buckets, graphs, sizes and op counts (verifies hashes first)."""
     from graphc.artifacts.directory import read_manifest
+    from graphc.backends import backend
     m = read_manifest(artifacts)
     click.echo(f"graphc {m.graphc_version}, torch {m.torch_version}, backend {m.backend}, "
                f"format {m.format_version}")
@@ -371,8 +372,8 @@ def inspect(artifacts: Path) -> None:
                    f"{'samples' if rank.samples else 'no sampler'}")
         for g in rank.graphs:
             label = g.bucket.name
-            role = "leader" if rank.samples else "follower"  # one program per role serves every rank
-            counts = m.extra.get("op_counts", {}).get(f"{label} {role}", {})
+            program = backend(m.backend).program_of(rank.rank)  # ranks share programs
+            counts = m.extra.get("op_counts", {}).get(f"{label} {program}", {})
             graphc_ops = ", ".join(f"{op} x{n}" for op, n in sorted(counts.items()) if op.startswith("graphc::"))
             click.echo(f"  {label:12s} {g.file} ({(artifacts / g.file).stat().st_size / 1e6:.2f} MB; "
                        f"MoE {g.moe_form}; {sum(counts.values())} ops; {graphc_ops})")

@@ -16,10 +16,11 @@ FLOAT_INPUTS = frozenset({"temperature", "top_p"})
 """Step inputs (besides the pool, in the model dtype) that are fp32; the others are int64 but
 `coordinates`."""
 
-COORDINATES = ("cp_rank", "ep_rank")
+COORDINATES = ("cp_rank", "ep_rank", "samples")
 """What the int32 `coordinates` input holds, in order: the rank's place in its context-parallel
-group (its KV shard) and in its expert-parallel group (its experts). The one input that differs
-between ranks for the same step, so that every rank of a bucket runs one compiled program."""
+group (its KV shard) and in its expert-parallel group (its experts), and whether it samples (1 on
+the leader). The one input that differs between ranks for the same step, so that ranks share
+compiled programs."""
 
 POOL_BLOCKS_DIM = 1
 """The dim of `kv_pool` [L, N, S, C] sized at run time (N, the pool's block count): the one

@@ -58,8 +58,9 @@ class Topology:
         return rank % self.ep
 
     def coordinates(self, rank: int) -> list[int]:
-        """The step's `coordinates` input on `rank` (`graphc.step.COORDINATES`: cp rank, ep rank)."""
-        return [self.cp_rank(rank), self.ep_rank(rank)]
+        """The step's `coordinates` input on `rank` (`graphc.step.COORDINATES`: cp rank, ep rank,
+        whether it samples: only the leader, rank 0)."""
+        return [self.cp_rank(rank), self.ep_rank(rank), int(rank == 0)]
 
     def experts(self, rank: int, n_routed_experts: int) -> range:
         """The routed experts `rank` holds."""

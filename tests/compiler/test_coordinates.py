@@ -55,7 +55,7 @@ def test_one_program_serves_every_rank_with_its_coordinates(tiny_checkpoints, fo
     (_, logits), pool = run_program(program, model, BUCKET, coordinates=coordinates)
     assert (logits - expected).abs().max() <= 1e-5 * expected.abs().max()
     assert torch.equal(pool, expected_pool)
-    (_, other), _ = run_program(program, model, BUCKET, coordinates=(0, 0))
+    (_, other), _ = run_program(program, model, BUCKET, coordinates=(0, 0, 0))
     assert (other - expected).abs().max() > 1e-3 * expected.abs().max()
 
 
@@ -67,7 +67,7 @@ def test_sparse_attention_reads_the_kv_shard_of_its_coordinates(tiny_checkpoints
     program = _capture(model, topology=topology)
     eager = EagerModel(model, Parallelism(1, 2), None)
     (_, expected), _ = run_step(eager, model, BUCKET)
-    (_, logits), _ = run_program(program, model, BUCKET, coordinates=(1, 0))
+    (_, logits), _ = run_program(program, model, BUCKET, coordinates=(1, 0, 0))
     assert (logits - expected).abs().max() <= 1e-5 * expected.abs().max()
-    (_, other), _ = run_program(program, model, BUCKET, coordinates=(0, 0))
+    (_, other), _ = run_program(program, model, BUCKET, coordinates=(0, 0, 0))
     assert (other - expected).abs().max() > 1e-3 * expected.abs().max()

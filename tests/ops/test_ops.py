@@ -99,6 +99,17 @@ def test_sample_greedy_and_degenerate_limits_are_argmax():
     assert torch.equal(_sample(logits, temperature=1.0, top_p=1e-6), argmax)
 
 
+def test_sample_on_a_follower_returns_zeros_and_on_the_leader_samples():
+    """The `samples` coordinate: the one program every rank runs samples on the leader only."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    rows = logits.shape[0]
+    args = (torch.full((rows,), 1.0), torch.full((rows,), 5), torch.full((rows,), 0.9), torch.arange(rows))
+    leader = sampler.sample(logits, *args, torch.tensor(1, dtype=torch.int32))
+    assert torch.equal(leader, sampler.sample(logits, *args))
+    follower = sampler.sample(logits, *args, torch.tensor(0, dtype=torch.int32))
+    assert torch.equal(follower, torch.zeros(rows, dtype=torch.int64)) and not torch.equal(leader, follower)
+
+
 def test_sample_is_deterministic_per_seed_and_independent_of_batch():
     logits = torch.randn(8, 30, generator=torch.Generator().manual_seed(1))
     seeds = torch.arange(100, 108)

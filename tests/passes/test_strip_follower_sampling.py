@@ -3,6 +3,7 @@ every collective); the leader's graph is untouched."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from graphc.buckets.selection import Bucket
@@ -19,7 +20,7 @@ BUCKET = Bucket("decode", 2)
 def test_a_followers_sampler_becomes_zeros_and_its_logits_stay(tiny_checkpoints):
     model, program = captured(tiny_checkpoints["lora-groups"], BUCKET)
     before = copy_program(program)
-    ctx = context(BUCKET, cp=2, ep=2, leader=False)
+    ctx = context(BUCKET, cp=2, ep=2, program="followers")
 
     result = strip_follower_sampling(program.graph_module, ctx)
 
@@ -33,8 +34,9 @@ def test_a_followers_sampler_becomes_zeros_and_its_logits_stay(tiny_checkpoints)
     assert torch.equal(logits, logits_before) and torch.equal(pool, pool_before)
 
 
-def test_the_leaders_graph_keeps_its_sampler(tiny_checkpoints):
+@pytest.mark.parametrize("program", ["leader", "every-rank"])
+def test_the_leaders_and_the_shared_graph_keep_their_sampler(tiny_checkpoints, program):
     _, program = captured(tiny_checkpoints["lora-groups"], BUCKET)
-    result = strip_follower_sampling(program.graph_module, context(BUCKET, cp=2, ep=2, leader=True))
+    result = strip_follower_sampling(program.graph_module, context(BUCKET, cp=2, ep=2, program=program))
     assert not result.modified
     assert op_counts(result.graph_module)["graphc::sample"] == 1

@@ -65,22 +65,25 @@ def test_sixteen_ranks_serve_the_single_rank_tokens(compiled):
 
 
 @pytest.mark.parametrize("cp, ep, static", [(2, 2, True), (2, 2, False), (4, 4, True), (4, 4, False)])
-def test_graph_structure_per_rank(cp, ep, static, compiled):
+def test_graph_structure_and_one_program_per_bucket(cp, ep, static, compiled):
     preset, buckets, _ = EXPORT_CASE
     manifest = read_manifest(compiled(preset, "export", buckets, cp, ep, static))
     counts = manifest.extra["op_counts"]
     moe_layers = 3  # wide-16e: first_k_dense_replace = 0
-    for rank in range(cp):
-        for bucket in ("prefill-8", "decode-2"):
-            ops = counts[f"{bucket} rank {rank}"]
-            assert ("graphc::sample" in ops) == (rank == 0)  # followers take the leader's tokens
-            assert ops["graphc::attention_combine"] == 3  # one per layer, over the cp group
-            if static:  # the static form: no dispatch, one all-reduce per MoE layer
-                assert ops["graphc::all_reduce"] == moe_layers and "graphc::moe_dispatch" not in ops
-            else:
-                assert ops["graphc::moe_dispatch"] == ops["graphc::moe_combine"] == moe_layers
-                assert "graphc::all_reduce" not in ops
+    for bucket in ("prefill-8", "decode-2"):
+        ops = counts[f"{bucket} every-rank"]
+        assert ops["graphc::sample"] == 1  # returning at once on followers (their `samples` coordinate is 0)
+        assert ops["graphc::attention_combine"] == 3  # one per layer, over the cp group
+        if static:  # the static form: no dispatch, one all-reduce per MoE layer
+            assert ops["graphc::all_reduce"] == moe_layers and "graphc::moe_dispatch" not in ops
+        else:
+            assert ops["graphc::moe_dispatch"] == ops["graphc::moe_combine"] == moe_layers
+            assert "graphc::all_reduce" not in ops
     assert [r.samples for r in manifest.ranks] == [True] + [False] * (cp - 1)
+    # One program a bucket whatever the world: every rank's entry names the same file.
+    assert len(counts) == len(manifest.ranks[0].graphs)
+    assert all([g.file for g in r.graphs] == [g.file for g in manifest.ranks[0].graphs] for r in manifest.ranks)
+    assert [r.coordinates for r in manifest.ranks] == [[rank, rank % ep, int(rank == 0)] for rank in range(cp)]
     # Every rank holds different experts: different weight files.
     assert len({r.weights for r in manifest.ranks}) == cp
 

@@ -29,7 +29,7 @@ def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, cp, ep, s
     for rank in manifest.ranks:
         for graph in rank.graphs:
             bucket = graph.bucket
-            counts = manifest.extra["op_counts"][f"{bucket.name} {'leader' if rank.samples else 'follower'}"]
+            counts = manifest.extra["op_counts"][f"{bucket.name} every-rank"]
             in_graph = {op: n for op, n in counts.items() if op in OPS.values()}
             planned = {OPS[c.op]: c.count
                        for c in step_collectives(args, cp, ep, bucket, "float32", static, context_slots=slots)}
@@ -70,7 +70,7 @@ def test_plan_prints_buckets_waste_graphs_and_collectives_and_plots(auto_yaml, t
     out = result.stdout
     assert "planned from" in out and "budget 6 graphs per rank" in out
     assert "expected prefill padding over 200 prompts" in out and "vs power-of-two ladder" in out
-    assert "per rank x 2 rank(s) = 12 in all, 12 distinct" in out
+    assert "per rank x 2 rank(s) = 12 in all, 6 distinct (every-rank program per bucket" in out
     assert "x attention_combine(cp)" in out and "x all_reduce(ep)" in out
     assert (tmp_path / "out" / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

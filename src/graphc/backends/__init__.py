@@ -27,12 +27,33 @@ class Backend:
     """Whether `graphc run` can load its graphs on this host's CPU."""
     compiler: str
     """The module whose `compile_program(program, out)` compiles one graph."""
+    follower_programs: bool = False
+    """Whether followers get a program of their own, without the sampler (a backend that compiles
+    the sampler into the graph). Otherwise every rank runs one program per bucket, whose sampler
+    op returns at once on followers (the `samples` coordinate): half the compiles."""
+
+    def programs(self, world: int) -> tuple[str, ...]:
+        """The programs compiled per bucket for `world` ranks (`PROGRAMS`): at most two, whatever the world."""
+        if not self.follower_programs:
+            return (EVERY_RANK,)
+        return (LEADER,) if world == 1 else (LEADER, FOLLOWERS)
+
+    def program_of(self, rank: int) -> str:
+        """Which of `programs` rank `rank` runs."""
+        return EVERY_RANK if not self.follower_programs else LEADER if rank == 0 else FOLLOWERS
+
+
+EVERY_RANK, LEADER, FOLLOWERS = PROGRAMS = ("every-rank", "leader", "followers")
+"""The programs of a bucket: the one every rank runs, or the leader's (which samples) and the one
+every follower shares. A rank's place in its groups is the step's `coordinates` input, never a
+constant, so no program is specific to one rank."""
 
 
 BACKENDS = {backend.name: backend for backend in (
     Backend("export", "pt2", parallel_compile=False, serves_here=True, compiler="graphc.backends.export"),
     Backend("inductor", "aoti.pt2", parallel_compile=True, serves_here=True, compiler="graphc.backends.inductor"),
-    Backend("neuron", "neff", parallel_compile=True, serves_here=False, compiler="graphc.backends.neuron"),
+    Backend("neuron", "neff", parallel_compile=True, serves_here=False, compiler="graphc.backends.neuron",
+            follower_programs=True),
 )}
 
 BackendName = Literal[tuple(BACKENDS)]  # noqa: typed.build reads the names from this Literal

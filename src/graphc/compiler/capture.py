@@ -61,13 +61,13 @@ class StepGraph(torch.nn.Module):
     def forward(self, weights: list[Tensor], input_ids, positions, block_table, slot_mapping, kv_pool,
                 logits_index, temperature, top_k, top_p, seed, coordinates) -> tuple[Tensor, Tensor]:
         # The rank's coordinates are an input, not constants: the graph is the same on every rank.
-        cp_rank, ep_rank = coordinates.unbind()
+        cp_rank, ep_rank, samples = coordinates.unbind()
         parallel = dataclasses.replace(self.parallel, cp_rank=cp_rank, ep_rank=ep_rank)
         logits = torch.func.functional_call(
             self._model[0], dict(zip(self.weight_names, weights)),
             (input_ids, positions, block_table, slot_mapping, kv_pool, logits_index), {"parallel": parallel, "moe_form": self.moe_form},
         )  # [B, V]
-        return sampler.sample(logits, temperature, top_k, top_p, seed), logits
+        return sampler.sample(logits, temperature, top_k, top_p, seed, samples), logits
 
 
 def step_input_dtype(name: str) -> torch.dtype:

@@ -14,6 +14,7 @@ from graphc.artifacts.directory import atomic_directory, check_replaceable
 from graphc.artifacts.manifest import Manifest, TensorSpec
 from graphc.artifacts.signing import private_key
 from graphc.artifacts.writer import CompiledGraph, write_manifest, write_weights
+from graphc.backends import backend as backend_named
 from graphc.buckets.selection import all_buckets
 from graphc.compiler.capture import capture_bucket, model_weights
 from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
@@ -24,7 +25,7 @@ from graphc.models.moe_forms import step_moe_form
 from graphc.passes.graph import step_placeholders
 from graphc.passes.manager import PassContext, PassManager, op_counts
 from graphc.passes.registry import backend_passes, check_pass_names
-from graphc.passes.verifier import check_role_agreement, verify
+from graphc.passes.verifier import check_program_agreement, verify
 from graphc.step import POOL_BLOCKS_DIM, STEP_INPUTS, blocks_per_row
 from graphc.topology import Topology
 
@@ -76,38 +77,39 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         captured = {bucket: capture_bucket(model, bucket, table_width, kv.num_blocks, kv.block_size, parallel,
                                            moe_forms[bucket])
                     for bucket in buckets}
-        # 3. Rewrite each bucket's program for the leader and, with several ranks, for the followers
-        # (passes/registry.py): at most two programs a bucket whatever the world, the rank's
-        # coordinates being an input. Then check the two issue the same collectives.
+        # 3. Rewrite each bucket's programs (passes/registry.py): at most two whatever the world
+        # (`Backend.programs`), the rank's coordinates being an input. With two, check they issue
+        # the same collectives.
         passes = backend_passes(backend)
         manager = PassManager(passes, verify, verify=options.verify_passes,
                               disabled=options.disabled_passes & {name for name, _ in passes},
                               dump_dir=options.dump_graphs)
-        contexts = [PassContext(topology, leader, bucket, table_width)
-                    for leader in ((True,) if topology.world == 1 else (True, False)) for bucket in buckets]
+        names = backend_named(backend).programs(topology.world)
         programs, pass_logs = {}, {}
-        for ctx in contexts:
-            # Each role rewrites its own copy; the capture stays as captured.
-            program = copy_program(captured[ctx.bucket]) if topology.world > 1 else captured[ctx.bucket]
-            log = manager.run(program.graph_module, ctx)
-            _sync_output_signature(program)
-            programs[ctx.role, ctx.bucket] = program
-            pass_logs[f"{ctx.bucket.name} {ctx.role}"] = log.changes()
-        if topology.world > 1:
+        for name in names:
             for bucket in buckets:
-                check_role_agreement(programs["leader", bucket].graph_module, programs["follower", bucket].graph_module,
-                                     bucket.name)
-        # 4. Emit: compile each distinct program once (cached); every rank's entry points at its
-        # role's file.
+                # Each program is rewritten from its own copy when there are two.
+                program = copy_program(captured[bucket]) if len(names) > 1 else captured[bucket]
+                log = manager.run(program.graph_module, PassContext(topology, name, bucket, table_width))
+                _sync_output_signature(program)
+                programs[name, bucket] = program
+                pass_logs[f"{bucket.name} {name}"] = log.changes()
+        if len(names) > 1:
+            for bucket in buckets:
+                check_program_agreement({name: programs[name, bucket].graph_module for name in names}, bucket.name)
+        # 4. Emit: compile each distinct program once (cached); every rank's entry points at the
+        # file of the program it runs.
         keys = {where: program_key(program, backend) for where, program in programs.items()}
-        compiled = compile_all([CompileJob(f"{bucket.name} {role}", keys[role, bucket], program)
-                                for (role, bucket), program in programs.items()],
+        compiled = compile_all([CompileJob(f"{bucket.name} {name}", keys[name, bucket], program)
+                                for (name, bucket), program in programs.items()],
                                backend, options.workers, options.show_progress)
-        graphs = {rank: [CompiledGraph(bucket, compiled[keys[_role(rank), bucket]], _step_specs(programs[_role(rank), bucket]),
-                                       moe_forms[bucket]) for bucket in buckets]
+        run_by = {rank: backend_named(backend).program_of(rank) for rank in range(topology.world)}
+        graphs = {rank: [CompiledGraph(bucket, compiled[keys[run_by[rank], bucket]],
+                                       _step_specs(programs[run_by[rank], bucket]), moe_forms[bucket])
+                         for bucket in buckets]
                   for rank in range(topology.world)}
-        extra = {"op_counts": {f"{bucket.name} {role}": op_counts(program.graph_module)
-                               for (role, bucket), program in programs.items()},
+        extra = {"op_counts": {f"{bucket.name} {name}": op_counts(program.graph_module)
+                               for (name, bucket), program in programs.items()},
                  "passes": pass_logs}
         del programs, captured
         # 5. Weights, one expert shard in memory at a time: rank 0's, then each other's, loaded,
@@ -125,12 +127,8 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                               extra, options.sign_key)
 
 
-def _role(rank: int) -> str:
-    return "leader" if rank == 0 else "follower"
-
-
 def copy_program(capture: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """A deep copy for passes to edit (each role's, `graphc probe`'s) without touching `capture`."""
+    """A deep copy for passes to edit (each program's, `graphc probe`'s) without touching `capture`."""
     with warnings.catch_warnings():
         # torch 2.13's own pytree specs warn about themselves when deep-copied; nothing to act on.
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)

@@ -8,7 +8,8 @@ from torch import Tensor
 from graphc.ops.library import define_op
 
 
-def _sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor) -> Tensor:
+def _sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
+            samples: Tensor | None = None) -> Tensor:
     """Pick one token per row: greedy where temperature is 0, else sampling with top-k / top-p.
 
     Sampling uses the Gumbel-max trick with noise drawn from a per-row generator seeded by `seed`,
@@ -20,10 +21,14 @@ def _sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, s
         top_k: [B] int64; 0 means no top-k limit.
         top_p: [B] fp32 in (0, 1]; 1 means no nucleus limit.
         seed: [B] int64 per-row noise seed (the host mixes request seed and step).
+        samples: 0-d int32, 0 on a follower: the step graph every rank runs passes its rank's
+            `samples` coordinate, and followers (which take the leader's tokens) get zeros at once.
 
     Returns:
-        [B] int64 token ids.
+        [B] int64 token ids (zeros on a follower).
     """
+    if samples is not None and not bool(samples):
+        return torch.zeros(logits.shape[:-1], dtype=torch.int64, device=logits.device)
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     if not bool((temperature > 0).any()):
@@ -46,7 +51,8 @@ def _sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, s
     return torch.where(temperature > 0, sampled, greedy)
 
 
-sample = define_op("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed) -> Tensor",
-                 _sample, lambda logits, temperature, top_k, top_p, seed: logits.new_empty(
+sample = define_op("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed, "
+                   "Tensor? samples=None) -> Tensor",
+                   _sample, lambda logits, temperature, top_k, top_p, seed, samples=None: logits.new_empty(
                      logits.shape[:-1], dtype=torch.int64))
 

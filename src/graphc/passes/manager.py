@@ -19,16 +19,11 @@ class PassContext:
     """What a pass may specialise on."""
 
     topology: Topology
-    leader: bool
-    """The leader's program (rank 0's, which samples) or the followers' (every other rank's: one
-    program serves them all, their coordinates being an input)."""
+    program: str
+    """Which ranks run it (`graphc.backends.PROGRAMS`): every rank, the leader, or the followers."""
     bucket: Bucket
     blocks_per_row: int
     """Width M of the block table."""
-
-    @property
-    def role(self) -> str:
-        return "leader" if self.leader else "follower"
 
 
 @dataclass(frozen=True)
@@ -134,11 +129,11 @@ class PassManager:
     @staticmethod
     def _failure(name, ran, ctx, error, what="failed") -> str:
         after = f"after {', '.join(ran)}" if ran else "as the first pass"
-        return f"pass {name} {what} ({after}; {ctx.bucket.name}, {ctx.role}): {error}"
+        return f"pass {name} {what} ({after}; {ctx.bucket.name}, {ctx.program}): {error}"
 
     def _dump(self, gm, ctx, index, name) -> None:
         if self.dump_dir is None:
             return
-        folder = Path(self.dump_dir) / ctx.bucket.name / ctx.role
+        folder = Path(self.dump_dir) / ctx.bucket.name / ctx.program
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{index:02d}-{name}.py").write_text(gm.code)

@@ -1,6 +1,6 @@
 """The pass pipeline: the one list of graph rewrites, in order, with where each applies.
 
-`graphc compile` runs the backend's passes on every bucket's leader and follower programs (`backend_passes`);
+`graphc compile` runs the backend's passes on every program of every bucket (`backend_passes`);
 `graphc probe` runs the ones that apply to a single layer (`layer_passes`); `--disable-pass`
 takes any name here (`PASS_NAMES`), capture choices included.
 """
@@ -43,7 +43,7 @@ PIPELINE = (
     PassEntry("verify_bucket_shapes", verify_bucket_shapes,
               "first: nothing should build on a graph captured with the wrong shapes", on_layers=False),
     PassEntry("strip_follower_sampling", strip_follower_sampling,
-              "followers take the leader's tokens instead of sampling", on_layers=False),
+              "a followers' program takes the leader's tokens instead of sampling", on_layers=False),
     PassEntry("lower_trivial_collectives", lower_trivial_collectives,
               "groups of one rank move no data: backends never see a no-op collective"),
     PassEntry("inline_reference_kernels", inline_reference_kernels,
@@ -55,7 +55,7 @@ PIPELINE = (
               backends=("inductor",), on_layers=False),
     PassEntry("dead_code_elimination", dead_code_elimination, "last: sweep what the rewrites above left unused"),
 )
-"""Capture choices, then per-bucket, per-role (leader, follower) rewrites, in order (see README.md)."""
+"""Capture choices, then the rewrites of each bucket's programs, in order (see README.md)."""
 
 PASS_NAMES = tuple(entry.name for entry in PIPELINE)
 

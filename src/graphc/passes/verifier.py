@@ -1,5 +1,5 @@
 """The graph verifier run before and after every pass (invariants in README.md), and the check
-that a bucket's leader and followers issue the same collectives."""
+that a bucket's programs (the leader's and the followers') issue the same collectives."""
 
 from __future__ import annotations
 
@@ -36,11 +36,13 @@ def _symbols(size) -> set:
     return set() if isinstance(size, int) else set(size.node.expr.free_symbols)
 
 
-def check_role_agreement(leader: torch.fx.GraphModule, follower: torch.fx.GraphModule, bucket_name: str) -> None:
+def check_program_agreement(graphs: dict[str, torch.fx.GraphModule], bucket_name: str) -> None:
     """Every rank of a bucket must issue the same collectives, in the same order, on the same
-    groups with the same shapes, or the job hangs; refuse a follower program that would not issue
-    the leader's."""
-    expected, issued = collective_sequence(leader), collective_sequence(follower)
-    if issued != expected:
-        raise GraphcError(f"{bucket_name}: the followers would issue collectives {issued} but the leader "
-                          f"{expected}; the ranks would deadlock")
+    groups with the same shapes, or the job hangs; refuse programs (`graphs` by name: the
+    leader's and the followers') that would not."""
+    sequences = {name: collective_sequence(gm) for name, gm in graphs.items()}
+    (first, expected), *others = sequences.items()
+    for name, issued in others:
+        if issued != expected:
+            raise GraphcError(f"{bucket_name}: the {name} program would issue collectives {issued} but the {first} "
+                              f"program {expected}; the ranks would deadlock")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from graphc.backends import backend
 from graphc.buckets.selection import Bucket, all_buckets, max_prefill_chunk
 
 from graphc.buckets.planner import Histogram, chunk_histogram, padding_waste, power_of_two_ladder
@@ -87,10 +88,10 @@ def describe(config: GraphcConfig, args: ModelArgs, workload: Histogram | None) 
     if workload:
         lines += _waste_lines(config, workload)
     world = t.cp
-    programs = len(buckets) * min(world, 2)
+    programs = backend(config.backend).programs(world)
     lines += [f"graphs: {len(buckets)} per rank x {world} rank(s) = {len(buckets) * world} in all, "
-              f"{programs} distinct" + (" (the leader's, which sample, and the followers', shared by every other "
-                                        "rank: a rank's KV shard and experts are an input)" if world > 1 else "")]
+              f"{len(buckets) * len(programs)} distinct ({' and '.join(programs)} program per bucket; "
+              "a rank's KV shard and experts are an input)"]
     lines.append(f"routed-expert form and collectives per step, every rank (cp={t.cp}, ep={t.ep}, static MoE):")
     for bucket in buckets:
         slots = blocks_per_row(config.buckets.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size

@@ -35,6 +35,7 @@ from torch import Tensor
 from graphc.buckets.selection import Bucket
 from graphc.models.deepseek_v3 import DeepseekV3, Parallelism, RoutedExperts, StepInputs
 from graphc.passes.graph import graphc_op, op_argument
+from graphc.backends import EVERY_RANK
 from graphc.passes.manager import PassContext, PassManager
 from graphc.step import POOL_BLOCKS_DIM, ceil_div
 from graphc.topology import Topology
@@ -144,7 +145,7 @@ def compile_layer(program, passes, bucket: Bucket, blocks_per_row: int):
 
     compiled = copy_program(program)
     manager = PassManager(passes, verifier=lambda gm, ctx: None)
-    manager.run(compiled.graph_module, PassContext(Topology(1, 1), True, bucket, blocks_per_row))
+    manager.run(compiled.graph_module, PassContext(Topology(1, 1), EVERY_RANK, bucket, blocks_per_row))
     return compiled
 
 
