@@ -1,0 +1,288 @@
+"""Lowering rules from core ATen (what `ExportedProgram.run_decompositions()` leaves) to `jax.lax` /
+`jax.numpy`, one function per op.
+
+A rule takes `out` (the node's output shape and dtype, from torch.export's fake tensors, with
+int64 as int32: the programs run without jax's x64 mode, so every index is int32 as neuronx-cc
+wants) and the op's arguments with tensors as jax arrays. Rules that build or reshape a tensor take
+its shape from `out` rather than re-deriving it from arguments that may hold -1 or symbolic
+sizes; every result is cast to `out.dtype`, which settles type promotion the way torch did.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Out:
+    """A node's output: its static shape and jax dtype."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def _axis(dim: int, rank: int) -> int:
+    return dim % rank if rank else 0
+
+
+def _dims(dims, rank: int) -> tuple[int, ...]:
+    if dims is None or dims == []:
+        return tuple(range(rank))
+    dims = [dims] if isinstance(dims, int) else dims
+    return tuple(_axis(d, rank) for d in dims)
+
+
+def _matmul(out, a, b):
+    # fp32 operands at full precision (XLA:CPU would otherwise be free to use a faster, lossier
+    # algorithm); bf16 operands accumulate in fp32 and round once, as ATen's CPU GEMM does.
+    product = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return product.astype(out.dtype)
+
+
+def _index_arrays(index, dim: int):
+    """Full index arrays addressing `index`'s positions, with `index` itself along `dim`: what
+    torch's gather / scatter mean by index[i][j][k] along a dim."""
+    grids = list(jnp.meshgrid(*(jnp.arange(n) for n in index.shape), indexing="ij"))
+    grids[dim] = index
+    return tuple(grids)
+
+
+def _gather(out, x, dim, index, sparse_grad=False):
+    return x[_index_arrays(index, _axis(dim, x.ndim))]
+
+
+def _scatter(out, x, dim, index, src):
+    src = src if jnp.ndim(src) == 0 else src[tuple(slice(0, n) for n in index.shape)]
+    return x.at[_index_arrays(index, _axis(dim, x.ndim))].set(src, unique_indices=False)
+
+
+def _scatter_add(out, x, dim, index, src):
+    src = src[tuple(slice(0, n) for n in index.shape)]
+    return x.at[_index_arrays(index, _axis(dim, x.ndim))].add(src)
+
+
+def _index(out, x, indices):
+    # numpy's advanced indexing is torch's, None entries (whole dims) included.
+    return x[tuple(slice(None) if i is None else i for i in indices)]
+
+
+def _slice(out, x, dim=0, start=None, end=None, step=1):
+    dim = _axis(dim, x.ndim)
+    size = x.shape[dim]
+    start, end, _ = slice(start, end, step).indices(size)
+    return jax.lax.slice_in_dim(x, start, max(start, end), step, axis=dim)
+
+
+def _split_with_sizes(out, x, sizes, dim=0):
+    dim = _axis(dim, x.ndim)
+    return tuple(jnp.split(x, np.cumsum(sizes)[:-1].tolist(), axis=dim))
+
+
+def _sort(out, x, stable=None, dim=-1, descending=False):
+    """(values, indices) along `dim`; stable: equal keys keep their order (torch's stable sort,
+    descending included)."""
+    dim = _axis(dim, x.ndim)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, dim)
+    keys = -x if descending else x
+    keys, indices = jax.lax.sort((keys, iota), dimension=dim, is_stable=True, num_keys=1)
+    return (-keys if descending else keys), indices
+
+
+def _topk(out, x, k, dim=-1, largest=True, sorted=True):
+    dim = _axis(dim, x.ndim)
+    moved = jnp.moveaxis(x, dim, -1)
+    values, indices = jax.lax.top_k(moved if largest else -moved, k)
+    values = values if largest else -values
+    return jnp.moveaxis(values, -1, dim), jnp.moveaxis(indices, -1, dim)
+
+
+def _div_mode(out, a, b, rounding_mode=None):
+    if rounding_mode == "floor":
+        return jnp.floor_divide(a, b)
+    if rounding_mode == "trunc":
+        quotient = jnp.true_divide(a, b)
+        return jnp.trunc(quotient).astype(out.dtype)
+    return jnp.true_divide(a, b)
+
+
+def _reduction(function: Callable) -> Callable:
+    def rule(out, x, dim=None, keepdim=False, dtype=None):
+        return function(x.astype(out.dtype) if dtype is not None else x, axis=_dims(dim, x.ndim), keepdims=keepdim)
+    return rule
+
+
+def _full(out, size, fill_value, **_):
+    return jnp.full(out.shape, fill_value, dtype=out.dtype)
+
+
+def _full_like(out, x, fill_value, **_):
+    return jnp.full(out.shape, fill_value, dtype=out.dtype)
+
+
+def _arange(out, start, end=None, step=1, **_):
+    return (jnp.arange(out.shape[0], dtype=jnp.float64 if jnp.issubdtype(out.dtype, jnp.floating) else out.dtype)
+            * step + start).astype(out.dtype)
+
+
+def _binary(function: Callable) -> Callable:
+    return lambda out, a, b, **kwargs: function(a, b)
+
+
+def _unary(function: Callable) -> Callable:
+    return lambda out, x, **kwargs: function(x)
+
+
+def _add(out, a, b, alpha=1):
+    return a + (b if alpha == 1 else b * alpha)
+
+
+def _sub(out, a, b, alpha=1):
+    return a - (b if alpha == 1 else b * alpha)
+
+
+def _clamp(out, x, min=None, max=None):
+    return jnp.clip(x, min, max)
+
+
+def _cat(out, tensors, dim=0):
+    rank = max(t.ndim for t in tensors)
+    return jnp.concatenate([t for t in tensors if t.ndim == rank], axis=_axis(dim, rank))
+
+
+def _squeeze(out, x, dims=None):
+    return x.reshape(out.shape)
+
+
+def _select(out, x, dim, index):
+    dim = _axis(dim, x.ndim)
+    return jax.lax.index_in_dim(x, index % x.shape[dim], axis=dim, keepdims=False)
+
+
+def _cumsum(out, x, dim, dtype=None):
+    return jnp.cumsum(x.astype(out.dtype), axis=_axis(dim, x.ndim))
+
+
+def _embedding(out, weight, indices, *_):
+    return jnp.take(weight, indices, axis=0)
+
+
+def _index_select(out, x, dim, index):
+    return jnp.take(x, index, axis=_axis(dim, x.ndim))
+
+
+def _scalar_tensor(out, value, **_):
+    return jnp.asarray(value, dtype=out.dtype)
+
+
+def _native_layer_norm(out, x, normalized_shape, weight, bias, eps):
+    """(y, mean, rstd) over the trailing `normalized_shape` dims, statistics in fp32 as ATen's."""
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=axes, keepdims=True)
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(xf - mean), axis=axes, keepdims=True) + eps)
+    y = (xf - mean) * rstd
+    y = y * weight if weight is not None else y
+    y = y + bias if bias is not None else y
+    return y.astype(out[0].dtype), mean.astype(out[1].dtype), rstd.astype(out[2].dtype)
+
+
+def _to_copy(out, x, **_):
+    return x
+
+
+RULES: dict = {
+    aten._to_copy.default: _to_copy,
+    aten.clone.default: _to_copy,
+    aten.alias.default: _to_copy,
+    aten.abs.default: _unary(jnp.abs),
+    aten.relu.default: _unary(jax.nn.relu),
+    aten.neg.default: _unary(jnp.negative),
+    aten.exp.default: _unary(jnp.exp),
+    aten.log.default: _unary(jnp.log),
+    aten.cos.default: _unary(jnp.cos),
+    aten.sin.default: _unary(jnp.sin),
+    aten.sigmoid.default: _unary(jax.nn.sigmoid),
+    aten.rsqrt.default: _unary(jax.lax.rsqrt),
+    aten.sqrt.default: _unary(jnp.sqrt),
+    aten.isinf.default: _unary(jnp.isinf),
+    aten.bitwise_not.default: _unary(jnp.logical_not),
+    aten.add.Tensor: _add,
+    aten.sub.Tensor: _sub,
+    aten.mul.Tensor: _binary(jnp.multiply),
+    aten.div.Tensor: _binary(jnp.true_divide),
+    aten.div.Tensor_mode: _div_mode,
+    aten.pow.Tensor_Scalar: _binary(jnp.power),
+    aten.remainder.Scalar: _binary(jnp.remainder),
+    aten.remainder.Tensor: _binary(jnp.remainder),
+    aten.maximum.default: _binary(jnp.maximum),
+    aten.minimum.default: _binary(jnp.minimum),
+    aten.bitwise_and.Tensor: _binary(jnp.logical_and),
+    aten.bitwise_or.Tensor: _binary(jnp.logical_or),
+    aten.eq.Scalar: _binary(jnp.equal),
+    aten.eq.Tensor: _binary(jnp.equal),
+    aten.ne.Scalar: _binary(jnp.not_equal),
+    aten.ne.Tensor: _binary(jnp.not_equal),
+    aten.ge.Scalar: _binary(jnp.greater_equal),
+    aten.ge.Tensor: _binary(jnp.greater_equal),
+    aten.gt.Scalar: _binary(jnp.greater),
+    aten.gt.Tensor: _binary(jnp.greater),
+    aten.le.Scalar: _binary(jnp.less_equal),
+    aten.le.Tensor: _binary(jnp.less_equal),
+    aten.lt.Scalar: _binary(jnp.less),
+    aten.lt.Tensor: _binary(jnp.less),
+    aten.where.self: lambda out, cond, a, b: jnp.where(cond, a, b),
+    aten.clamp.default: _clamp,
+    aten.mm.default: _matmul,
+    aten.bmm.default: _matmul,
+    aten.amax.default: _reduction(jnp.max),
+    aten.amin.default: _reduction(jnp.min),
+    aten.sum.dim_IntList: _reduction(jnp.sum),
+    aten.mean.dim: _reduction(jnp.mean),
+    aten.cumsum.default: _cumsum,
+    aten.native_layer_norm.default: _native_layer_norm,
+    aten.view.default: lambda out, x, size: x.reshape(out.shape),
+    aten._unsafe_view.default: lambda out, x, size: x.reshape(out.shape),
+    aten.expand.default: lambda out, x, size, implicit=False: jnp.broadcast_to(x, out.shape),
+    aten.permute.default: lambda out, x, dims: jnp.transpose(x, _dims(dims, x.ndim)),
+    aten.unsqueeze.default: lambda out, x, dim: x.reshape(out.shape),
+    aten.squeeze.dims: _squeeze,
+    aten.squeeze.dim: _squeeze,
+    aten.select.int: _select,
+    aten.slice.Tensor: _slice,
+    aten.split_with_sizes.default: _split_with_sizes,
+    aten.cat.default: _cat,
+    aten.index.Tensor: _index,
+    aten.index_select.default: _index_select,
+    aten.gather.default: _gather,
+    aten.scatter.src: _scatter,
+    aten.scatter.value: _scatter,
+    aten.scatter_add.default: _scatter_add,
+    aten.embedding.default: _embedding,
+    aten.sort.stable: _sort,
+    aten.topk.default: _topk,
+    aten.full.default: _full,
+    aten.full_like.default: _full_like,
+    aten.scalar_tensor.default: _scalar_tensor,
+    aten.arange.start_step: _arange,
+    aten.arange.start: _arange,
+    operator.getitem: lambda out, values, index: values[index],
+    # Sizes derived from the pool's block count, fixed at lowering: plain ints here.
+    aten.sym_size.int: lambda out, x, dim: x.shape[dim],
+    operator.mul: _binary(operator.mul),
+    operator.add: _binary(operator.add),
+    operator.sub: _binary(operator.sub),
+    operator.floordiv: _binary(operator.floordiv),
+}
+"""Core ATen op -> rule."""
+
+IGNORED = frozenset({aten._assert_tensor_metadata.default})
+"""Ops with no value: torch.export's run-time metadata checks."""

@@ -1,0 +1,129 @@
+"""Lowering rules for the graphc:: ops that reach the XLA lowering (the others are inlined to
+ATen by `passes/inline_reference_kernels.py` first): the KV write, the sampler, the grouped
+expert GEMM and the collectives.
+
+Each rule takes the `Lowering` (topology groups, HLO variant, the sampler's noise), the node's
+`Out` and the op's arguments; each follows its torch kernel in `graphc.ops` (tested against it).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from graphc.backends.xla import collectives
+from graphc.backends.xla.aten import Out
+from graphc.ops.sparse import NO_KEY
+from graphc.step import PADDING_SLOT
+
+SAMPLER_MIN_TEMPERATURE = 1e-6
+"""As `graphc.ops.sampler`: temperatures are clamped to this before dividing."""
+
+
+def first_argmax(x):
+    """Index of the first maximum along the last dim, as max then the least index holding it:
+    no variadic reduce (neuronx-cc refuses jnp.argmax's), the same answer as torch.argmax for
+    every input without NaN."""
+    best = jnp.max(x, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(x == best, iota, x.shape[-1]), axis=-1)
+
+
+def kv_write(lowering, out: Out, kv_pool, layer: int, kv, slot_mapping):
+    """The pool with each token's vector in its slot; padding tokens (PADDING_SLOT) write the
+    reserved scratch slot (the pool's last block, never allocated) instead of being dropped as
+    out-of-bounds writes: Neuron's scatter has no drop mode."""
+    layers, blocks, block_size, width = kv_pool.shape
+    slots = slot_mapping.reshape(-1)
+    slots = jnp.where(slots == PADDING_SLOT, (blocks - 1) * block_size, slots)
+    layer_slots = kv_pool[layer].reshape(blocks * block_size, width)
+    written = layer_slots.at[slots].set(kv.reshape(-1, width).astype(kv_pool.dtype), unique_indices=False)
+    return (None, kv_pool.at[layer].set(written.reshape(blocks, block_size, width)))
+
+
+def sample(lowering, out: Out, logits, temperature, top_k, top_p, seed, samples=None):
+    """`graphc.ops.sampler._sample` with its Gumbel noise taken from the program's `noise` input
+    (the host draws it from each row's seed: Neuron's RNG ignores seeds), so a seed samples the
+    same token on every backend."""
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    greedy = first_argmax(logits)
+    scaled = logits / jnp.maximum(temperature, SAMPLER_MIN_TEMPERATURE)[:, None]
+    iota = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
+    negated, order = jax.lax.sort((-scaled, iota), dimension=1, is_stable=True, num_keys=1)
+    sorted_logits = -negated
+    rank = jnp.arange(vocab)[None, :]
+    drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    drop = drop | (mass_before >= top_p[:, None])
+    sorted_logits = jnp.where(drop, -jnp.inf, sorted_logits)
+    gumbel = -jnp.log(-jnp.log(jnp.clip(lowering.noise, 1e-20, 1.0 - 1e-7)))
+    pick = first_argmax(sorted_logits + gumbel)
+    sampled = jnp.take_along_axis(order, pick[:, None], axis=1)[:, 0]
+    tokens = jnp.where(temperature > 0, sampled, greedy)
+    return tokens if samples is None else jnp.where(samples != 0, tokens, 0)
+
+
+def grouped_mm(lowering, out: Out, rows, weights, offsets):
+    """rows [M, D] sorted by expert @ their expert's weights [E', D, F] -> [M, F]; rows past
+    offsets[-1] (routes to other ranks' experts) are 0. Each row's expert is found from the
+    offsets and its matrix gathered: a reference lowering for validation, not a Neuron kernel."""
+    expert = jnp.searchsorted(offsets, jnp.arange(rows.shape[0]), side="right")  # [M]
+    valid = expert < weights.shape[0]
+    matrices = weights[jnp.minimum(expert, weights.shape[0] - 1)]  # [M, D, F]
+    product = jnp.einsum("md,mdf->mf", rows, matrices, precision=jax.lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)
+    return jnp.where(valid[:, None], product, 0).astype(out.dtype)
+
+
+def attention_combine(lowering, out: Out, partial, lse, group: str):
+    outs = collectives.all_gather(partial, lowering.groups(group))  # [G, B, Q, H, R]
+    lses = collectives.all_gather(lse, lowering.groups(group))  # [G, B, Q, H]
+    weights = jnp.exp(lses - jax.nn.logsumexp(lses, axis=0))
+    return (weights[..., None] * outs.astype(jnp.float32)).sum(axis=0).astype(out.dtype)
+
+
+def moe_dispatch(lowering, out: Out, hidden, group: str, group_size: int = 1):
+    return collectives.all_gather(hidden, lowering.groups(group)).reshape(out.shape)
+
+
+def moe_combine(lowering, out: Out, partial, group: str, group_size: int = 1):
+    return collectives.reduce_scatter(partial, lowering.groups(group))
+
+
+def all_reduce(lowering, out: Out, partial, group: str):
+    return collectives.all_reduce(partial, lowering.groups(group))
+
+
+def index_topk_combine(lowering, out: Out, positions, scores, group: str):
+    """`graphc.ops.sparse._index_topk_combine`: the group's candidates in ascending position
+    (NO_KEY last), then the best k by score with ties to the lower position."""
+    groups = lowering.groups(group)
+    k = positions.shape[-1]
+    candidates = jnp.moveaxis(collectives.all_gather(positions, groups), 0, 2).reshape(*positions.shape[:2], -1)
+    candidate_scores = jnp.moveaxis(collectives.all_gather(scores, groups), 0, 2).reshape(*scores.shape[:2], -1)
+    key = jnp.where(candidates == NO_KEY, jnp.iinfo(jnp.int32).max, candidates)
+    _, candidates, candidate_scores = jax.lax.sort((key, candidates, candidate_scores), dimension=2,
+                                                   is_stable=True, num_keys=1)
+    iota = jax.lax.broadcasted_iota(jnp.int32, candidate_scores.shape, 2)
+    _, order = jax.lax.sort((-candidate_scores, iota), dimension=2, is_stable=True, num_keys=1)
+    order = order[..., :k]
+    top_scores = jnp.take_along_axis(candidate_scores, order, axis=2)
+    top = jnp.take_along_axis(candidates, order, axis=2)
+    return jnp.where(top_scores == -jnp.inf, NO_KEY, top)
+
+
+ops = torch.ops.graphc
+RULES = {
+    ops.kv_write.default: kv_write,
+    ops.sample.default: sample,
+    ops.grouped_mm.default: grouped_mm,
+    ops.attention_combine.default: attention_combine,
+    ops.moe_dispatch.default: moe_dispatch,
+    ops.moe_combine.default: moe_combine,
+    ops.all_reduce.default: all_reduce,
+    ops.index_topk_combine.default: index_topk_combine,
+}
+"""graphc op -> rule (taking the `Lowering` first)."""

@@ -1,0 +1,224 @@
+"""Lower a specialised step program (torch.export) to an XLA `HloModuleProto`, through jax.
+
+The program is decomposed to core ATen (`run_decompositions`), then interpreted node by node with
+the rules of `aten.py` and `graphc_ops.py` under `jax.jit`, lowered to StableHLO and converted to
+an HLO module: the input neuronx-cc documents (`--framework XLA`), and one XLA:CPU runs here.
+
+The module's signature (`ProgramSignature`, recorded beside it): the weights, then the step
+inputs (`graphc.step.STEP_INPUTS`), then `noise` [B, V] fp32 when the program samples (the
+host draws it from each row's seed); int64 inputs as int32 (the programs run without jax's x64
+mode). Outputs: the written KV pool (aliased to the pool input: donated, updated in place),
+the tokens and the logits. The pool's block count is fixed at compile time: what the capture
+recorded (`kv_cache.num_blocks`), whose last block is the scratch slot of padding tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax._src.lib import xla_client
+from jax.interpreters import mlir
+from jax._src.lib.mlir import ir
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from graphc.backends.xla import aten as aten_rules
+from graphc.backends.xla import graphc_ops
+from graphc.backends.xla.aten import Out
+from graphc.backends.xla.variants import Variant
+from graphc.errors import GraphcError
+from graphc.step import STEP_INPUTS
+from graphc.topology import Topology
+
+JAX_DTYPES = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16,
+              torch.int64: jnp.int32, torch.int32: jnp.int32, torch.bool: jnp.bool_}
+"""torch dtype -> the dtype its values take in the lowered program (no int64: see the module doc)."""
+
+NOISE = "noise"
+OUTPUTS = ("kv_pool", "tokens", "logits")
+"""A step program's results, in order."""
+
+
+@dataclass(frozen=True)
+class ProgramSignature:
+    """What the runtime binds to the module's parameters and reads from its results."""
+
+    parameters: list[str]
+    """Input names in parameter order: weight names, then step inputs, then `noise` if sampling."""
+    shapes: list[list[int]]
+    dtypes: list[str]
+    outputs: list[str]
+    """Result names in order: `kv_pool`, `tokens`, `logits`."""
+    samples: bool
+    """Whether the program has the sampler (and so the `noise` input)."""
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Lowering:
+    """What rules see besides their arguments."""
+
+    topology: Topology
+    variant: Variant
+    noise: jax.Array | None = None
+    _groups: dict = field(default_factory=dict)
+
+    def groups(self, group: str) -> tuple[tuple[int, ...], ...]:
+        """Every replica group of semantic `group` (an HLO instruction names them all)."""
+        if group not in self._groups:
+            world = self.topology.world
+            self._groups[group] = tuple(sorted({tuple(self.topology.group_ranks(group, rank)) for rank in range(world)}))
+        return self._groups[group]
+
+
+def _out(value, num_blocks: int) -> Out | tuple | None:
+    if isinstance(value, torch.Tensor):
+        shape = tuple(size if isinstance(size, int) else num_blocks for size in value.shape)
+        return Out(shape, JAX_DTYPES[value.dtype])
+    if isinstance(value, (tuple, list)):
+        return tuple(_out(v, num_blocks) for v in value)
+    return None
+
+
+def _cast(result, out):
+    if isinstance(out, Out) and result is not None:
+        return jnp.asarray(result).astype(out.dtype)
+    if isinstance(out, tuple) and isinstance(result, (tuple, list)):
+        return tuple(_cast(r, o) for r, o in zip(result, out))
+    return result
+
+
+def _num_blocks(program: ExportedProgram) -> int:
+    """The pool's block count the program was captured with (its one symbolic dim's hint)."""
+    pool = [n for n in program.graph.nodes if n.op == "placeholder"][-len(STEP_INPUTS) + STEP_INPUTS.index("kv_pool")]
+    size = pool.meta["val"].shape[1]
+    return size if isinstance(size, int) else int(size.node.shape_env.size_hint(size.node.expr))
+
+
+def interpret(program: ExportedProgram, lowering: Lowering, num_blocks: int):
+    """A function of the user inputs (flat, in order) returning the program's outputs (the
+    mutated pool first), evaluating each node with its rule."""
+    graph_signature = program.graph_signature
+    kinds = {spec.arg.name: spec for spec in graph_signature.input_specs}
+    rules = {**aten_rules.RULES, **{op: (lambda rule: lambda out, *a, **k: rule(lowering, out, *a, **k))(rule)
+                                    for op, rule in graphc_ops.RULES.items()},
+             **lowering.variant.rules}
+
+    def run(*user_inputs):
+        env, inputs = {}, iter(user_inputs)
+
+        def value(arg):
+            if isinstance(arg, torch.fx.Node):
+                return env[arg]
+            if isinstance(arg, (list, tuple)):
+                return type(arg)(value(a) for a in arg)
+            if isinstance(arg, dict):
+                return {key: value(a) for key, a in arg.items()}
+            return arg
+
+        for node in program.graph.nodes:
+            if node.op == "placeholder":
+                spec = kinds[node.name]
+                if spec.kind == InputKind.USER_INPUT:
+                    env[node] = next(inputs)
+                elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.BUFFER):
+                    constant = program.constants.get(spec.target, program.state_dict.get(spec.target))
+                    env[node] = jnp.asarray(constant.detach().numpy(), dtype=JAX_DTYPES[constant.dtype])
+                else:
+                    raise GraphcError(f"xla lowering: input {node.name} of kind {spec.kind.name} is not supported")
+            elif node.op == "call_function":
+                if node.target in aten_rules.IGNORED:
+                    continue
+                if node.target is torch.ops.higher_order.auto_functionalized_v2:
+                    env[node] = _auto_functionalized(node, value, rules, num_blocks)
+                    continue
+                rule = rules.get(node.target)
+                if rule is None:
+                    raise GraphcError(f"xla lowering: no rule for {node.target} (node {node.name}); "
+                                      "add one to graphc/backends/xla")
+                out = _out(node.meta.get("val"), num_blocks)
+                env[node] = _cast(rule(out, *value(node.args), **value(node.kwargs)), out)
+            elif node.op == "output":
+                return tuple(value(a) for a in node.args[0])
+        raise GraphcError("xla lowering: the program has no output")
+
+    return run
+
+
+def _auto_functionalized(node, value, rules, num_blocks):
+    """torch.export's functional form of a mutating op: (the op's result, every mutated base
+    after the op). Only graphc::kv_write mutates, and only its pool."""
+    op, kwargs = node.args[0], dict(node.kwargs)
+    if op is not torch.ops.graphc.kv_write.default:
+        raise GraphcError(f"xla lowering: mutating op {op} is not supported")
+    bases = value(kwargs.pop("_all_bases"))
+    kwargs.pop("_kv_pool_base_index")
+    return rules[op](None, bases[0], **value(kwargs))
+
+
+def lower_to_hlo(program: ExportedProgram, topology: Topology, variant: Variant) -> tuple[bytes, ProgramSignature]:
+    """The serialized `HloModuleProto` of `program` for `variant`, and its signature."""
+    program = program.run_decompositions()
+    num_blocks = _num_blocks(program)
+    user_inputs = [n for n in program.graph.nodes if n.op == "placeholder"
+                   and _input_kind(program, n.name) == InputKind.USER_INPUT]
+    names = _user_input_names(program, len(user_inputs))
+    avals = [_out(n.meta["val"], num_blocks) for n in user_inputs]
+    samples = any(n.target is torch.ops.graphc.sample.default for n in program.graph.nodes)
+    logits = next(n for n in program.graph.nodes if n.op == "output").args[0][-1].meta["val"]
+    if samples:
+        names.append(NOISE)
+        avals.append(Out(tuple(logits.shape), jnp.float32))
+    lowering = Lowering(topology, variant)
+    body = interpret(program, lowering, num_blocks)
+
+    def step(inputs: dict):
+        lowering.noise = inputs.get(NOISE)
+        return body(*(inputs[name] for name in names if name != NOISE))
+
+    pool_index = names.index("kv_pool")
+    shapes = {name: jax.ShapeDtypeStruct(aval.shape, aval.dtype) for name, aval in zip(names, avals)}
+    lowered = _lower_donating(step, names, shapes, pool_index)
+    module = lowered.compiler_ir("stablehlo")
+    with module.context:
+        module.operation.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(
+            ir.IntegerType.get_signless(32), topology.world)
+    computation = xla_client._xla.mlir.mlir_module_to_xla_computation(
+        mlir.module_to_bytecode(module), use_tuple_args=False, return_tuple=True)
+    outputs = _output_names(program)
+    if outputs != list(OUTPUTS):
+        raise GraphcError(f"xla lowering: the program's outputs are {outputs}, not a step's {list(OUTPUTS)}")
+    signature = ProgramSignature(names, [list(a.shape) for a in avals], [np.dtype(a.dtype).name for a in avals],
+                                 outputs, samples)
+    return computation.as_serialized_hlo_module_proto(), signature
+
+
+def _lower_donating(step, names, shapes, pool_index):
+    """jit-lower `step` over positional arguments (so parameters keep the inputs' order) with
+    the pool donated."""
+    def positional(*args):
+        return step(dict(zip(names, args)))
+    return jax.jit(positional, donate_argnums=(pool_index,), keep_unused=True).lower(*(shapes[n] for n in names))
+
+
+def _input_kind(program: ExportedProgram, name: str):
+    return next(spec.kind for spec in program.graph_signature.input_specs if spec.arg.name == name)
+
+
+def _user_input_names(program: ExportedProgram, count: int) -> list[str]:
+    """Weights are one list input, the step inputs follow: [weight 0 .. weight n-1, STEP_INPUTS]."""
+    weights = count - len(STEP_INPUTS)
+    return [f"weight.{i}" for i in range(weights)] + list(STEP_INPUTS)
+
+
+def _output_names(program: ExportedProgram) -> list[str]:
+    """The pool mutation by the input it writes, then the user outputs by position."""
+    specs = program.graph_signature.output_specs
+    mutated = [s.target for s in specs if s.kind == OutputKind.USER_INPUT_MUTATION]
+    return mutated + list(OUTPUTS[len(mutated):])[: sum(s.kind == OutputKind.USER_OUTPUT for s in specs)]
