@@ -46,7 +46,7 @@ def test_one_program_serves_every_rank_with_its_coordinates(tiny_checkpoints, fo
     checkpoint = tiny_checkpoints["lora-groups"]
     shards = {rank: load_expert_shard(checkpoint, TOPOLOGY, rank, torch.float32) for rank in (0, 1)}
     programs = {rank: _capture(model, form) for rank, model in shards.items()}
-    assert program_key(programs[0], "export") == program_key(programs[1], "export")
+    assert program_key(programs[0], "export", TOPOLOGY) == program_key(programs[1], "export", TOPOLOGY)
     model, program = shards[1], programs[1]
     coordinates = tuple(TOPOLOGY.coordinates(1))
     eager = EagerModel(model, Parallelism(*coordinates[:1], TOPOLOGY.cp, coordinates[1], TOPOLOGY.ep,

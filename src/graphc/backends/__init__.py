@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from graphc.errors import GraphcError
+from graphc.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -24,9 +25,13 @@ class Backend:
     parallel_compile: bool
     """Whether graphs are worth compiling in worker processes (a copy is not)."""
     serves_here: bool
-    """Whether `graphc run` can load its graphs on this host's CPU."""
+    """Whether `graphc run` can load its graphs on this host's CPU (neuron's: their XLA:CPU variant)."""
     compiler: str
-    """The module whose `compile_program(program, out)` compiles one graph."""
+    """The module whose `compile_program(program, out, topology)` compiles one graph."""
+    fixed_pool: bool = False
+    """Whether the KV pool's block count is fixed when compiling (static shapes everywhere), its
+    last block a scratch slot that padding tokens write instead of being dropped: the runtime
+    never allocates it and refuses another GRAPHC_NUM_KV_BLOCKS."""
     follower_programs: bool = False
     """Whether followers get a program of their own, without the sampler (a backend that compiles
     the sampler into the graph). Otherwise every rank runs one program per bucket, whose sampler
@@ -52,8 +57,8 @@ constant, so no program is specific to one rank."""
 BACKENDS = {backend.name: backend for backend in (
     Backend("export", "pt2", parallel_compile=False, serves_here=True, compiler="graphc.backends.export"),
     Backend("inductor", "aoti.pt2", parallel_compile=True, serves_here=True, compiler="graphc.backends.inductor"),
-    Backend("neuron", "neff", parallel_compile=True, serves_here=False, compiler="graphc.backends.neuron",
-            follower_programs=True),
+    Backend("neuron", "neuron.zip", parallel_compile=True, serves_here=True, compiler="graphc.backends.neuron",
+            fixed_pool=True, follower_programs=True),
 )}
 
 BackendName = Literal[tuple(BACKENDS)]  # noqa: typed.build reads the names from this Literal
@@ -66,6 +71,6 @@ def backend(name: str) -> Backend:
     return BACKENDS[name]
 
 
-def compile_program(name: str, program: Path, out: Path) -> None:
-    """Compile the saved program at `program` into `out` with backend `name`."""
-    importlib.import_module(backend(name).compiler).compile_program(program, out)
+def compile_program(name: str, program: Path, out: Path, topology: Topology) -> None:
+    """Compile the saved program at `program` (for `topology`) into `out` with backend `name`."""
+    importlib.import_module(backend(name).compiler).compile_program(program, out, topology)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from graphc.topology import Topology
 
-def compile_program(program: Path, out: Path) -> None:
+
+def compile_program(program: Path, out: Path, topology: Topology) -> None:
     # The program is already saved with torch.export.save; serving loads it as is.
     shutil.copyfile(program, out)

@@ -1,7 +1,8 @@
 """Emit: content-hash specialised programs, compile each distinct one once, cache the results.
 
 A graph's key is the sha256 of what determines its compiled form: the backend, the graphc and
-torch versions, the graph code, its signature, its constants and the shapes and dtypes of every
+torch versions, the topology (a backend may name its groups' ranks in the program: neuron's
+replica groups), the graph code, its signature, its constants and the shapes and dtypes of every
 node. Weights are graph inputs, so they are not part of the key. Compiled files live in a content-addressed
 cache (`GRAPHC_CACHE_DIR`, default `~/.cache/graphc`), so an unchanged graph is never compiled
 twice, across buckets, ranks and runs. Misses compile in parallel worker processes.
@@ -32,6 +33,7 @@ from graphc import __version__
 from graphc.artifacts.directory import sha256_file
 from graphc.backends import backend as backend_named, compile_program
 from graphc.errors import GraphcError
+from graphc.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -71,9 +73,9 @@ def _store(partial: Path, entry: Path) -> None:
     os.replace(record.name, _record(entry))
 
 
-def program_key(program: ExportedProgram, backend: str) -> str:
+def program_key(program: ExportedProgram, backend: str, topology: Topology) -> str:
     digest = hashlib.sha256()
-    for part in (backend, __version__, torch.__version__, program.graph_module.code,
+    for part in (backend, __version__, torch.__version__, repr(topology), program.graph_module.code,
                  str(program.graph_signature), str(program.range_constraints)):
         digest.update(part.encode())
         digest.update(b"\0")
@@ -87,7 +89,8 @@ def program_key(program: ExportedProgram, backend: str) -> str:
     return digest.hexdigest()
 
 
-def compile_all(jobs: list[CompileJob], backend: str, workers: int, show_progress: bool = True) -> dict[str, Path]:
+def compile_all(jobs: list[CompileJob], backend: str, topology: Topology, workers: int,
+                show_progress: bool = True) -> dict[str, Path]:
     """Compile every distinct job (by key) not already cached; return key -> cached file."""
     folder = cache_dir() / backend
     folder.mkdir(parents=True, exist_ok=True)
@@ -119,12 +122,13 @@ def compile_all(jobs: list[CompileJob], backend: str, workers: int, show_progres
         if not backend_named(backend).parallel_compile or workers <= 1 or len(todo) == 1:
             for key in todo:
                 progress.update(task, description=f"{backend}: {', '.join(labels[key])}")
-                compile_program(backend, programs[key], partials[key])
+                compile_program(backend, programs[key], partials[key], topology)
                 compiled(key, partials[key])
             return results
         context = multiprocessing.get_context("spawn")  # fork would inherit the parent's threads and locks
         with concurrent.futures.ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=context) as pool:
-            futures = {pool.submit(compile_program, backend, programs[key], partials[key]): key for key in todo}
+            futures = {pool.submit(compile_program, backend, programs[key], partials[key], topology): key
+                       for key in todo}
             running = set(futures.values())
             progress.update(task, description=f"{backend}: {len(running)} graphs")
             for future in concurrent.futures.as_completed(futures):

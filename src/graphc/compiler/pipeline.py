@@ -99,10 +99,10 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                 check_program_agreement({name: programs[name, bucket].graph_module for name in names}, bucket.name)
         # 4. Emit: compile each distinct program once (cached); every rank's entry points at the
         # file of the program it runs.
-        keys = {where: program_key(program, backend) for where, program in programs.items()}
+        keys = {where: program_key(program, backend, topology) for where, program in programs.items()}
         compiled = compile_all([CompileJob(f"{bucket.name} {name}", keys[name, bucket], program)
                                 for (name, bucket), program in programs.items()],
-                               backend, options.workers, options.show_progress)
+                               backend, topology, options.workers, options.show_progress)
         run_by = {rank: backend_named(backend).program_of(rank) for rank in range(topology.world)}
         graphs = {rank: [CompiledGraph(bucket, compiled[keys[run_by[rank], bucket]],
                                        _step_specs(programs[run_by[rank], bucket]), moe_forms[bucket])

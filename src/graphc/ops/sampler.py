@@ -8,6 +8,14 @@ from torch import Tensor
 from graphc.ops.library import define_op
 
 
+def sampling_noise(seed: Tensor, vocab: int) -> Tensor:
+    """[B, V] uniform noise in [0, 1), each row from a generator seeded by its `seed`: the
+    sampler's randomness, drawn on the host (backends whose programs take it as an input get
+    exactly this, so a seed samples the same token everywhere)."""
+    return torch.stack([torch.rand(vocab, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float32)
+                        for s in seed.tolist()])
+
+
 def _sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
             samples: Tensor | None = None) -> Tensor:
     """Pick one token per row: greedy where temperature is 0, else sampling with top-k / top-p.
@@ -42,10 +50,7 @@ def _sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, s
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= mass_before >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    noise = torch.stack([
-        torch.rand(logits.shape[-1], generator=torch.Generator().manual_seed(int(s)), dtype=torch.float32)
-        for s in seed.tolist()
-    ]).to(logits.device)  # [B, V]
+    noise = sampling_noise(seed, logits.shape[-1]).to(logits.device)  # [B, V]
     gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
     sampled = order.gather(-1, (sorted_logits + gumbel).argmax(dim=-1, keepdim=True)).squeeze(-1)
     return torch.where(temperature > 0, sampled, greedy)

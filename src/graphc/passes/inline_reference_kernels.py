@@ -4,7 +4,8 @@ and the expert-shard and expert-routes ops with the ATen ops of their reference 
 For the CPU backends a custom op is a Python kernel: called from an AOTInductor package it costs
 a round trip into the interpreter per layer per step, and inductor cannot fuse across it. Inlined,
 the attention compiles like the rest of the graph (halving a decode step of the tiny model).
-Targets with their own kernels (Neuron) skip this pass and lower the op to that kernel instead.
+The neuron backend runs it too: its XLA lowering covers core ATen, so the inlined ops need no
+rules of their own (NKI attention kernels in their place are future work).
 
 `graphc::grouped_mm` stays an op: its kernel is ATen's own `_grouped_mm` (see ops/moe.py).
 `graphc::kv_write` stays an op on purpose: inlined, its in-place write into the `kv_pool` input
@@ -31,8 +32,8 @@ REFERENCE_KERNELS = {
     "graphc::paged_indexer_logits": paged_indexer_logits_reference,
     "graphc::index_candidates": index_candidates_reference,
     "graphc::sparse_mla_attention": sparse_mla_attention_reference,
-    # A column slice of the combine matrix, or a renumbering of the routes, once the rank's shard
-    # is set: no reason to leave Python.
+    # A column gather of the combine matrix, or a renumbering of the routes, by the rank's
+    # coordinates: no reason to leave Python.
     "graphc::expert_shard": expert_shard_reference,
     "graphc::expert_routes": expert_routes_reference,
 }

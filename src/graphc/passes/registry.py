@@ -47,8 +47,8 @@ PIPELINE = (
     PassEntry("lower_trivial_collectives", lower_trivial_collectives,
               "groups of one rank move no data: backends never see a no-op collective"),
     PassEntry("inline_reference_kernels", inline_reference_kernels,
-              "CPU backends: KV write and attention as compiled ATen ops, not Python kernels per layer",
-              backends=("export", "inductor")),
+              "attention, sparse attention and expert routing as ATen ops: compiled with the rest on the CPU "
+              "backends, not Python kernels per layer; lowered to XLA with the rest on neuron"),
     PassEntry("lower_matvecs", lower_matvecs,
               "inductor: one-row linear layers (decode at batch 1, the LM head) as reductions that stream the "
               "weight near the memory bandwidth; after inlining, so it sees every linear of the step",

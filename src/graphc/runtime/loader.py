@@ -13,10 +13,12 @@ from safetensors.torch import load_file
 
 from graphc.artifacts.directory import read_manifest
 from graphc.artifacts.manifest import GraphEntry, Manifest, RankEntry
+from graphc.backends import backend
 from graphc.buckets.selection import Bucket
 from graphc.errors import GraphcError
 import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
 from graphc.runtime.archive_check import check_export_archive
+from graphc.step import STEP_INPUTS
 
 NUM_KV_BLOCKS_ENV = "GRAPHC_NUM_KV_BLOCKS"
 
@@ -42,7 +44,15 @@ def _load_inductor(path: Path, collectives: bool) -> Callable:
     return lambda weights, inputs: tuple(run([*weights, *inputs]))
 
 
-LOADERS = {"export": lambda path, collectives: _load_export(path), "inductor": _load_inductor}
+def _load_neuron(path: Path, collectives: bool) -> Callable:
+    from graphc.runtime.xla_runner import load_xla  # jax is imported only to serve neuron artifacts
+
+    run = load_xla(path, collectives)
+    return lambda weights, inputs: run(weights, dict(zip(STEP_INPUTS, inputs)))
+
+
+LOADERS = {"export": lambda path, collectives: _load_export(path), "inductor": _load_inductor,
+           "neuron": _load_neuron}
 
 
 class GraphRunner:
@@ -78,12 +88,17 @@ def kv_pool_blocks(manifest: Manifest) -> int:
     """The pool size: the manifest's, unless GRAPHC_NUM_KV_BLOCKS overrides it."""
     override = os.environ.get(NUM_KV_BLOCKS_ENV)
     blocks = manifest.kv_cache.num_blocks
+    fixed = backend(manifest.backend).fixed_pool
+    if override is not None and fixed and override.strip() != str(blocks):
+        raise GraphcError(f"{NUM_KV_BLOCKS_ENV}={override!r}: {manifest.backend} artifacts fix the pool at "
+                          f"compile time (kv_cache.num_blocks {blocks}); unset it, or recompile with another "
+                          "kv_cache.num_blocks")
     if override is not None:
         try:
             blocks = int(override)
         except ValueError:
             raise GraphcError(f"{NUM_KV_BLOCKS_ENV}={override!r} is not an integer") from None
-    needed = manifest.kv_cache.blocks_per_row
+    needed = manifest.kv_cache.blocks_per_row + int(fixed)  # and the scratch block, where there is one
     source = NUM_KV_BLOCKS_ENV if override is not None else "kv_cache.num_blocks"
     if blocks < max(needed, 2):
         raise GraphcError(

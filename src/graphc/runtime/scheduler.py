@@ -37,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from graphc.artifacts.manifest import Manifest
+from graphc.backends import backend
 from graphc.buckets.selection import Bucket, max_prefill_chunk, smallest_fitting
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks
 from graphc.sampling import Sampling
@@ -106,8 +107,9 @@ class Scheduler:
         """The scheduler of compiled artifacts: their bucket table, KV layout (a pool of
         `num_blocks` per rank, the manifest's or GRAPHC_NUM_KV_BLOCKS') and runtime section."""
         buckets, kv = manifest.buckets, manifest.kv_cache
+        scratch = int(backend(manifest.backend).fixed_pool)  # the scratch block is never allocated
         return cls(requests, prefill=buckets.prefill, decode=buckets.decode, context_limit=buckets.context_limit,
-                   block_size=kv.block_size, num_blocks=num_blocks,
+                   block_size=kv.block_size, num_blocks=num_blocks - scratch,
                    max_num_prefilling_tokens=manifest.runtime.max_num_prefilling_tokens,
                    eos_token_ids=manifest.model.eos_token_id, kv_shards=manifest.topology.cp,
                    prompt_as_decode=buckets.prompt_as_decode)

@@ -70,7 +70,8 @@ def grouped_mm(lowering, out: Out, rows, weights, offsets):
     """rows [M, D] sorted by expert @ their expert's weights [E', D, F] -> [M, F]; rows past
     offsets[-1] (routes to other ranks' experts) are 0. Each row's expert is found from the
     offsets and its matrix gathered: a reference lowering for validation, not a Neuron kernel."""
-    expert = jnp.searchsorted(offsets, jnp.arange(rows.shape[0]), side="right")  # [M]
+    # Compare-all, not a binary search: no while loop in the module.
+    expert = jnp.searchsorted(offsets, jnp.arange(rows.shape[0]), side="right", method="compare_all")  # [M]
     valid = expert < weights.shape[0]
     matrices = weights[jnp.minimum(expert, weights.shape[0] - 1)]  # [M, D, F]
     product = jnp.einsum("md,mdf->mf", rows, matrices, precision=jax.lax.Precision.HIGHEST,

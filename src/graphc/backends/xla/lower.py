@@ -77,10 +77,17 @@ class Lowering:
         return self._groups[group]
 
 
+def _static(size, num_blocks: int) -> int:
+    """A size with the pool's block count (the one symbol any size has) set to `num_blocks`."""
+    if isinstance(size, int):
+        return size
+    expr = size.node.expr
+    return int(expr.xreplace({symbol: num_blocks for symbol in expr.free_symbols}))
+
+
 def _out(value, num_blocks: int) -> Out | tuple | None:
     if isinstance(value, torch.Tensor):
-        shape = tuple(size if isinstance(size, int) else num_blocks for size in value.shape)
-        return Out(shape, JAX_DTYPES[value.dtype])
+        return Out(tuple(_static(size, num_blocks) for size in value.shape), JAX_DTYPES[value.dtype])
     if isinstance(value, (tuple, list)):
         return tuple(_out(v, num_blocks) for v in value)
     return None

@@ -1,0 +1,120 @@
+"""Serve `neuron` artifacts on this host: each program's CPU-variant HLO compiled by XLA:CPU
+(jaxlib), one process per rank, collectives over gloo.
+
+This is how the Neuron graphs are validated token for token here; it is not a fast path. The KV
+pool lives in the engine's torch tensor and round-trips through the program each step (on a
+Neuron device it stays in device memory, aliased in place); weights are placed once per rank.
+With several ranks, jax's distributed runtime is started in every rank's process before anything
+else touches jax, rank 0 hosting its coordinator on a port it picks and shares over the job's
+torch.distributed group (already up under `graphc run`'s launcher).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import zipfile
+from pathlib import Path
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from graphc.errors import GraphcError
+from graphc.ops.sampler import sampling_noise
+
+PROGRAM_JSON, CPU_HLO = "program.json", "cpu.hlo.pb"
+_NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int32": np.int32, "bool": np.bool_}
+_placed_weights: dict[int, list] = {}
+"""Per rank's weight list (by identity): its tensors placed on the XLA device, shared by every bucket."""
+
+
+def _jax():
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    return jax
+
+
+def start_distributed() -> None:
+    """Join this rank's process to jax's distributed runtime (once; before any jax computation)."""
+    import torch.distributed as dist
+
+    jax = _jax()
+    if jax.distributed.is_initialized():
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    port = [None]
+    if rank == 0:
+        with socket.socket() as probe:  # a free port for the coordinator
+            probe.bind(("127.0.0.1", 0))
+            port[0] = probe.getsockname()[1]
+    dist.broadcast_object_list(port, src=0)
+    address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    jax.distributed.initialize(f"{address}:{port[0]}", num_processes=world, process_id=rank)
+
+
+def _to_device(tensor: torch.Tensor, dtype: str, device):
+    jax = _jax()
+    if tensor.dtype == torch.bfloat16:
+        array = tensor.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        array = tensor.contiguous().numpy()
+    return jax.device_put(np.asarray(array, dtype=_NUMPY_DTYPES[dtype]), device)
+
+
+def _to_torch(array, like: torch.dtype) -> torch.Tensor:
+    host = np.asarray(array)
+    if host.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(host.copy()).to(like)
+
+
+def load_xla(path: Path, collectives: bool) -> Callable:
+    """The runner of one program archive: `(weights, inputs) -> (tokens, logits)`, writing the
+    program's KV pool result back into `inputs["kv_pool"]`."""
+    jax = _jax()
+    import jax.extend
+    from jax._src.lib import xla_client
+
+    with zipfile.ZipFile(path) as archive:
+        description = json.loads(archive.read(PROGRAM_JSON))
+        hlo = archive.read(CPU_HLO)
+    signature, world = description["signature"], description["world"]
+    if collectives:
+        start_distributed()
+    devices = sorted(jax.devices(), key=lambda d: d.process_index)
+    if len(devices) != world:
+        raise GraphcError(f"{path.name}: compiled for {world} ranks, but jax sees {len(devices)} devices")
+    options = xla_client.CompileOptions()
+    build = options.executable_build_options
+    build.num_replicas, build.num_partitions = world, 1
+    build.device_assignment = xla_client.DeviceAssignment.create(np.array([[d.id] for d in devices]))
+    backend = jax.extend.backend.get_backend("cpu")
+    executable = backend.compile_and_load(xla_client._xla.mlir.hlo_to_stablehlo(hlo),
+                                          xla_client.DeviceList(tuple(devices)), options)
+    device = jax.local_devices()[0]
+    names, dtypes = signature["parameters"], signature["dtypes"]
+    weight_count = sum(name.startswith("weight.") for name in names)
+    vocab = signature["shapes"][names.index("noise")][-1] if signature["samples"] else 0
+
+    def run(weights: list[torch.Tensor], inputs: dict[str, torch.Tensor]):
+        placed = _placed_weights.get(id(weights))
+        if placed is None:
+            placed = _placed_weights[id(weights)] = [_to_device(w, d, device) for w, d in zip(weights, dtypes)]
+        values = dict(inputs)
+        if signature["samples"]:
+            sampling = bool((inputs["temperature"] > 0).any())
+            values["noise"] = (sampling_noise(inputs["seed"], vocab) if sampling
+                               else torch.zeros(len(inputs["seed"]), vocab))
+        arguments = placed[:weight_count] + [_to_device(values[name], dtype, device)
+                                             for name, dtype in zip(names[weight_count:], dtypes[weight_count:])]
+        pool, tokens, logits = (shards[0] for shards in
+                                executable.execute_sharded(arguments).disassemble_into_single_device_arrays())
+        inputs["kv_pool"].copy_(_to_torch(pool, inputs["kv_pool"].dtype))
+        return _to_torch(tokens, torch.int64), _to_torch(logits, torch.float32)
+
+    return run
