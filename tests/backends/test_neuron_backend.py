@@ -1,0 +1,105 @@
+"""The neuron backend end to end: artifacts compiled to per-program Neuron / CPU HLO, served here on
+XLA:CPU (one process per rank, gloo collectives), give the export backend's tokens, greedy and
+sampled with seeds, at every topology, V3 and V3.2 (sparse), every bucket kind (prefill, decode,
+prompt-as-decode); one bucket's logits agree with the export graph's to 1e-5 relative."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import pytest
+import torch
+
+from graphc.artifacts.directory import read_manifest
+from graphc.errors import GraphcError
+from graphc.runtime import Engine, Request
+from graphc.runtime.launch import serve
+from graphc.runtime.loader import load_rank
+from graphc.sampling import Sampling
+from graphc.step import PADDING_SLOT
+from support import SPARSE_V32
+
+pytestmark = [pytest.mark.compiles]
+
+BUCKETS = "prompt_as_decode_small"  # prefill-32, decode-4 and the prompt-as-decode decode-4x4
+PROMPTS = [[(7 * i + n) % 250 + 3 for i in range(n)] for n in (1, 3, 9, 40)]
+SAMPLED = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=11)
+NEW_TOKENS = 8
+CASES = [  # (preset, cp, ep)
+    ("lora-groups", 1, 1), ("wide-16e", 2, 1), ("wide-16e", 2, 2), ("wide-16e", 4, 4),
+    (SPARSE_V32, 1, 1), (SPARSE_V32, 2, 2),
+]
+
+
+def _requests() -> list[Request]:
+    return [Request(p, NEW_TOKENS, sampling, stop_at_eos=False)
+            for p in PROMPTS for sampling in (Sampling(), SAMPLED)]
+
+
+@pytest.mark.parametrize("preset, cp, ep", [pytest.param(*case, marks=[pytest.mark.multirank] if case[1] > 1 else [])
+                                            for case in CASES])
+def test_neuron_artifacts_serve_the_export_tokens(preset, cp, ep, compiled):
+    requests = _requests()
+    expected = Engine(compiled(preset, "export", BUCKETS)).generate(requests)
+    artifacts = compiled(preset, "neuron", BUCKETS, cp, ep)
+    if cp == 1:
+        results = Engine(artifacts).generate(requests)
+    else:
+        [outcome] = serve(artifacts, [requests])
+        results = outcome.results
+    assert [r.output_ids for r in results] == [r.output_ids for r in expected]
+    # At most two programs a bucket (the leader's, the followers' without a sampler), whatever
+    # the world; every follower names the same file.
+    manifest = read_manifest(artifacts)
+    leader, *followers = manifest.ranks
+    for index, graph in enumerate(leader.graphs):
+        files = {graph.file} | {f.graphs[index].file for f in followers}
+        assert len(files) == min(cp, 2)
+        with zipfile.ZipFile(artifacts / graph.file) as archive:
+            assert {"program.json", "neuron.hlo.pb", "cpu.hlo.pb"} <= set(archive.namelist())
+            assert json.loads(archive.read("program.json"))["signature"]["samples"]
+
+
+def test_one_steps_logits_and_kv_writes_match_the_export_graph(compiled):
+    """Each bucket of the same model, on the same step inputs (with padding slots): logits to
+    1e-5 relative, the pool's written slots exactly up to fp32 rounding, the scratch block aside."""
+    export = load_rank(compiled("lora-groups", "export", BUCKETS))
+    neuron = load_rank(compiled("lora-groups", "neuron", BUCKETS))
+    kv = export.manifest.kv_cache
+    generator = torch.Generator().manual_seed(0)
+    for bucket, runner in neuron.runners.items():
+        shapes = runner.shapes
+        rows, width = shapes["input_ids"]
+        inputs = {
+            "input_ids": torch.randint(0, 256, (rows, width), generator=generator),
+            "positions": torch.arange(width).repeat(rows, 1) + 5,
+            "block_table": torch.randint(0, kv.num_blocks - 1, shapes["block_table"], generator=generator),
+            "slot_mapping": torch.randperm((kv.num_blocks - 1) * kv.block_size, generator=generator)[
+                : rows * width].view(rows, width),
+            "logits_index": torch.full((rows,), width - 1),
+            "temperature": torch.zeros(rows), "top_k": torch.zeros(rows, dtype=torch.int64),
+            "top_p": torch.ones(rows), "seed": torch.zeros(rows, dtype=torch.int64),
+            "coordinates": torch.tensor([0, 0, 1], dtype=torch.int32),
+        }
+        inputs["slot_mapping"][-1, -1] = PADDING_SLOT
+        pool = torch.randn(shapes["kv_pool"], generator=generator)
+        outputs = {}
+        for name, loaded in (("export", export), ("neuron", neuron)):
+            step = {**inputs, "kv_pool": pool.clone()}
+            tokens, logits = loaded.runners[bucket](loaded.weights, step)
+            outputs[name] = tokens, logits.float(), step["kv_pool"]
+        (tokens, logits, written), (ref_tokens, ref_logits, ref_written) = outputs["neuron"], outputs["export"]
+        assert torch.equal(tokens, ref_tokens), bucket.name
+        assert (logits - ref_logits).abs().max() <= 1e-5 * ref_logits.abs().max(), bucket.name
+        torch.testing.assert_close(written[:, :-1], ref_written[:, :-1], rtol=0, atol=1e-5)
+
+
+def test_the_pool_size_is_fixed_at_compile_time(compiled, monkeypatch):
+    artifacts = compiled("lora-groups", "neuron", BUCKETS)
+    monkeypatch.setenv("GRAPHC_NUM_KV_BLOCKS", "32")
+    with pytest.raises(GraphcError, match=r"GRAPHC_NUM_KV_BLOCKS='32': neuron artifacts fix the pool at compile "
+                                          r"time \(kv_cache.num_blocks 64\)"):
+        Engine(artifacts)
+    monkeypatch.setenv("GRAPHC_NUM_KV_BLOCKS", "64")  # the compiled size itself is accepted
+    Engine(artifacts)
