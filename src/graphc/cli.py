@@ -186,6 +186,23 @@ def compile_command(config_path, out, backend, disabled, dump_graphs, verify_pas
                f"rank(s), {len(graphs)} distinct, backend {manifest.backend}" + (", signed" if sign_key else ""))
 
 
+@cli.command("neuron-finish")
+@click.argument("artifacts", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
+              help="Artifacts directory to write (the input is never modified).")
+@click.option("--target", default="trn1", show_default=True, help="neuronx-cc --target: the Neuron generation.")
+@click.option("--force", is_flag=True, help="Replace the output directory if it holds graphc artifacts (only then).")
+@click.option("--sign-key", type=click.Path(path_type=Path), default=None, help="Sign the finished artifacts.")
+@click.option("--trusted-key", type=click.Path(path_type=Path), default=None,
+              help="Refuse input artifacts this Ed25519 public key did not sign.")
+def neuron_finish(artifacts, out, target, force, sign_key, trusted_key) -> None:
+    """On a Neuron host: compile every program of neuron ARTIFACTS to a NEFF with neuronx-cc."""
+    from graphc.tools.neuron_finish import finish
+
+    count = finish(artifacts, out, target, force, sign_key, trusted_key)
+    click.echo(f"wrote {out}: {count} NEFF(s) for --target {target}" + (", signed" if sign_key else ""))
+
+
 @cli.command()
 @click.argument("private_key", type=click.Path(path_type=Path))
 def keygen(private_key: Path) -> None:

@@ -15,6 +15,7 @@ from graphc.artifacts.manifest import Manifest, TensorSpec
 from graphc.artifacts.signing import private_key
 from graphc.artifacts.writer import CompiledGraph, write_manifest, write_weights
 from graphc.backends import backend as backend_named
+from graphc.backends.neuron_archive import neuronx_cc_command
 from graphc.buckets.selection import all_buckets
 from graphc.compiler.capture import capture_bucket, model_weights
 from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
@@ -111,6 +112,8 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         extra = {"op_counts": {f"{bucket.name} {name}": op_counts(program.graph_module)
                                for (name, bucket), program in programs.items()},
                  "passes": pass_logs}
+        if backend == "neuron":  # the hand-off: how each program's HLO becomes a NEFF on a Neuron host
+            extra["neuronx_cc"] = " ".join(neuronx_cc_command())
         del programs, captured
         # 5. Weights, one expert shard in memory at a time: rank 0's, then each other's, loaded,
         # written and dropped (the captured programs hold no weights).

@@ -11,10 +11,8 @@ torch.distributed group (already up under `graphc run`'s launcher).
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -22,10 +20,10 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from graphc.backends.neuron_archive import CPU_HLO, read_archive
 from graphc.errors import GraphcError
 from graphc.ops.sampler import sampling_noise
 
-PROGRAM_JSON, CPU_HLO = "program.json", "cpu.hlo.pb"
 _NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int32": np.int32, "bool": np.bool_}
 _placed_weights: dict[int, list] = {}
 """Per rank's weight list (by identity): its tensors placed on the XLA device, shared by every bucket."""
@@ -80,9 +78,8 @@ def load_xla(path: Path, collectives: bool) -> Callable:
     import jax.extend
     from jax._src.lib import xla_client
 
-    with zipfile.ZipFile(path) as archive:
-        description = json.loads(archive.read(PROGRAM_JSON))
-        hlo = archive.read(CPU_HLO)
+    description, files = read_archive(path)
+    hlo = files[CPU_HLO]
     signature, world = description["signature"], description["world"]
     if collectives:
         start_distributed()

@@ -109,8 +109,10 @@ def _div_mode(out, a, b, rounding_mode=None):
     if rounding_mode == "floor":
         return jnp.floor_divide(a, b)
     if rounding_mode == "trunc":
-        quotient = jnp.true_divide(a, b)
-        return jnp.trunc(quotient).astype(out.dtype)
+        if jnp.issubdtype(out.dtype, jnp.integer):  # exact: lax.div on integers rounds toward zero
+            a, b = jnp.broadcast_arrays(jnp.asarray(a, out.dtype), jnp.asarray(b, out.dtype))
+            return jax.lax.div(a, b)
+        return jnp.trunc(jnp.true_divide(a, b))
     return jnp.true_divide(a, b)
 
 
@@ -129,8 +131,7 @@ def _full_like(out, x, fill_value, **_):
 
 
 def _arange(out, start, end=None, step=1, **_):
-    return (jnp.arange(out.shape[0], dtype=jnp.float64 if jnp.issubdtype(out.dtype, jnp.floating) else out.dtype)
-            * step + start).astype(out.dtype)
+    return (jnp.arange(out.shape[0]) * step + start).astype(out.dtype)
 
 
 def _binary(function: Callable) -> Callable:
@@ -214,7 +215,7 @@ RULES: dict = {
     aten.rsqrt.default: _unary(jax.lax.rsqrt),
     aten.sqrt.default: _unary(jnp.sqrt),
     aten.isinf.default: _unary(jnp.isinf),
-    aten.bitwise_not.default: _unary(jnp.logical_not),
+    aten.bitwise_not.default: _unary(jnp.invert),
     aten.add.Tensor: _add,
     aten.sub.Tensor: _sub,
     aten.mul.Tensor: _binary(jnp.multiply),
@@ -225,8 +226,8 @@ RULES: dict = {
     aten.remainder.Tensor: _binary(jnp.remainder),
     aten.maximum.default: _binary(jnp.maximum),
     aten.minimum.default: _binary(jnp.minimum),
-    aten.bitwise_and.Tensor: _binary(jnp.logical_and),
-    aten.bitwise_or.Tensor: _binary(jnp.logical_or),
+    aten.bitwise_and.Tensor: _binary(jnp.bitwise_and),
+    aten.bitwise_or.Tensor: _binary(jnp.bitwise_or),
     aten.eq.Scalar: _binary(jnp.equal),
     aten.eq.Tensor: _binary(jnp.equal),
     aten.ne.Scalar: _binary(jnp.not_equal),
