@@ -170,7 +170,7 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
 @click.option("--sign-key", type=click.Path(path_type=Path), default=None,
               help="Ed25519 private key (PEM, from `graphc keygen`): sign the artifacts.")
 def compile_command(config_path, out, backend, disabled, dump_graphs, verify_passes, jobs, force, sign_key) -> None:
-    """Capture, specialise and compile MODEL_YAML's model into per-rank, per-bucket graphs."""
+    """Capture, rewrite and compile MODEL_YAML's model into per-bucket graphs (at most two per bucket)."""
     from graphc.config import load_config
     from graphc.compiler.pipeline import CompileOptions, check_options, compile
 

@@ -1,8 +1,8 @@
 """Compiled multi-rank graphs, served by `graphc.runtime.launch.serve` (one process per rank under
 torchrun's agent, gloo collectives, the shared-memory step channel), give the single-rank tokens
 (fp32), at every topology of the issue, on both CPU backends, with and without the static-MoE
-rewrite. Every rank runs its own specialised graphs: its KV shard, its experts; followers have no
-sampler and take each step from the leader."""
+rewrite. Every rank runs the bucket's one program with its own coordinates (its KV shard, its
+experts); followers' sampler returns at once and they take each step from the leader."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_export_ranks_serve_the_single_rank_tokens(cp, ep, static, compiled):
 # Export runs every topology; the inductor backend lowers the same ops, so the two MoE forms at
 # two ranks cover every collective it must compile (the static form's all-reduce, the generic
 # form's dispatch/combine; attention_combine in both). Each AOTInductor graph costs ~19 s of CPU
-# and every rank's graphs are distinct: the full matrix (52 graphs) cost CI ~10 min. The GitHub
+# (one program a bucket whatever the world, so a topology costs what one rank does). The GitHub
 # sweep workflow runs the inductor backend at 2x1, 2x2, 4x2 and 4x4.
 INDUCTOR_TOPOLOGIES = [(2, 2, True), (2, 2, False)]
 

@@ -1,4 +1,4 @@
-"""Backends turn a specialised step program (saved as a torch.export `.pt2`) into a servable file.
+"""Backends turn a rewritten step program (saved as a torch.export `.pt2`) into a servable file.
 
 `BACKENDS` is the registry every other module reads (model.yaml's schema, the CLI's choices,
 the emitter, the pass list, the manifest schema); a backend's compiler module is imported only

@@ -1,4 +1,4 @@
-"""`export` backend: the specialised program itself, as a portable torch.export `.pt2`."""
+"""`export` backend: the rewritten program itself, as a portable torch.export `.pt2`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Emit: content-hash specialised programs, compile each distinct one once, cache the results.
+"""Emit: content-hash rewritten programs, compile each distinct one once, cache the results.
 
 A graph's key is the sha256 of what determines its compiled form: the backend, the graphc and
 torch versions, the topology (a backend may name its groups' ranks in the program: neuron's

@@ -1,4 +1,4 @@
-"""Lower a specialised step program (torch.export) to an XLA `HloModuleProto`, through jax.
+"""Lower a rewritten step program (torch.export) to an XLA `HloModuleProto`, through jax.
 
 The program is decomposed to core ATen (`run_decompositions`), then interpreted node by node with
 the rules of `aten.py` and `graphc_ops.py` under `jax.jit`, lowered to StableHLO and converted to
