@@ -25,8 +25,9 @@ from graphc.errors import GraphcError
 from graphc.ops.sampler import sampling_noise
 
 _NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int32": np.int32, "bool": np.bool_}
-_placed_weights: dict[int, list] = {}
-"""Per rank's weight list (by identity): its tensors placed on the XLA device, shared by every bucket."""
+_placed_weights: dict[int, tuple[list, list]] = {}
+"""By the identity of a rank's weight list: (the list, its tensors placed on the XLA device), shared
+by every bucket's program."""
 
 
 def _jax():
@@ -99,9 +100,10 @@ def load_xla(path: Path, collectives: bool) -> Callable:
     vocab = signature["shapes"][names.index("noise")][-1] if signature["samples"] else 0
 
     def run(weights: list[torch.Tensor], inputs: dict[str, torch.Tensor]):
-        placed = _placed_weights.get(id(weights))
-        if placed is None:
-            placed = _placed_weights[id(weights)] = [_to_device(w, d, device) for w, d in zip(weights, dtypes)]
+        source, placed = _placed_weights.get(id(weights), (None, None))
+        if source is not weights:
+            placed = [_to_device(w, d, device) for w, d in zip(weights, dtypes)]
+            _placed_weights[id(weights)] = weights, placed
         values = dict(inputs)
         if signature["samples"]:
             sampling = bool((inputs["temperature"] > 0).any())

@@ -143,7 +143,7 @@ def interpret(program: ExportedProgram, lowering: Lowering, num_blocks: int):
                 if node.target in aten_rules.IGNORED:
                     continue
                 if node.target is torch.ops.higher_order.auto_functionalized_v2:
-                    env[node] = _auto_functionalized(node, value, rules, num_blocks)
+                    env[node] = _auto_functionalized(node, value, rules)
                     continue
                 rule = rules.get(node.target)
                 if rule is None:
@@ -158,7 +158,7 @@ def interpret(program: ExportedProgram, lowering: Lowering, num_blocks: int):
     return run
 
 
-def _auto_functionalized(node, value, rules, num_blocks):
+def _auto_functionalized(node, value, rules):
     """torch.export's functional form of a mutating op: (the op's result, every mutated base
     after the op). Only graphc::kv_write mutates, and only its pool."""
     op, kwargs = node.args[0], dict(node.kwargs)
@@ -175,7 +175,8 @@ def lower_to_hlo(program: ExportedProgram, topology: Topology, variant: Variant)
     num_blocks = _num_blocks(program)
     user_inputs = [n for n in program.graph.nodes if n.op == "placeholder"
                    and _input_kind(program, n.name) == InputKind.USER_INPUT]
-    names = _user_input_names(program, len(user_inputs))
+    # Weights are one list input and the step inputs follow it.
+    names = [f"weight.{i}" for i in range(len(user_inputs) - len(STEP_INPUTS))] + list(STEP_INPUTS)
     avals = [_out(n.meta["val"], num_blocks) for n in user_inputs]
     samples = any(n.target is torch.ops.graphc.sample.default for n in program.graph.nodes)
     logits = next(n for n in program.graph.nodes if n.op == "output").args[0][-1].meta["val"]
@@ -185,13 +186,14 @@ def lower_to_hlo(program: ExportedProgram, topology: Topology, variant: Variant)
     lowering = Lowering(topology, variant)
     body = interpret(program, lowering, num_blocks)
 
-    def step(inputs: dict):
+    def step(*arguments):  # positional, so the module's parameters keep the inputs' order
+        inputs = dict(zip(names, arguments))
         lowering.noise = inputs.get(NOISE)
         return body(*(inputs[name] for name in names if name != NOISE))
 
-    pool_index = names.index("kv_pool")
-    shapes = {name: jax.ShapeDtypeStruct(aval.shape, aval.dtype) for name, aval in zip(names, avals)}
-    lowered = _lower_donating(step, names, shapes, pool_index)
+    # The pool is donated: its result aliases its parameter (updated in place on the device).
+    lowered = jax.jit(step, donate_argnums=(names.index("kv_pool"),), keep_unused=True).lower(
+        *(jax.ShapeDtypeStruct(aval.shape, aval.dtype) for aval in avals))
     module = lowered.compiler_ir("stablehlo")
     with module.context:
         module.operation.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(
@@ -206,22 +208,8 @@ def lower_to_hlo(program: ExportedProgram, topology: Topology, variant: Variant)
     return computation.as_serialized_hlo_module_proto(), signature
 
 
-def _lower_donating(step, names, shapes, pool_index):
-    """jit-lower `step` over positional arguments (so parameters keep the inputs' order) with
-    the pool donated."""
-    def positional(*args):
-        return step(dict(zip(names, args)))
-    return jax.jit(positional, donate_argnums=(pool_index,), keep_unused=True).lower(*(shapes[n] for n in names))
-
-
 def _input_kind(program: ExportedProgram, name: str):
     return next(spec.kind for spec in program.graph_signature.input_specs if spec.arg.name == name)
-
-
-def _user_input_names(program: ExportedProgram, count: int) -> list[str]:
-    """Weights are one list input, the step inputs follow: [weight 0 .. weight n-1, STEP_INPUTS]."""
-    weights = count - len(STEP_INPUTS)
-    return [f"weight.{i}" for i in range(weights)] + list(STEP_INPUTS)
 
 
 def _output_names(program: ExportedProgram) -> list[str]:

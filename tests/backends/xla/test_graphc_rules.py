@@ -1,0 +1,111 @@
+"""The lowering rules of graphc:: ops against their torch kernels (graphc.ops), on one process.
+
+The collectives' rules run here over groups of one replica (under jit, as lowered); their
+multi-rank behaviour is what test_neuron_backend.py serves at 2 and 4 ranks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from graphc.backends.xla import graphc_ops
+from graphc.backends.xla.aten import Out
+from graphc.backends.xla.lower import Lowering
+from graphc.backends.xla.variants import CPU
+from graphc.ops import collectives, moe, paged_attention, sampler, sparse
+from graphc.step import PADDING_SLOT
+from graphc.topology import Topology
+
+
+def _lowering(noise=None) -> Lowering:
+    lowering = Lowering(Topology(1, 1), CPU)
+    lowering.noise = None if noise is None else jnp.asarray(noise.numpy())
+    return lowering
+
+
+def _jax(tensor: torch.Tensor):
+    return jnp.asarray(tensor.numpy().astype(np.int32) if tensor.dtype == torch.int64 else tensor.numpy())
+
+
+def _out(tensor: torch.Tensor) -> Out:
+    return Out(tuple(tensor.shape), np.int32 if tensor.dtype == torch.int64 else tensor.numpy().dtype)
+
+
+def test_kv_write_writes_each_slot_and_sends_padding_to_the_scratch_block():
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(2, 6, 4, 5, generator=g)
+    kv = torch.randn(2, 3, 5, generator=g)
+    slots = torch.tensor([[3, 9, PADDING_SLOT], [PADDING_SLOT, 0, 17]])
+    expected = pool.clone()
+    paged_attention.kv_write(expected, 1, kv, slots)
+    _, written = graphc_ops.kv_write(_lowering(), None, _jax(pool), 1, _jax(kv), _jax(slots))
+    written = torch.from_numpy(np.asarray(written))
+    assert torch.equal(written[:, :-1], expected[:, :-1])  # every real slot, nothing else
+    scratch = written[1, -1].reshape(-1, 5)[0]  # the last block's first slot: a padding token's vector
+    assert any(torch.equal(scratch, kv.reshape(-1, 5)[i]) for i in (2, 3))
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.0, 0, 1.0), (0.8, 0, 1.0), (1.0, 5, 1.0), (0.7, 0, 0.9),
+                                                       (1.3, 7, 0.5)])
+def test_sample_equals_the_torch_sampler_given_its_noise(temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 50, generator=g) * 3
+    logits[0, 7] = float("-inf")
+    rows = logits.shape[0]
+    args = (torch.full((rows,), temperature), torch.full((rows,), top_k), torch.full((rows,), top_p),
+            torch.arange(rows) * 1_000_003 + 11)
+    expected = sampler.sample(logits, *args)
+    noise = sampler.sampling_noise(args[3], logits.shape[-1])
+    tokens = graphc_ops.sample(_lowering(noise), _out(expected), _jax(logits), *(_jax(a) for a in args))
+    assert np.array_equal(np.asarray(tokens), expected.numpy())
+    follower = graphc_ops.sample(_lowering(noise), _out(expected), _jax(logits), *(_jax(a) for a in args),
+                                 jnp.asarray(0, jnp.int32))
+    assert not np.asarray(follower).any()
+
+
+def test_grouped_mm_equals_the_op_and_zeroes_rows_past_the_last_expert():
+    g = torch.Generator().manual_seed(2)
+    rows, weights = torch.randn(10, 16, generator=g), torch.randn(3, 16, 8, generator=g)
+    offsets = torch.tensor([2, 2, 7], dtype=torch.int32)  # expert 1 has no rows; rows 7.. are off-shard
+    expected = moe.grouped_mm(rows, weights, offsets)
+    out = graphc_ops.grouped_mm(_lowering(), _out(expected), _jax(rows), _jax(weights), _jax(offsets))
+    np.testing.assert_allclose(np.asarray(out), expected.numpy(), rtol=0, atol=1e-5)
+    assert not np.asarray(out)[7:].any()
+
+
+def _in_jit(rule, *args, **kwargs):
+    """Run a collective's rule as lowered: under jit, over the one-replica groups of Topology(1, 1)."""
+    return jax.jit(lambda *a: rule(_lowering(), *a, **kwargs))(*args)
+
+
+def test_collectives_over_a_group_of_one_are_the_torch_ops_on_one_device():
+    g = torch.Generator().manual_seed(3)
+    out, lse = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 3, 4, generator=g)
+    combined = _in_jit(lambda low, o, s: graphc_ops.attention_combine(low, _out(out), o, s, "cp"), _jax(out), _jax(lse))
+    np.testing.assert_allclose(np.asarray(combined), out.numpy(), rtol=1e-6)
+    hidden = torch.randn(5, 8, generator=g)
+    for rule in (graphc_ops.moe_dispatch, graphc_ops.moe_combine):
+        moved = _in_jit(lambda low, h, rule=rule: rule(low, _out(hidden), h, "ep", 1), _jax(hidden))
+        assert np.array_equal(np.asarray(moved), hidden.numpy())
+    summed = _in_jit(lambda low, h: graphc_ops.all_reduce(low, _out(hidden), h, "world"), _jax(hidden))
+    assert np.array_equal(np.asarray(summed), hidden.numpy())
+    assert np.array_equal(np.asarray(collectives.all_reduce(hidden, "world")), hidden.numpy())
+
+
+def test_index_topk_combine_orders_candidates_by_score_then_position():
+    """One rank's candidates (as index_candidates gives them) come back best first, ties to the lower
+    position, NO_KEY where the score is -inf: the torch combine's order."""
+    logits = torch.tensor([[[0.5, 2.0, 2.0, float("-inf"), 1.0, float("-inf")]]])
+    positions, scores = sparse.index_candidates_reference(logits, 4, block_size=2)
+    combined = _in_jit(lambda low, p, s: graphc_ops.index_topk_combine(low, _out(positions), p, s, "cp"),
+                       _jax(positions), _jax(scores))
+    assert np.asarray(combined).tolist() == [[[1, 2, 4, 0]]] == positions.tolist()
+    logits[..., 4] = float("-inf")
+    positions, scores = sparse.index_candidates_reference(logits, 4, block_size=2)
+    combined = _in_jit(lambda low, p, s: graphc_ops.index_topk_combine(low, _out(positions), p, s, "cp"),
+                       _jax(positions), _jax(scores))
+    assert np.asarray(combined).tolist() == [[[1, 2, 0, sparse.NO_KEY]]] == positions.tolist()
