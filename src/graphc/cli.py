@@ -373,7 +373,8 @@ def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_
 
 @cli.command()
 @click.argument("artifacts", type=click.Path(path_type=Path))
-def inspect(artifacts: Path) -> None:
+@click.option("--lint", is_flag=True, help="Also check the programs' structure (neuron: the HLO lint); exit 1 on a problem.")
+def inspect(artifacts: Path, lint: bool) -> None:
     """Show ARTIFACTS' buckets, graphs, sizes and op counts (verifies hashes first)."""
     from graphc.artifacts.directory import read_manifest
     from graphc.backends import backend
@@ -394,6 +395,16 @@ def inspect(artifacts: Path) -> None:
             graphc_ops = ", ".join(f"{op} x{n}" for op, n in sorted(counts.items()) if op.startswith("graphc::"))
             click.echo(f"  {label:12s} {g.file} ({(artifacts / g.file).stat().st_size / 1e6:.2f} MB; "
                        f"MoE {g.moe_form}; {sum(counts.values())} ops; {graphc_ops})")
+    if lint:
+        from graphc.tools.lint import lint_artifacts
+
+        problems = lint_artifacts(artifacts, m)
+        for problem in problems:
+            click.echo(f"lint: {problem}", err=True)
+        click.echo(f"lint: {len({g.file for r in m.ranks for g in r.graphs})} program(s), "
+                   f"{len(problems) or 'no'} problem(s)")
+        if problems:
+            raise SystemExit(1)
 
 
 @cli.command()

@@ -5,19 +5,23 @@ prompt-as-decode); one bucket's logits agree with the export graph's to 1e-5 rel
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zipfile
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 from graphc.artifacts.directory import read_manifest
+from graphc.cli import cli
 from graphc.errors import GraphcError
 from graphc.runtime import Engine, Request
 from graphc.runtime.launch import serve
 from graphc.runtime.loader import load_rank
 from graphc.sampling import Sampling
 from graphc.step import PADDING_SLOT
+from graphc.tools.lint import lint_artifacts
 from support import SPARSE_V32
 
 pytestmark = [pytest.mark.compiles]
@@ -49,6 +53,9 @@ def test_neuron_artifacts_serve_the_export_tokens(preset, cp, ep, compiled):
         [outcome] = serve(artifacts, [requests])
         results = outcome.results
     assert [r.output_ids for r in results] == [r.output_ids for r in expected]
+    lint = CliRunner().invoke(cli, ["inspect", str(artifacts), "--lint"])  # every program, linted again
+    assert lint.exit_code == 0 and f"lint: {2 * len(manifest_buckets(artifacts)) if cp > 1 else 3} program(s), " \
+        "no problem(s)" in lint.stdout, lint.output
     # At most two programs a bucket (the leader's, the followers' without a sampler), whatever
     # the world; every follower names the same file.
     manifest = read_manifest(artifacts)
@@ -59,6 +66,22 @@ def test_neuron_artifacts_serve_the_export_tokens(preset, cp, ep, compiled):
         with zipfile.ZipFile(artifacts / graph.file) as archive:
             assert {"program.json", "neuron.hlo.pb", "cpu.hlo.pb"} <= set(archive.namelist())
             assert json.loads(archive.read("program.json"))["signature"]["samples"]
+
+
+def manifest_buckets(artifacts) -> list:
+    return read_manifest(artifacts).ranks[0].graphs
+
+
+def test_the_lint_catches_followers_that_do_not_share_a_program(compiled):
+    artifacts = compiled("wide-16e", "neuron", BUCKETS, 2, 2)
+    manifest = read_manifest(artifacts)
+    assert lint_artifacts(artifacts, manifest) == []
+    leader, follower = manifest.ranks
+    # A third rank whose first bucket runs the leader's program instead of the followers'.
+    other = dataclasses.replace(follower, rank=2, graphs=[leader.graphs[0], *follower.graphs[1:]])
+    three = dataclasses.replace(manifest, ranks=[leader, follower, other])
+    [problem] = lint_artifacts(artifacts, three)
+    assert "the followers run 2 different files; one program must serve every follower" in problem
 
 
 def test_one_steps_logits_and_kv_writes_match_the_export_graph(compiled):

@@ -1,0 +1,45 @@
+"""`graphc inspect --lint`: structural checks of compiled artifacts, after the fact (on a host
+they were copied to, or before a hand-off).
+
+Every backend: each bucket's programs are at most two files whatever the world (the leader's and
+the followers' or one for every rank), and every follower names the same file. Neuron: each
+program's Neuron HLO passes `backends/xla/lint.py` against the manifest's topology.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from graphc.artifacts.manifest import Manifest
+from graphc.backends import backend
+from graphc.topology import Topology
+
+
+def lint_artifacts(artifacts: Path, manifest: Manifest) -> list[str]:
+    """Every problem found, one line each (empty: clean)."""
+    problems = []
+    leader, *followers = manifest.ranks
+    for index, graph in enumerate(leader.graphs):
+        files = [rank.graphs[index].file for rank in followers]
+        if len(set(files)) > 1:
+            problems.append(f"{graph.bucket.name}: the followers run {len(set(files))} different files; "
+                            "one program must serve every follower")
+        if not backend(manifest.backend).follower_programs and files and set(files) != {graph.file}:
+            problems.append(f"{graph.bucket.name}: ranks run different files; {manifest.backend} has one program "
+                            "for every rank")
+    if manifest.backend == "neuron":
+        problems += _lint_neuron(artifacts, manifest)
+    return problems
+
+
+def _lint_neuron(artifacts: Path, manifest: Manifest) -> list[str]:
+    from graphc.backends.neuron_archive import NEURON_HLO, read_archive
+    from graphc.backends.xla.lint import lint_neuron_module
+
+    topology = Topology(manifest.topology.cp, manifest.topology.ep)
+    problems = []
+    for name in sorted({g.file for r in manifest.ranks for g in r.graphs}):
+        description, files = read_archive(artifacts / name)
+        pool = description["signature"]["parameters"].index("kv_pool")
+        problems += [f"{name}: {problem}" for problem in lint_neuron_module(files[NEURON_HLO], topology, pool)]
+    return problems
