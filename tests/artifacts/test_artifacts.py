@@ -294,9 +294,9 @@ def test_the_same_yaml_compiles_once(tiny_checkpoints, tmp_path, monkeypatch):
     real = graphc.compiler.emit.compile_program
     calls = []
 
-    def counting(backend, program, out):
+    def counting(backend, program, out, topology):
         calls.append(backend)
-        real(backend, program, out)
+        real(backend, program, out, topology)
 
     monkeypatch.setattr(graphc.compiler.emit, "compile_program", counting)
     first = compile(config, tmp_path / "first", QUIET)
