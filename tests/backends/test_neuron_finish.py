@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from graphc.artifacts.directory import read_manifest
 from graphc.backends.neuron_archive import neuronx_cc_command
 from graphc.cli import cli
+from graphc.errors import GraphcError
 from graphc.runtime import Engine, Request
 
 pytestmark = [pytest.mark.compiles]
@@ -60,6 +61,13 @@ def test_neuron_finish_adds_a_neff_to_every_program_and_rehashes(compiled, tmp_p
     request = [Request([5, 6, 7, 8], 4, stop_at_eos=False)]
     assert Engine(tmp_path / "finished").generate(request)[0].output_ids == \
         Engine(artifacts).generate(request)[0].output_ids
+    # The Neuron device runner refuses clearly: a NEFF is needed, and the Neuron runtime (absent here).
+    monkeypatch.setenv("GRAPHC_NEURON_DEVICE", "1")
+    with pytest.raises(GraphcError, match="no NEFF; run `graphc neuron-finish` on a Neuron host first"):
+        Engine(artifacts)
+    with pytest.raises(GraphcError, match=r"GRAPHC_NEURON_DEVICE=1: the Neuron runtime \(libnrt.so.1\) is not "
+                                          "installed on this host"):
+        Engine(tmp_path / "finished")
 
 
 def test_neuron_finish_refuses_other_backends_and_a_host_without_neuronx_cc(compiled, tmp_path, monkeypatch):

@@ -45,9 +45,19 @@ def _load_inductor(path: Path, collectives: bool) -> Callable:
 
 
 def _load_neuron(path: Path, collectives: bool) -> Callable:
-    from graphc.runtime.xla_runner import load_xla  # jax is imported only to serve neuron artifacts
+    """On a Neuron device (GRAPHC_NEURON_DEVICE=1) the program's NEFF; otherwise its CPU-variant HLO on
+    XLA:CPU (jax is imported only here)."""
+    if os.environ.get("GRAPHC_NEURON_DEVICE") == "1":
+        import torch.distributed as dist
 
-    run = load_xla(path, collectives)
+        from graphc.runtime.neuron_runner import load_neff
+
+        rank, world = (dist.get_rank(), dist.get_world_size()) if collectives else (0, 1)
+        run = load_neff(path, rank, world)
+    else:
+        from graphc.runtime.xla_runner import load_xla
+
+        run = load_xla(path, collectives)
     return lambda weights, inputs: run(weights, dict(zip(STEP_INPUTS, inputs)))
 
 

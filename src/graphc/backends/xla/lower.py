@@ -53,6 +53,7 @@ class ProgramSignature:
     dtypes: list[str]
     outputs: list[str]
     """Result names in order: `kv_pool`, `tokens`, `logits`."""
+    output_dtypes: list[str]
     samples: bool
     """Whether the program has the sampler (and so the `noise` input)."""
 
@@ -204,7 +205,7 @@ def lower_to_hlo(program: ExportedProgram, topology: Topology, variant: Variant)
     if outputs != list(OUTPUTS):
         raise GraphcError(f"xla lowering: the program's outputs are {outputs}, not a step's {list(OUTPUTS)}")
     signature = ProgramSignature(names, [list(a.shape) for a in avals], [np.dtype(a.dtype).name for a in avals],
-                                 outputs, samples)
+                                 outputs, [np.dtype(o.dtype).name for o in jax.tree.leaves(lowered.out_info)], samples)
     return computation.as_serialized_hlo_module_proto(), signature
 
 
