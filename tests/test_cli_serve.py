@@ -428,9 +428,9 @@ def test_dump_graphs_writes_every_pass_for_every_bucket(cli_compiled):
     assert sorted(p.name for p in dumps.iterdir()) == sorted(BUCKETS)
     names = ["00-capture.py"] + [f"{i:02d}-{name}.py" for i, name in enumerate(PASSES, start=1)]
     for bucket in BUCKETS:
-        assert sorted(p.name for p in (dumps / bucket).iterdir()) == ["rank0"]
-        assert sorted(p.name for p in (dumps / bucket / "rank0").iterdir()) == names
-        folder = dumps / bucket / "rank0"
+        assert sorted(p.name for p in (dumps / bucket).iterdir()) == ["every-rank"]  # one program a bucket
+        assert sorted(p.name for p in (dumps / bucket / "every-rank").iterdir()) == names
+        folder = dumps / bucket / "every-rank"
         assert "graphc.moe_dispatch" in (folder / "00-capture.py").read_text()
         assert "graphc.moe_dispatch" not in (folder / f"{PASSES.index('lower_trivial_collectives') + 1:02d}-lower_trivial_collectives.py").read_text()
         assert "graphc.kv_write" in (folder / f"{len(PASSES):02d}-dead_code_elimination.py").read_text()
@@ -445,8 +445,8 @@ def test_disabled_lowering_keeps_collectives_and_tokens(no_lowering, cli_compile
         counts = manifest["extra"]["op_counts"][f"{bucket} every-rank"]
         assert counts["graphc::moe_dispatch"] == counts["graphc::moe_combine"] == 2  # the two MoE layers
         assert "graphc::moe_dispatch x2" in lines[bucket] and "graphc::moe_combine x2" in lines[bucket]
-        assert not (dumps / bucket / "rank0" / f"{PASSES.index('lower_trivial_collectives') + 1:02d}-lower_trivial_collectives.py").exists()
-        assert (dumps / bucket / "rank0" / f"{len(PASSES):02d}-dead_code_elimination.py").is_file()
+        assert not (dumps / bucket / "every-rank" / f"{PASSES.index('lower_trivial_collectives') + 1:02d}-lower_trivial_collectives.py").exists()
+        assert (dumps / bucket / "every-rank" / f"{len(PASSES):02d}-dead_code_elimination.py").is_file()
     standard = yaml.safe_load((cli_compiled[0] / MANIFEST).read_text())
     assert not {g["file"] for g in manifest["ranks"][0]["graphs"]} & {g["file"] for g in standard["ranks"][0]["graphs"]}
     prompts = [[5], prompt_of(20), prompt_of(40)]
