@@ -65,8 +65,8 @@ class RankEntry:
     samples: bool
     """Whether this rank's graphs sample (the leader) or stop at the logits (followers)."""
     coordinates: list[int]
-    """This rank's `coordinates` step input (`graphc.step.COORDINATES`: cp rank, ep rank): what
-    makes one graph file serve every follower."""
+    """This rank's `coordinates` step input (`graphc.step.COORDINATES`: cp rank, ep rank, whether
+    it samples): what lets ranks share graph files."""
 
 
 @dataclass(frozen=True)

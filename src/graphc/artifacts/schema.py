@@ -94,4 +94,4 @@ def _check(manifest, error: type[GraphcError]) -> None:
         expected = Topology(topology.cp, topology.ep).coordinates(rank.rank)
         if rank.coordinates != expected:
             raise error(f"ranks[{rank.rank}].coordinates: {rank.coordinates} are not this topology's "
-                        f"{expected} (cp rank, ep rank)")
+                        f"{expected} (cp rank, ep rank, samples)")

@@ -28,6 +28,7 @@ def define_op(schema: str, kernel, fake):
     torch.library.register_fake(f"graphc::{name}", fake, lib=_LIBRARY)
     return getattr(torch.ops.graphc, name)
 
+
 Shard = Tensor | int | None
 """A rank's place in its group as ops take it: in a step graph a 0-d int32 tensor sliced from the
 step's `coordinates` input (so one graph serves every rank of the group); in eager code an int;

@@ -4,7 +4,8 @@
   The shard is the step's `coordinates` input (one graph for every rank); CPU backends inline it.
 - `grouped_mm`: one GEMM per expert over expert-sorted rows. It stays an op on every backend: its
   CPU kernel is ATen's `_grouped_mm`, which computes fp32 on the CPU but whose meta function
-  admits only bf16, so it cannot be traced as itself; on Neuron it is the blockwise MoE matmul.
+  admits only bf16, so it cannot be traced as itself; the neuron backend lowers it with its own XLA
+  rule (each row's expert matrix gathered: validation, not yet a blockwise MoE kernel).
 
 Shape letters: T tokens, K experts per token, E routed experts (of the whole model), E' = E /
 num_shards this rank's, D hidden size, I expert width, F = 2I (gate and up fused), M = T*K rows.
