@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import _posixshmem
+import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -71,6 +74,23 @@ def test_a_follower_waiting_for_a_dead_leader_times_out_naming_itself(endpoints)
     _, follower = endpoints
     with pytest.raises(ChannelTimeout, match=r"rank 1: timed out after 2 s waiting for step 0 from the leader"):
         follower.receive(0)
+
+
+def test_a_follower_attaching_before_the_leader_sized_the_segment_waits_for_it():
+    """The leader's segment exists empty between its shm_open and its ftruncate: a follower that
+    maps it then must wait, not fail (seen in CI: "cannot mmap an empty file")."""
+    name = f"graphc-test-{uuid.uuid4().hex[:12]}"
+    descriptor = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    sized = threading.Timer(0.2, os.ftruncate, (descriptor, 1 << 20))
+    sized.start()
+    try:
+        follower = StepChannel(name, WORLD, ROWS, WIDTH, BLOCKS, rank=1, timeout=5.0)
+        assert follower.segment.size >= 1 << 20
+        follower.segment.close()
+    finally:
+        sized.join()
+        os.close(descriptor)
+        _posixshmem.shm_unlink("/" + name)
 
 
 def test_a_stale_segment_of_the_same_name_is_replaced():

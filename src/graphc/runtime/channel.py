@@ -82,7 +82,7 @@ class StepChannel:
             remove_segment(name)  # a crashed run's leftover of the same name
             self.segment = shared_memory.SharedMemory(name=name, create=True, size=size)
         else:
-            self.segment = self._attach(name)
+            self.segment = self._attach(name, size)
         words = np.ndarray((header + 2 * self.slot_words,), dtype=np.int64, buffer=self.segment.buf)
         self.header = words[:header]
         self.slots = [words[header + i * self.slot_words: header + (i + 1) * self.slot_words] for i in range(2)]
@@ -90,7 +90,7 @@ class StepChannel:
         if rank == 0:
             self.header[:] = -1
 
-    def _attach(self, name: str):
+    def _attach(self, name: str, size: int):
         deadline = time.monotonic() + (START_TIMEOUT_SECONDS if self.timeout is None else self.timeout)
         while True:
             try:
@@ -98,11 +98,17 @@ class StepChannel:
                 # segment is registered once: a follower must not unregister it (the leader's
                 # unlink would then fail in the tracker), and the tracker unlinks it only if
                 # every rank is gone without the leader having done so.
-                return shared_memory.SharedMemory(name=name)
-            except FileNotFoundError:
-                if time.monotonic() > deadline:
-                    raise ChannelTimeout(f"rank {self.rank}: the leader's channel {name!r} never appeared") from None
-                time.sleep(0.01)
+                segment = shared_memory.SharedMemory(name=name)
+                if segment.size >= size:
+                    return segment
+                segment.close()
+            except (FileNotFoundError, ValueError):
+                # Absent, or created but not yet sized: the leader's shm_open and ftruncate are two
+                # calls, and mapping the segment between them fails ("cannot mmap an empty file").
+                pass
+            if time.monotonic() > deadline:
+                raise ChannelTimeout(f"rank {self.rank}: the leader's channel {name!r} never appeared") from None
+            time.sleep(0.01)
 
     def _wait(self, ready, what: str) -> None:
         deadline, pause = time.monotonic() + (float("inf") if self.timeout is None else self.timeout), 0.0
