@@ -49,15 +49,17 @@ def run_ranks(topology: Topology, fn, *args) -> list:
     return out
 
 
-def greedy_on_rank(rank: int, topology: Topology, checkpoint: str, static_moe: bool, prompt: list[int], chunk: int,
-                   decode_steps: int, block_size: int, blocks_per_shard: int, blocks_per_row: int):
-    """The eager model on `rank`: chunked prefill of `prompt`, then greedy decode, with the rank's
-    share of the cache and the experts; every rank runs the same host logic (as the leader would).
+def greedy_on_rank(rank: int, topology: Topology, checkpoint: str, moe_exchange: str, prompts: list[list[int]],
+                   chunk: int, decode_steps: int, block_size: int, blocks_per_shard: int, blocks_per_row: int):
+    """The eager model on `rank`: chunked prefill of its replica's prompt (`prompts[dp rank]`, all
+    of one length, so every rank runs the same steps), then greedy decode, with the rank's share of
+    the cache and the experts; every rank runs the same host logic (as the leader would).
     Returns (the logits of every decode step [decode_steps, V], the tokens)."""
+    prompt = prompts[topology.dp_rank(rank)]
     n_experts = load_model(checkpoint).args.n_routed_experts if topology.ep > 1 else None
     model = load_model(checkpoint, experts=topology.experts(rank, n_experts) if n_experts else None)
     parallel = Parallelism(cp_rank=topology.cp_rank(rank), cp=topology.cp, ep_rank=topology.ep_rank(rank),
-                           ep=topology.ep, tokens_replicated=static_moe)
+                           ep=topology.ep, moe_exchange=moe_exchange)
     pool = model.new_kv_pool(blocks_per_shard, block_size)
     seq = SequenceBlocks(block_size, num_shards=topology.cp)
     seq.reserve(len(prompt) + decode_steps, [BlockAllocator(blocks_per_shard) for _ in range(topology.cp)])

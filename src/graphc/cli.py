@@ -15,6 +15,7 @@ import click
 
 from graphc.backends import BACKENDS
 from graphc.errors import GraphcError, Interrupted
+from graphc.models.moe_forms import MOE_LOWERING_CHOICES
 
 EXIT_BAD_INPUT = 2
 
@@ -169,12 +170,17 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
 @click.option("--force", is_flag=True, help="Replace the output directory if it holds graphc artifacts (only then).")
 @click.option("--sign-key", type=click.Path(path_type=Path), default=None,
               help="Ed25519 private key (PEM, from `graphc keygen`): sign the artifacts.")
-def compile_command(config_path, out, backend, disabled, dump_graphs, verify_passes, jobs, force, sign_key) -> None:
+@click.option("--moe-lowering", type=click.Choice(MOE_LOWERING_CHOICES), default=None,
+              help="Overrides model.yaml's model.moe_lowering (how exchanged MoE tokens travel).")
+def compile_command(config_path, out, backend, disabled, dump_graphs, verify_passes, jobs, force, sign_key,
+                    moe_lowering) -> None:
     """Capture, rewrite and compile MODEL_YAML's model into per-bucket graphs (at most two per bucket)."""
     from graphc.config import load_config
     from graphc.compiler.pipeline import CompileOptions, check_options, compile
 
     config = load_config(config_path)
+    if moe_lowering:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, moe_lowering=moe_lowering))
     options = CompileOptions(backend=backend, disabled_passes=frozenset(disabled), dump_graphs=dump_graphs,
                              verify_passes=verify_passes, force=force, sign_key=sign_key,
                              **({"workers": jobs} if jobs else {}))

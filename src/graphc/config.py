@@ -10,7 +10,7 @@ Example:
     model:
       checkpoint: ./tiny-ckpt
       dtype: float32
-    topology: {cp: 1, ep: 1}
+    topology: {dp: 1, cp: 1, ep: 1}
     buckets:
       prefill: [16, 64]
       decode: [1, 4, 8]
@@ -61,14 +61,26 @@ class ModelSection:
     GEMM per expert; for prefill-sized steps), 'dense' (every expert on every token: the
     reference), or 'auto', which picks gather or grouped per bucket by expert weight reads
     (`graphc.models.moe_forms.moe_form_for`). All are exact; `graphc plan` shows the choice."""
+    moe_lowering: Literal["auto", "ag_rs", "a2a_even", "a2a_v"] = "auto"
+    """Where tokens are not replicated over their EP group (data-parallel attention): how they
+    reach their experts' ranks. 'ag_rs' (all-gather, reduce-scatter), 'a2a_even' (even
+    all-to-all of fixed-position blocks), 'a2a_v' (variable all-to-all over an all-gathered split
+    matrix), or 'auto': a2a_v for EP groups of 4 and 8 ranks, else a2a_even. All give the same
+    tokens; `graphc compile --moe-lowering` overrides it."""
 
 
 @dataclass(frozen=True)
 class TopologySection:
+    dp: int = 1
+    """Data-parallel attention replicas: each serves its own requests (world = dp * cp)."""
     cp: int = 1
-    """Context-parallel ranks: prompt chunks replicated, KV cache sharded by sequence."""
+    """Context-parallel ranks per replica: prompt chunks replicated, KV cache sharded by sequence."""
     ep: int = 1
-    """Expert-parallel ranks per group; must divide `cp` (the world) and the routed experts."""
+    """Expert-parallel ranks per group, over the whole world; must divide dp * cp and the routed
+    experts. Groups inside one replica share its tokens (static MoE); wider ones exchange them."""
+
+    def topology(self) -> Topology:
+        return Topology(self.cp, self.ep, self.dp)
 
 
 @dataclass(frozen=True)
@@ -231,7 +243,7 @@ def validate(config: GraphcConfig) -> None:
         if problem:
             raise ConfigError(f"runtime.sampling.{name}: {problem}")
     try:
-        topology = Topology(topo.cp, topo.ep)
+        topology = topo.topology()
     except GraphcError as e:
         raise ConfigError(str(e)) from None
     try:

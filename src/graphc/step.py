@@ -27,7 +27,11 @@ POOL_BLOCKS_DIM = 1
 symbolic dim of every graph."""
 
 PADDING_SLOT = -1
-"""Slot-mapping value of a padding token: its KV is not written."""
+"""Slot-mapping value of a padding token: its KV is not written, and it never reaches an expert."""
+
+ELSEWHERE_SLOT = -2
+"""Slot-mapping value of a real token whose KV block lives on another context-parallel rank: not
+written here, but a token all the same (the all-to-all MoE tells padding from tokens by slot)."""
 
 
 def ceil_div(numerator: int, denominator: int) -> int:

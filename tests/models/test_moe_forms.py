@@ -14,10 +14,9 @@ from graphc.artifacts.directory import read_manifest
 from graphc.compiler.pipeline import CompileOptions, compile
 from graphc.config import load_config
 from graphc.models.checkpoint import load_model
-from graphc.models.deepseek_v3 import Parallelism
 from graphc.models.moe_forms import MOE_FORMS, moe_form_for, step_moe_form
 from graphc.models.tiny import PRESETS
-from graphc.ops.moe import expert_routes, grouped_mm
+from graphc.ops.moe import expert_routes, expert_routes_reference, grouped_mm
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
 from support import model_yaml
 
@@ -31,11 +30,12 @@ def test_the_rule_gathers_while_routes_are_at_most_the_local_experts(rows, per_t
 
 def test_a_step_counts_the_rows_that_reach_the_ranks_experts():
     # 8 tokens, 2 experts each, 16 experts over ep = 2: 8 local.
-    assert step_moe_form("auto", 4, 2, 16, 2, tokens_replicated=True) == "gather"  # 4 rows x 2 <= 8
-    assert step_moe_form("auto", 4, 2, 16, 2, tokens_replicated=False) == "grouped"  # dispatched: 8 rows x 2 > 8
-    assert step_moe_form("auto", 4, 2, 16, 1, tokens_replicated=False) == "gather"  # ep 1 dispatches nothing
+    assert step_moe_form("auto", 4, 2, 16, 2, "static") == "gather"  # 4 rows x 2 <= 8
+    for lowering in ("ag_rs", "a2a_even", "a2a_v"):
+        assert step_moe_form("auto", 4, 2, 16, 2, lowering) == "grouped"  # dispatched: 8 rows x 2 > 8
+    assert step_moe_form("auto", 4, 2, 16, 1, "local") == "gather"  # ep 1 dispatches nothing
     for form in MOE_FORMS:  # a fixed choice is kept whatever the size
-        assert step_moe_form(form, 1000, 8, 16, 1, tokens_replicated=True) == form
+        assert step_moe_form(form, 1000, 8, 16, 1, "local") == form
 
 
 # --- the ops ----------------------------------------------------------------------------------------
@@ -102,9 +102,9 @@ def test_expert_parallel_shards_sum_to_the_whole(moe_form, tiny_checkpoints):
     tokens = torch.randn(6, whole.gate.weight.shape[1], generator=torch.Generator().manual_seed(3))
     weights, ids = whole.gate(tokens)
     with torch.no_grad():
-        expected = whole.experts(tokens, weights, ids, Parallelism(), "dense")
+        expected = whole.experts(tokens, weights, ids, "dense")
         shards = [load_model(path, experts=range(4 * r, 4 * r + 4)).model.layers[0].mlp.experts(
-            tokens, weights, ids, Parallelism(ep_rank=r, ep=4), moe_form) for r in range(4)]
+            tokens, *reversed(expert_routes_reference(ids, weights, 16, r, 4)), moe_form) for r in range(4)]
     assert all(s.abs().max() > 0 for s in shards)  # every rank holds some of the routes
     torch.testing.assert_close(sum(shards), expected, rtol=1e-5, atol=1e-6)
 

@@ -130,7 +130,7 @@ def sparse_generate_on_rank(rank: int, topology: Topology, checkpoint: str):
     Returns (tokens, every layer's top-k of every step)."""
     with pytest.MonkeyPatch.context() as patch:
         recorder = SelectionRecorder(patch)
-        _, tokens = greedy_on_rank(rank, topology, checkpoint, True, CP_PROMPT, CHUNK, DECODE_STEPS, BLOCK_SIZE,
+        _, tokens = greedy_on_rank(rank, topology, checkpoint, "static", [CP_PROMPT], CHUNK, DECODE_STEPS, BLOCK_SIZE,
                                    BLOCKS_PER_SHARD, BLOCKS_PER_ROW)
         return tokens, [s.tolist() for s in recorder.selected]
 

@@ -1,10 +1,12 @@
-"""Context and expert parallelism in the eager model, on real gloo ranks, equal to one rank (fp32).
+"""Context, expert and data parallelism in the eager model, on real gloo ranks, equal to one rank
+(fp32).
 
 CP: every sequence's KV blocks are spread over the ranks (block j on rank j % cp); attention
-partials combine exactly by log-sum-exp. EP: each rank holds E / ep routed experts; in the
-generic form the EP group's tokens are gathered before routing and reduce-scattered after, in
-the static form (tokens already replicated) each rank computes its experts on its own tokens and
-the group all-reduces.
+partials combine exactly by log-sum-exp. EP: each rank holds E / ep routed experts; with the
+tokens replicated over the EP group each rank computes its experts on its own tokens and the group
+all-reduces (`static`), or the group's tokens are gathered before routing and reduce-scattered
+after (`ag_rs`). DP: each replica serves its own prompt, and the MoE exchanges tokens across
+replicas (`ag_rs`, `a2a_even`, `a2a_v`).
 """
 
 from __future__ import annotations
@@ -19,25 +21,46 @@ pytestmark = pytest.mark.multirank
 
 BLOCK_SIZE, BLOCKS_PER_SHARD, BLOCKS_PER_ROW = 4, 10, 12
 PROMPT = [(11 * i) % 250 + 3 for i in range(30)]  # 8 blocks of 4: every shard owns some
+OTHER_PROMPT = [(7 * i + 5) % 250 + 3 for i in range(30)]  # a second replica's, as long (same steps)
 CHUNK, DECODE_STEPS = 13, 6
 
 
-def generate_on_rank(rank: int, topology: Topology, checkpoint: str, static_moe: bool):
-    return greedy_on_rank(rank, topology, checkpoint, static_moe, PROMPT, CHUNK, DECODE_STEPS,
+def generate_on_rank(rank: int, topology: Topology, checkpoint: str, moe_exchange: str, prompts: list[list[int]]):
+    return greedy_on_rank(rank, topology, checkpoint, moe_exchange, prompts, CHUNK, DECODE_STEPS,
                           BLOCK_SIZE, BLOCKS_PER_SHARD, BLOCKS_PER_ROW)
 
 
 @pytest.fixture(scope="module")
 def single_rank(tiny_checkpoints):
-    return generate_on_rank(0, Topology(1, 1), str(tiny_checkpoints["wide-16e"]), False)
+    """One rank's (logits, tokens) for each prompt."""
+    return {tuple(p): generate_on_rank(0, Topology(1, 1), str(tiny_checkpoints["wide-16e"]), "local", [p])
+            for p in (PROMPT, OTHER_PROMPT)}
 
 
-@pytest.mark.parametrize("cp, ep, static_moe", [
-    (2, 1, False), (2, 2, True), (2, 2, False), (4, 2, True), (4, 4, True), (4, 4, False),
-])
-def test_ranks_give_single_rank_logits_and_tokens(cp, ep, static_moe, tiny_checkpoints, single_rank):
-    single_logits, single_tokens = single_rank
-    results = run_ranks(Topology(cp, ep), generate_on_rank, str(tiny_checkpoints["wide-16e"]), static_moe)
-    for logits, tokens in results:
-        assert tokens == single_tokens
+def _check_against_single_rank(results, topology, prompts, single_rank):
+    for rank, (logits, tokens) in enumerate(results):
+        single_logits, single_tokens = single_rank[tuple(prompts[topology.dp_rank(rank)])]
+        assert tokens == single_tokens, f"rank {rank}"
         torch.testing.assert_close(logits, single_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cp, ep, moe_exchange", [
+    (2, 1, "local"), (2, 2, "static"), (2, 2, "ag_rs"), (4, 2, "static"), (4, 4, "static"), (4, 4, "ag_rs"),
+])
+def test_ranks_give_single_rank_logits_and_tokens(cp, ep, moe_exchange, tiny_checkpoints, single_rank):
+    results = run_ranks(Topology(cp, ep), generate_on_rank, str(tiny_checkpoints["wide-16e"]), moe_exchange, [PROMPT])
+    _check_against_single_rank(results, Topology(cp, ep), [PROMPT], single_rank)
+
+
+@pytest.mark.parametrize("dp, cp, ep", [(2, 1, 2), (2, 2, 4)])
+def test_data_parallel_replicas_give_single_rank_tokens_with_every_lowering(dp, cp, ep, tiny_checkpoints,
+                                                                          single_rank):
+    """Each replica its own prompt; the all-to-all lowerings are bit-identical to each other."""
+    topology, prompts = Topology(cp, ep, dp), [PROMPT, OTHER_PROMPT]
+    checkpoint = str(tiny_checkpoints["wide-16e"])
+    by_lowering = {lowering: run_ranks(topology, generate_on_rank, checkpoint, lowering, prompts)
+                   for lowering in ("ag_rs", "a2a_even", "a2a_v")}
+    for results in by_lowering.values():
+        _check_against_single_rank(results, topology, prompts, single_rank)
+    for (even_logits, _), (v_logits, _) in zip(by_lowering["a2a_even"], by_lowering["a2a_v"]):
+        assert torch.equal(even_logits, v_logits)

@@ -14,8 +14,9 @@ from graphc.backends import BackendName
 from graphc.buckets.selection import Bucket
 from graphc.errors import GraphcError
 from graphc.sampling import Sampling
+from graphc.topology import Topology
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 MANIFEST = "manifest.yaml"
 
 
@@ -48,6 +49,9 @@ class GraphEntry:
     is the pool's block count, which is sized at run time."""
     moe_form: str
     """The routed experts' formulation the graph computes (`graphc.models.moe_forms.MOE_FORMS`)."""
+    moe_exchange: str
+    """How the graph's tokens reach their experts' ranks (`graphc.models.moe_forms.MOE_EXCHANGES`):
+    the same on every rank of a bucket."""
 
     @property
     def bucket(self) -> Bucket:
@@ -63,7 +67,7 @@ class RankEntry:
     weight_names: list[str]
     graphs: list[GraphEntry]
     samples: bool
-    """Whether this rank's graphs sample (the leader) or stop at the logits (followers)."""
+    """Whether this rank samples its replica's tokens (the first rank of each attention replica)."""
     coordinates: list[int]
     """This rank's `coordinates` step input (`graphc.step.COORDINATES`: cp rank, ep rank, whether
     it samples): what lets ranks share graph files."""
@@ -96,11 +100,15 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class TopologyInfo:
-    """The ranks: world = cp, ep dividing it (`graphc.topology.Topology`)."""
+    """The ranks: world = dp * cp, ep dividing it (`graphc.topology.Topology`)."""
 
     cp: int
     ep: int
+    dp: int
     world: int
+
+    def topology(self) -> Topology:
+        return Topology(self.cp, self.ep, self.dp)
 
 
 @dataclass(frozen=True)

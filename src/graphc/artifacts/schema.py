@@ -16,10 +16,9 @@ from typing import Any
 
 from graphc.buckets.selection import all_buckets
 from graphc.errors import GraphcError
-from graphc.models.moe_forms import MOE_FORMS
+from graphc.models.moe_forms import MOE_EXCHANGES, MOE_FORMS
 from graphc.sampling import SAMPLING_RULES, sampling_error
 from graphc.step import STEP_INPUTS, blocks_per_row
-from graphc.topology import Topology
 from graphc.typed import build
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -53,11 +52,11 @@ def _check(manifest, error: type[GraphcError]) -> None:
     if not buckets.prefill or not buckets.decode or buckets.prompt_as_decode < 0:
         raise error(f"buckets: {dataclasses.asdict(buckets)} needs prefill and decode sizes and prompt_as_decode >= 0")
     try:
-        Topology(topology.cp, topology.ep)
+        ranks_topology = topology.topology()
     except GraphcError as e:
         raise error(str(e)) from None
-    if topology.world != topology.cp:
-        raise error(f"topology: {dataclasses.asdict(topology)}: world must be cp")
+    if topology.world != ranks_topology.world:
+        raise error(f"topology: {dataclasses.asdict(topology)}: world must be dp * cp")
     if kv.blocks_per_row != blocks_per_row(buckets.context_limit, kv.block_size):
         raise error(f"kv_cache.blocks_per_row: {kv.blocks_per_row} is not context_limit {buckets.context_limit} "
                     f"over block_size {kv.block_size}")
@@ -89,9 +88,12 @@ def _check(manifest, error: type[GraphcError]) -> None:
             if graph.moe_form not in MOE_FORMS:
                 raise error(f"ranks[{rank.rank}]: graph {graph.file}: moe_form {graph.moe_form!r} is not one of "
                             f"{', '.join(MOE_FORMS)}")
-        if rank.samples != (rank.rank == 0):
-            raise error(f"ranks[{rank.rank}].samples: {rank.samples}; only rank 0 samples")
-        expected = Topology(topology.cp, topology.ep).coordinates(rank.rank)
+            if graph.moe_exchange not in MOE_EXCHANGES:
+                raise error(f"ranks[{rank.rank}]: graph {graph.file}: moe_exchange {graph.moe_exchange!r} is not one of "
+                            f"{', '.join(MOE_EXCHANGES)}")
+        expected = ranks_topology.coordinates(rank.rank)
+        if rank.samples != bool(expected[2]):
+            raise error(f"ranks[{rank.rank}].samples: {rank.samples}; the first rank of each replica samples")
         if rank.coordinates != expected:
             raise error(f"ranks[{rank.rank}].coordinates: {rank.coordinates} are not this topology's "
                         f"{expected} (cp rank, ep rank, samples)")

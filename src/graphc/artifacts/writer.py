@@ -47,6 +47,7 @@ class CompiledGraph:
     """The compiled file (in the compile cache)."""
     inputs: dict[str, TensorSpec]
     moe_form: str
+    moe_exchange: str
 
 
 def write_weights(tensors: dict[str, torch.Tensor], staging: Path) -> WeightsFile:
@@ -118,10 +119,12 @@ def write_manifest(staging: Path, config: GraphcConfig, backend: str, args: Mode
             if not (staging / name).exists():
                 shutil.copyfile(graph.file, staging / name)
             entries.append(GraphEntry(graph.bucket.kind, graph.bucket.size, graph.bucket.tokens_per_row, name,
-                                      sha256_file(staging / name), graph.inputs, graph.moe_form))
+                                      sha256_file(staging / name), graph.inputs, graph.moe_form,
+                                      graph.moe_exchange))
         shard = weights[rank]
-        ranks.append(RankEntry(rank, shard.path, shard.sha256, shard.names, entries, samples=rank == 0,
-                               coordinates=topology.coordinates(rank)))
+        coordinates = topology.coordinates(rank)
+        ranks.append(RankEntry(rank, shard.path, shard.sha256, shard.names, entries, samples=bool(coordinates[2]),
+                               coordinates=coordinates))
     tokenizer = config.model.checkpoint / "tokenizer.json"
     if tokenizer.is_file():
         shutil.copyfile(tokenizer, staging / "tokenizer.json")
@@ -134,7 +137,7 @@ def write_manifest(staging: Path, config: GraphcConfig, backend: str, args: Mode
         model=ModelInfo(args.vocab_size, list(args.eos_token_id), args.num_hidden_layers, args.kv_cache_dim,
                         config.model.dtype, sparse_probabilities if args.sparse_attention else None,
                         read_chat_template(config.model.checkpoint)),
-        topology=TopologyInfo(topology.cp, topology.ep, topology.world),
+        topology=TopologyInfo(topology.cp, topology.ep, topology.dp, topology.world),
         buckets=BucketTable(list(b.prefill), list(b.decode), b.prompt_as_decode, b.context_limit),
         kv_cache=KVCacheInfo(kv.block_size, kv.num_blocks, blocks_per_row(b.context_limit, kv.block_size)),
         runtime=RuntimeInfo(runtime.max_num_prefilling_tokens, runtime.max_new_tokens, runtime.sampling),

@@ -22,12 +22,13 @@ from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
 from graphc.config import GraphcConfig
 from graphc.models.checkpoint import load_expert_shard
 from graphc.models.deepseek_v3 import Parallelism
-from graphc.models.moe_forms import step_moe_form
+from graphc.models.moe_forms import MOE_LOWERINGS, moe_exchange, step_moe_form
 from graphc.passes.graph import step_placeholders
 from graphc.passes.manager import PassContext, PassManager, op_counts
 from graphc.passes.registry import backend_passes, check_pass_names
 from graphc.passes.verifier import check_program_agreement, verify
 from graphc.step import POOL_BLOCKS_DIM, STEP_INPUTS, blocks_per_row
+from graphc.errors import GraphcError
 from graphc.topology import Topology
 
 
@@ -59,7 +60,10 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
     purpose: its numbered stages read top to bottom as the pipeline; each is a call elsewhere."""
     check_options(out, options)
     backend = options.backend or config.backend
-    topology = Topology(config.topology.cp, config.topology.ep)
+    topology = config.topology.topology()
+    exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated,
+                            static_enabled="static_moe" not in options.disabled_passes)
+    check_backend_topology(backend, topology, exchange)
     b, kv = config.buckets, config.kv_cache
     table_width = blocks_per_row(b.context_limit, kv.block_size)
     dtype = getattr(torch, config.model.dtype)
@@ -69,11 +73,10 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         model = load_expert_shard(config.model.checkpoint, topology, 0, dtype, config.model.sparse_probabilities)
         args, sparse_probabilities = model.args, model.sparse_probabilities
         # 2. Capture: one rank-agnostic program per bucket, with what changes shapes fixed.
-        parallel = Parallelism(cp=topology.cp, ep=topology.ep,
-                               tokens_replicated=topology.ep > 1 and "static_moe" not in options.disabled_passes)
+        parallel = Parallelism(cp=topology.cp, ep=topology.ep, moe_exchange=exchange)
         buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode)
         moe_forms = {bucket: step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
-                                           args.n_routed_experts, topology.ep, parallel.tokens_replicated)
+                                           args.n_routed_experts, topology.ep, exchange)
                      for bucket in buckets}
         captured = {bucket: capture_bucket(model, bucket, table_width, kv.num_blocks, kv.block_size, parallel,
                                            moe_forms[bucket])
@@ -106,7 +109,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                                backend, topology, options.workers, options.show_progress)
         run_by = {rank: backend_named(backend).program_of(rank) for rank in range(topology.world)}
         graphs = {rank: [CompiledGraph(bucket, compiled[keys[run_by[rank], bucket]],
-                                       _step_specs(programs[run_by[rank], bucket]), moe_forms[bucket])
+                                       _step_specs(programs[run_by[rank], bucket]), moe_forms[bucket], exchange)
                          for bucket in buckets]
                   for rank in range(topology.world)}
         extra = {"op_counts": {f"{bucket.name} {name}": op_counts(program.graph_module)
@@ -128,6 +131,19 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         return write_manifest(staging, config, backend, args, sparse_probabilities, topology, graphs,
                               {rank: shards[topology.ep_rank(rank)] for rank in range(topology.world)},
                               extra, options.sign_key)
+
+
+def check_backend_topology(backend: str, topology: Topology, exchange: str) -> None:
+    """Refuse, before any work, what a backend cannot compile yet: the neuron backend samples in
+    the leader's program alone and lowers no all-to-all (no data-parallel attention there yet)."""
+    if backend != "neuron":
+        return
+    if topology.dp > 1:
+        raise GraphcError(f"topology.dp: {topology.dp}; the neuron backend serves one attention replica "
+                          "(dp = 1): use the export or inductor backend for data-parallel attention")
+    if exchange in MOE_LOWERINGS[1:]:
+        raise GraphcError(f"model.moe_lowering: {exchange} has no neuron lowering yet; the neuron backend "
+                          "takes ag_rs (or the static MoE)")
 
 
 def copy_program(capture: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 
 from graphc.models.args import ModelArgs, RopeArgs, yarn_mscale
 from graphc.models.moe_forms import MOE_FORMS, moe_form_for
-from graphc.ops import collectives, moe, paged_attention, sparse
+from graphc.ops import all_to_all, collectives, moe, paged_attention, sparse
+from graphc.step import PADDING_SLOT
 
 FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "self_attn.indexer.weights_proj.weight")
 """Parameters that stay fp32 whatever the model dtype, as DeepSeek (and transformers) keep them:
@@ -64,10 +65,11 @@ class Parallelism:
     [ep_rank * E / ep, (ep_rank + 1) * E / ep). A tensor in a step graph, as `cp_rank`."""
     ep: int = 1
     """Expert-parallel group size."""
-    tokens_replicated: bool = False
-    """Every rank of the EP group holds the same tokens (the static-MoE form): skip the
-    dispatch, compute this rank's experts on its own tokens, and all-reduce; otherwise gather the
-    group's tokens first and reduce-scatter after (the generic form)."""
+    moe_exchange: str = "local"
+    """How tokens reach their experts' ranks (`graphc.models.moe_forms.MOE_EXCHANGES`): `static`
+    when every rank of the EP group holds the same tokens (compute this rank's experts on its own
+    tokens, then all-reduce); `ag_rs` gathers the group's tokens first and reduce-scatters after;
+    `a2a_even` / `a2a_v` route at the source and send each token only to its experts' ranks."""
 
     def kv_shard(self) -> Tensor:
         """`cp_rank` as the ops take it (a 0-d int32 tensor)."""
@@ -216,10 +218,9 @@ class RoutedExperts(nn.Module):
       (`graphc::grouped_mm`), unsorted and weighed: T*K rows of compute, each used expert read
       once. For prefill-sized steps.
 
-    Expert parallelism shards E: a rank holds E' = E / ep experts. The dense form picks its
-    experts' columns of the combine matrix (`graphc::expert_shard`); the sparse forms renumber
-    the routes to local ids (`graphc::expert_routes`): off-shard routes get weight 0, and the
-    grouped form computes no row for them.
+    Expert parallelism shards E: a rank holds E' = E / ep experts and takes routes renumbered
+    to them (`graphc::expert_routes`, or the all-to-all dispatch): off-shard routes get id E' and
+    weight 0; the dense form drops their column, the grouped form computes no row for them.
 
     Weights are stored in the layout the forms read: gate and up fused into one [E', 2I, D]
     matrix per expert (one gather, one GEMM), down as [E', D, I]; both reduce over their
@@ -237,21 +238,22 @@ class RoutedExperts(nn.Module):
     def local_experts(self) -> int:
         return self.gate_up_proj.shape[0]
 
-    def forward(self, x: Tensor, weights: Tensor, ids: Tensor, parallel: Parallelism, form: str) -> Tensor:
-        """x [T, D], weights/ids [T, K] -> [T, D] (this rank's experts' share).
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor, form: str) -> Tensor:
+        """x [T, D], weights/ids [T, K] routes renumbered to this rank's experts (ids in [0, E'],
+        E' for an expert another rank holds, with weight 0) -> [T, D] this rank's experts' share.
 
         One function for the three forms: torch.export records the stack of `forward` frames
         only, and `graphc probe` names the source line of each op from it.
         """
         width = self.down_proj.shape[-1]
         if form == "dense":
-            combine = torch.zeros(x.shape[0], self.n_routed_experts, dtype=weights.dtype, device=x.device)
-            combine = collectives.expert_shard(combine.scatter(1, ids, weights), parallel.expert_shard(), parallel.ep)  # [T, E']
+            # Column E' collects the other ranks' routes (weight 0) and is dropped.
+            combine = torch.zeros(x.shape[0], self.local_experts + 1, dtype=weights.dtype, device=x.device)
+            combine = combine.scatter(1, ids, weights)[:, :-1]  # [T, E']
             gate, up = torch.einsum("td,efd->etf", x, self.gate_up_proj).split(width, dim=-1)  # [E', T, I] each
             out = torch.einsum("eti,edi->etd", F.silu(gate) * up, self.down_proj)  # [E', T, D]
             # Weigh and sum the experts in fp32 (the weights are fp32): one rounding, not E of them.
             return torch.einsum("etd,te->td", out.float(), combine).to(x.dtype)  # [T, D]
-        ids, weights = moe.expert_routes(ids, weights, self.n_routed_experts, parallel.expert_shard(), parallel.ep)
         if form == "gather":
             # Multiply-and-sum over gathered weights, so a compiler fuses the gather into the
             # reduction (each weight read once, never copied); products accumulate in fp32, as a
@@ -286,18 +288,30 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor, step: "StepInputs") -> Tensor:
         """x [B, Q, D] -> [B, Q, D]."""
-        parallel = step.parallel
+        parallel, experts = step.parallel, self.experts.n_routed_experts
         tokens = x.reshape(-1, x.shape[-1])  # [T, D]
-        if parallel.tokens_replicated:
-            # Static MoE: the group already shares these tokens; each rank adds its experts' share.
+        if parallel.moe_exchange in ("local", "static"):
+            # The EP group (if any) already shares these tokens: each rank adds its experts' share.
             weights, ids = self.gate(tokens)  # [T, K]
-            routed = collectives.all_reduce(self.experts(tokens, weights, ids, parallel, self._form(tokens, step)), "ep")  # [T, D]
-        else:
-            # Generic: route after dispatch, so every rank routes the tokens it computes on.
+            ids, weights = moe.expert_routes(ids, weights, experts, parallel.expert_shard(), parallel.ep)
+            routed = self.experts(tokens, weights, ids, self._form(tokens, step))  # [T, D]
+            if parallel.moe_exchange == "static":
+                routed = collectives.all_reduce(routed, "ep")
+        elif parallel.moe_exchange == "ag_rs":
+            # Route after an all-gather, so every rank routes the tokens it computes on.
             dispatched = collectives.moe_dispatch(tokens, "ep", parallel.ep)  # [T * ep, D]
             weights, ids = self.gate(dispatched)  # [T * ep, K]
-            partial = self.experts(dispatched, weights, ids, parallel, self._form(dispatched, step))  # [T * ep, D]
+            ids, weights = moe.expert_routes(ids, weights, experts, parallel.expert_shard(), parallel.ep)
+            partial = self.experts(dispatched, weights, ids, self._form(dispatched, step))  # [T * ep, D]
             routed = collectives.moe_combine(partial, "ep", parallel.ep)  # [T, D]
+        else:
+            # Route once at the source; each token travels only to its experts' ranks (padding nowhere).
+            weights, ids = self.gate(tokens)  # [T, K]
+            valid = step.slot_mapping.reshape(-1) != PADDING_SLOT  # [T]
+            rows, ids, weights, sent, received = all_to_all.moe_a2a_dispatch(
+                tokens, ids, weights, valid, experts, "ep", parallel.ep, parallel.moe_exchange)  # [T * ep, ...]
+            partial = self.experts(rows, weights, ids, self._form(rows, step))  # [T * ep, D]
+            routed = all_to_all.moe_a2a_combine(partial, sent, received, "ep", parallel.ep, parallel.moe_exchange)
         return (routed + self.shared_experts(tokens)).view_as(x)
 
     def _form(self, rows: Tensor, step: "StepInputs") -> str:

@@ -28,12 +28,49 @@ def moe_form_for(rows: int, experts_per_token: int, local_experts: int) -> str:
     return "gather" if rows * experts_per_token <= local_experts else "grouped"
 
 
-def step_moe_form(choice: str, tokens: int, experts_per_token: int, experts: int, ep: int,
-                  tokens_replicated: bool) -> str:
+def step_moe_form(choice: str, tokens: int, experts_per_token: int, experts: int, ep: int, exchange: str) -> str:
     """The form of a step of `tokens` tokens on one rank: `choice` itself, or for `auto` the
-    rule's pick for the rows that reach the rank's experts (its own tokens when they are
-    replicated over the EP group or ep = 1; the whole group's, ep * tokens, after a dispatch)."""
+    rule's pick for the rows that reach the rank's experts (its own tokens when nothing is
+    exchanged or they are replicated over the EP group; the group's ep * tokens rows after a
+    dispatch, `MOE_EXCHANGES`)."""
     if choice != "auto":
         return choice
-    rows = tokens if tokens_replicated or ep == 1 else tokens * ep
+    rows = tokens if exchange in ("local", "static") else tokens * ep
     return moe_form_for(rows, experts_per_token, experts // ep)
+
+
+MOE_LOWERINGS = ("ag_rs", "a2a_even", "a2a_v")
+"""How tokens that are not replicated over their EP group reach their experts' ranks and come
+back; all give the same values (`graphc.ops.all_to_all` describes the all-to-all ones):
+- `ag_rs`: all-gather every token of the group, route on every rank, reduce-scatter the sums.
+- `a2a_even`: route at the source; an even all-to-all of fixed-position buffers, row t of the
+  block for rank d holding token t when it has an expert on d and zeros otherwise; back the same way.
+- `a2a_v`: the same buffers packed by destination: the W x W split matrix all-gathered first, so
+  every rank knows every size, then variable all-to-alls, unpacked into the same fixed positions
+  (so bit-identical to `a2a_even`)."""
+
+MOE_EXCHANGES = ("local", "static", *MOE_LOWERINGS)
+"""What a graph's MoE exchanges (recorded per graph in the manifest): nothing (`local`: ep = 1),
+an all-reduce over an EP group that already shares the tokens (`static`), or one of the lowerings."""
+
+MOE_LOWERING_CHOICES = ("auto", *MOE_LOWERINGS)
+"""What model.yaml's `model.moe_lowering` and `graphc compile --moe-lowering` accept."""
+
+
+def moe_lowering_for(group_size: int) -> str:
+    """The all-to-all lowering for an EP group of `group_size` ranks: a variable-count all-to-all
+    where the target collective library has one (groups of 4 and 8 on Neuron), else a padded even
+    one. A function of the group size alone, so every rank picks the same (never a rank's splits)."""
+    return "a2a_v" if group_size in (4, 8) else "a2a_even"
+
+
+def moe_exchange(choice: str, ep: int, tokens_replicated: bool, static_enabled: bool = True) -> str:
+    """The exchange of every graph of a topology: `choice` (a lowering or `auto`) applies where
+    tokens must travel (not replicated over the EP group, or the static form disabled)."""
+    if ep == 1:
+        return "local"
+    if tokens_replicated and static_enabled:
+        return "static"
+    if choice != "auto":
+        return choice
+    return "ag_rs" if tokens_replicated else moe_lowering_for(ep)

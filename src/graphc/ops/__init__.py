@@ -3,11 +3,12 @@ names them, so the runtime imports it before loading a graph).
 
     library.py          how an op is defined (schema, kernel, fake)
     paged_attention.py  KV write and MLA attention over the paged pool
-    collectives.py      attention combine, MoE dispatch / combine, all-reduce, expert shard
+    collectives.py      attention combine, MoE all-gather / reduce-scatter, all-reduce
+    all_to_all.py       the all-to-all MoE's dispatch and combine (even and variable lowerings)
     sampler.py          the in-graph sampler
     sparse.py           DeepSeek Sparse Attention's indexer and sparse MLA
     moe.py              the routed experts' sparse forms (expert routes, grouped GEMM)
     distributed.py      semantic group names to process groups
 """
 
-from graphc.ops import collectives, moe, paged_attention, sampler, sparse  # noqa: F401  (registration)
+from graphc.ops import all_to_all, collectives, moe, paged_attention, sampler, sparse  # noqa: F401  (registration)

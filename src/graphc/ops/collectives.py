@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from graphc.ops.distributed import process_group
-from graphc.ops.library import Shard, define_op, shard_number
+from graphc.ops.library import define_op
 
 
 def all_gather_group(tensor: Tensor, pg) -> Tensor:
@@ -107,21 +107,3 @@ def _all_reduce(partial: Tensor, group: str) -> Tensor:
 
 all_reduce = define_op("all_reduce(Tensor partial, str group) -> Tensor", _all_reduce,
                      lambda partial, group: partial.new_empty(partial.shape))
-
-
-def expert_shard_reference(combine: Tensor, shard: Shard = 0, num_shards: int = 1) -> Tensor:
-    """This rank's experts' columns of the [T, E] combine matrix: [T, E / num_shards].
-
-    The shard is a value, not a constant (one graph serves every rank), so its columns are
-    gathered by index rather than sliced.
-    """
-    columns = combine.unflatten(1, (num_shards, -1))  # [T, ep, E']
-    index = torch.as_tensor(shard_number(shard), dtype=torch.int64, device=combine.device).reshape(1)
-    return columns.index_select(1, index).squeeze(1).contiguous()
-
-
-expert_shard = define_op("expert_shard(Tensor combine, Tensor? shard=None, int num_shards=1) -> Tensor",
-                         expert_shard_reference,
-                         lambda combine, shard=None, num_shards=1: combine.new_empty(
-                           (combine.shape[0], combine.shape[1] // num_shards)))
-

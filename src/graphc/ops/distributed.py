@@ -28,10 +28,11 @@ def register_groups(topology: Topology, rank: int) -> None:
     if dist.get_world_size() != topology.world:
         raise RuntimeError(f"the process group has {dist.get_world_size()} ranks; the topology needs {topology.world}")
     world = dist.group.WORLD
-    mine = None
-    for ranks in topology.ep_groups():  # every rank creates every EP group, in the same order
-        group = world if len(ranks) == topology.world else dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
     for name in GROUPS:
-        _register_process_group(PREFIX + name, mine if name == "ep" else world)
+        mine = world
+        if topology.group_size(name) < topology.world:
+            for ranks in topology.groups(name):  # every rank creates every group, in the same order
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine = group
+        _register_process_group(PREFIX + name, mine)

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from graphc.ops.library import Shard, define_op, shard_number
-from graphc.step import PADDING_SLOT, ceil_div
+from graphc.step import ceil_div
 
 
 def kv_write_reference(kv_pool: Tensor, layer: int, kv: Tensor, slot_mapping: Tensor) -> None:
@@ -23,12 +23,12 @@ def kv_write_reference(kv_pool: Tensor, layer: int, kv: Tensor, slot_mapping: Te
         kv_pool: [L, N, S, C] the whole pool; slot s of layer l is `kv_pool[l].view(-1, C)[s]`.
         layer: which layer's cache to write.
         kv: [B, Q, C] the tokens' latent ++ roped key.
-        slot_mapping: [B, Q] flat slot per token; `PADDING_SLOT` leaves the pool untouched (padding,
-            or, under context parallelism, a token whose block lives on another rank).
+        slot_mapping: [B, Q] flat slot per token; a negative slot leaves the pool untouched
+            (`PADDING_SLOT`, or `ELSEWHERE_SLOT`: a token whose block lives on another rank).
     """
     width = kv_pool.shape[-1]
     slots = slot_mapping.reshape(-1)  # [B*Q]
-    real = slots != PADDING_SLOT
+    real = slots >= 0
     kv_pool[layer].view(-1, width)[slots[real]] = kv.reshape(-1, width)[real].to(kv_pool.dtype)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch.fx
 
-from graphc.ops.collectives import expert_shard_reference
 from graphc.ops.moe import expert_routes_reference
 from graphc.ops.paged_attention import paged_mla_attention_reference
 from graphc.ops.sparse import (index_candidates_reference, paged_indexer_logits_reference,
@@ -32,9 +31,7 @@ REFERENCE_KERNELS = {
     "graphc::paged_indexer_logits": paged_indexer_logits_reference,
     "graphc::index_candidates": index_candidates_reference,
     "graphc::sparse_mla_attention": sparse_mla_attention_reference,
-    # A column gather of the combine matrix, or a renumbering of the routes, by the rank's
-    # coordinates: no reason to leave Python.
-    "graphc::expert_shard": expert_shard_reference,
+    # A renumbering of the routes by the rank's coordinates: no reason to leave Python.
     "graphc::expert_routes": expert_routes_reference,
 }
 

@@ -72,7 +72,6 @@ def _worker(artifacts: str, job, channel_name: str, trusted_key: str | None):
     import torch.distributed as dist
 
     from graphc.ops.distributed import register_groups
-    from graphc.topology import Topology
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         # An interrupt reaches every rank (the terminal signals the whole process group): exit
@@ -88,7 +87,7 @@ def _worker(artifacts: str, job, channel_name: str, trusted_key: str | None):
     engine = None
     try:
         manifest = read_manifest(Path(artifacts), trusted_key)  # every rank verifies what it loads
-        register_groups(Topology(manifest.topology.cp, manifest.topology.ep), rank)
+        register_groups(manifest.topology.topology(), rank)
         engine = open_engine(artifacts, manifest, rank, channel_name, job.follower_timeout)
         dist.barrier()
         if rank == 0:

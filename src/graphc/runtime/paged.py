@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from graphc.errors import GraphcError
-from graphc.step import PADDING_SLOT, ceil_div
+from graphc.step import ELSEWHERE_SLOT, PADDING_SLOT, ceil_div
 
 
 class OutOfBlocks(GraphcError):
@@ -69,10 +69,10 @@ class SequenceBlocks:
         self.blocks.extend(next(handed[j % self.num_shards]) for j in needed)
 
     def slot(self, position: int, shard: int = 0) -> int:
-        """The position's flat slot in `shard`'s pool, or PADDING_SLOT if its block lives elsewhere."""
+        """The position's flat slot in `shard`'s pool, or ELSEWHERE_SLOT if its block lives elsewhere."""
         block = position // self.block_size
         if block % self.num_shards != shard:
-            return PADDING_SLOT
+            return ELSEWHERE_SLOT
         return self.blocks[block] * self.block_size + position % self.block_size
 
     def shard_blocks(self, shard: int = 0) -> list[int]:

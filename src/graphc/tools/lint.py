@@ -12,7 +12,6 @@ from pathlib import Path
 
 from graphc.artifacts.manifest import Manifest
 from graphc.backends import backend
-from graphc.topology import Topology
 
 
 def lint_artifacts(artifacts: Path, manifest: Manifest) -> list[str]:
@@ -36,7 +35,7 @@ def _lint_neuron(artifacts: Path, manifest: Manifest) -> list[str]:
     from graphc.backends.neuron_archive import NEURON_HLO, read_archive
     from graphc.backends.xla.lint import lint_neuron_module
 
-    topology = Topology(manifest.topology.cp, manifest.topology.ep)
+    topology = manifest.topology.topology()
     problems = []
     for name in sorted({g.file for r in manifest.ranks for g in r.graphs}):
         description, files = read_archive(artifacts / name)

@@ -15,7 +15,6 @@ import torch
 from graphc.backends.xla import collectives
 from graphc.backends.xla.aten import Out
 from graphc.ops.sparse import NO_KEY
-from graphc.step import PADDING_SLOT
 
 SAMPLER_MIN_TEMPERATURE = 1e-6
 """As `graphc.ops.sampler`: temperatures are clamped to this before dividing."""
@@ -31,12 +30,12 @@ def first_argmax(x):
 
 
 def kv_write(lowering, out: Out, kv_pool, layer: int, kv, slot_mapping):
-    """The pool with each token's vector in its slot; padding tokens (PADDING_SLOT) write the
+    """The pool with each token's vector in its slot; tokens with no slot here (negative) write the
     reserved scratch slot (the pool's last block, never allocated) instead of being dropped as
     out-of-bounds writes: Neuron's scatter has no drop mode."""
     layers, blocks, block_size, width = kv_pool.shape
     slots = slot_mapping.reshape(-1)
-    slots = jnp.where(slots == PADDING_SLOT, (blocks - 1) * block_size, slots)
+    slots = jnp.where(slots < 0, (blocks - 1) * block_size, slots)
     layer_slots = kv_pool[layer].reshape(blocks * block_size, width)
     written = layer_slots.at[slots].set(kv.reshape(-1, width).astype(kv_pool.dtype), unique_indices=False)
     return (None, kv_pool.at[layer].set(written.reshape(blocks, block_size, width)))
