@@ -11,6 +11,7 @@ import torch
 from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import capture_bucket, example_step_inputs, model_weights
 from graphc.models.checkpoint import load_model
+from graphc.models.deepseek_v3 import Parallelism
 
 DELETE = object()
 """A value for `override` that removes the key."""
@@ -91,9 +92,14 @@ def model_yaml(checkpoint: Path, buckets: dict, backend: str = "export", dtype: 
 BLOCKS_PER_ROW, NUM_BLOCKS, BLOCK_SIZE = 4, 8, 8
 
 
-def captured(checkpoint, bucket: Bucket):
+GENERIC_MOE = Parallelism(moe_exchange="ag_rs")
+"""One device capturing the all-gather / reduce-scatter MoE: its collectives in the graph, over
+groups of one rank (what the collective passes are tested on)."""
+
+
+def captured(checkpoint, bucket: Bucket, parallel: Parallelism = Parallelism()):
     model = load_model(checkpoint)
-    return model, capture_bucket(model, bucket, BLOCKS_PER_ROW, NUM_BLOCKS, BLOCK_SIZE)
+    return model, capture_bucket(model, bucket, BLOCKS_PER_ROW, NUM_BLOCKS, BLOCK_SIZE, parallel)
 
 
 def run_program(program, model, bucket: Bucket, seed: int = 0, coordinates: tuple[int, ...] = (0, 0, 1)):

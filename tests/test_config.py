@@ -157,7 +157,7 @@ def test_ep_16_accepted_on_16_expert_preset(tiny_checkpoints):
             {"buckets.prefil": [16], "buckets.prefill": DELETE},
             r"^buckets\.prefil: unknown key; allowed here: context_limit, prefill, decode, prompt_as_decode, auto$",
         ),
-        ({"model.path": "x"}, r"^model\.path: unknown key; allowed here: checkpoint, dtype, sparse_probabilities, moe_form$"),
+        ({"model.path": "x"}, r"^model\.path: unknown key; allowed here: checkpoint, dtype, sparse_probabilities, moe_form, moe_lowering$"),
         (
             {"runtime.sampling.temprature": 0.5},
             r"^runtime\.sampling\.temprature: unknown key; allowed here: temperature, top_k, top_p, seed$",
@@ -308,9 +308,17 @@ def test_missing_required_key(data, key, match):
         ),
         pytest.param(
             {"topology.cp": 4, "topology.ep": 3},
-            r"^topology\.ep: 3 must divide the world size \(cp = 4\); 4 % 3 = 1$",
+            r"^topology\.ep: 3 must divide the world size \(dp \* cp = 4\); 4 % 3 = 1$",
             id="ep-not-dividing-cp",
         ),
+        pytest.param(
+            {"topology.dp": 3, "topology.cp": 2, "topology.ep": 4},
+            r"^topology\.ep: 4 must divide the world size \(dp \* cp = 6\); 6 % 4 = 2$",
+            id="ep-not-dividing-dp*cp",
+        ),
+        pytest.param({"topology.dp": 0}, r"^topology\.dp: 0 must be a positive integer$", id="dp=0"),
+        pytest.param({"model.moe_lowering": "a2a"},
+                     r"^model\.moe_lowering: 'a2a' is not allowed; expected one of 'auto', 'ag_rs', 'a2a_even', 'a2a_v'", id="moe_lowering"),
         pytest.param(
             {"topology.cp": 3, "topology.ep": 3},
             r"^topology\.ep: 3 must divide the checkpoint's n_routed_experts \(8\); 8 % 3 = 2$",

@@ -16,7 +16,7 @@ from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
 
 
 ROUTED_EXPERT_OPS = {
-    "dense": {"graphc::expert_shard": 1},
+    "dense": {"graphc::expert_routes": 1},
     "gather": {"graphc::expert_routes": 1},
     "grouped": {"graphc::expert_routes": 1, "graphc::grouped_mm": 2},
 }
@@ -44,8 +44,6 @@ def test_export_keeps_graphc_ops_as_single_nodes_and_matches_eager(preset, moe_f
         "graphc::kv_write": args.num_hidden_layers,
         "graphc::paged_mla_attention": args.num_hidden_layers,
         "graphc::attention_combine": args.num_hidden_layers,
-        "graphc::moe_dispatch": moe_layers,
-        "graphc::moe_combine": moe_layers,
         **{op: n * moe_layers for op, n in ROUTED_EXPERT_OPS[moe_form].items()},
     }
     eager_pool, exported_pool = model.new_kv_pool(4, 16), model.new_kv_pool(4, 16)

@@ -34,7 +34,7 @@ class EagerModel(torch.nn.Module):
 
 
 def _capture(model, form: str | None = None, topology: Topology = TOPOLOGY):
-    parallel = Parallelism(cp=topology.cp, ep=topology.ep, tokens_replicated=topology.ep > 1)
+    parallel = Parallelism(cp=topology.cp, ep=topology.ep, moe_exchange="static" if topology.ep > 1 else "local")
     return capture_bucket(model, BUCKET, BLOCKS_PER_ROW, NUM_BLOCKS, BLOCK_SIZE, parallel, form)
 
 
@@ -50,7 +50,7 @@ def test_one_program_serves_every_rank_with_its_coordinates(tiny_checkpoints, fo
     model, program = shards[1], programs[1]
     coordinates = tuple(TOPOLOGY.coordinates(1))
     eager = EagerModel(model, Parallelism(*coordinates[:1], TOPOLOGY.cp, coordinates[1], TOPOLOGY.ep,
-                                          tokens_replicated=True), form)
+                                          moe_exchange="static"), form)
     (_, expected), expected_pool = run_step(eager, model, BUCKET)
     (_, logits), pool = run_program(program, model, BUCKET, coordinates=coordinates)
     assert (logits - expected).abs().max() <= 1e-5 * expected.abs().max()

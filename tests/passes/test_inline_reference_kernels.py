@@ -11,7 +11,7 @@ from graphc.buckets.selection import Bucket
 from graphc.passes.inline_reference_kernels import inline_reference_kernels
 from graphc.passes.manager import op_counts
 from graphc.passes.verifier import verify
-from support import captured, copy_program, run_program
+from support import GENERIC_MOE, captured, copy_program, run_program
 from passes_support import context
 
 
@@ -48,7 +48,7 @@ def test_leaves_kv_writes_grouped_gemms_and_collectives_alone(tiny_checkpoints):
     """What it must not inline: the KV write, the grouped GEMM (ATen's meta refuses fp32) and every
     collective; on an already inlined graph it finds nothing."""
     bucket = Bucket("prefill", 8)  # rows x K above the experts: the grouped form
-    _, program = captured(tiny_checkpoints["lora-groups"], bucket)
+    _, program = captured(tiny_checkpoints["lora-groups"], bucket, GENERIC_MOE)
     ctx = context(bucket, cp=2, ep=2)
     kept = ("graphc::kv_write", "graphc::grouped_mm", "graphc::moe_dispatch", "graphc::moe_combine",
             "graphc::attention_combine")

@@ -13,7 +13,7 @@ from graphc.passes.verifier import verify
 
 SPECIALISE = [(entry.name, entry.run) for entry in PIPELINE if entry.run is not None]
 """Every rewrite of the pipeline, whatever the backend."""
-from support import captured
+from support import GENERIC_MOE, captured
 from passes_support import context
 
 BUCKET = Bucket("decode", 1)
@@ -41,7 +41,7 @@ def _break_shapes(gm, ctx):
 
 
 def test_runs_the_pipeline_logs_op_count_changes_and_stamps_new_nodes(tiny_checkpoints):
-    _, program = captured(tiny_checkpoints["lora-groups"], BUCKET)
+    _, program = captured(tiny_checkpoints["lora-groups"], BUCKET, GENERIC_MOE)
     passes = [("add_neg", _add_unused_neg), *SPECIALISE]
     log = PassManager(passes, verify).run(program.graph_module, context(BUCKET))
     assert [name for name, *_ in log.entries] == ["add_neg", *(n for n, _ in SPECIALISE)]
@@ -55,14 +55,14 @@ def test_runs_the_pipeline_logs_op_count_changes_and_stamps_new_nodes(tiny_check
 
 
 def test_new_nodes_carry_the_name_of_the_pass_that_made_them(tiny_checkpoints):
-    _, program = captured(tiny_checkpoints["lora-groups"], BUCKET)
+    _, program = captured(tiny_checkpoints["lora-groups"], BUCKET, GENERIC_MOE)
     PassManager([("add_neg", _add_unused_neg)], verify).run(program.graph_module, context(BUCKET))
     neg = next(n for n in program.graph_module.graph.nodes if n.target == torch.ops.aten.neg.default)
     assert neg.meta["graphc_pass"] == "add_neg"
 
 
 def test_a_failing_pass_is_named_with_the_passes_before_it_and_the_node(tiny_checkpoints):
-    _, program = captured(tiny_checkpoints["lora-groups"], BUCKET)
+    _, program = captured(tiny_checkpoints["lora-groups"], BUCKET, GENERIC_MOE)
     manager = PassManager([SPECIALISE[0], ("explode", _fail)], verify)
     with pytest.raises(PassFailure, match=r"pass explode failed \(after verify_bucket_shapes; decode-1, every-rank\): "
                                           r"deliberate \(node unbind: "):
@@ -70,15 +70,15 @@ def test_a_failing_pass_is_named_with_the_passes_before_it_and_the_node(tiny_che
 
 
 def test_the_verifier_runs_between_passes(tiny_checkpoints):
-    _, program = captured(tiny_checkpoints["lora-groups"], BUCKET)
+    _, program = captured(tiny_checkpoints["lora-groups"], BUCKET, GENERIC_MOE)
     with pytest.raises(PassFailure, match=r"pass break_shapes the graph it produced fails verification .*not derived from the kv_pool"):
         PassManager([("break_shapes", _break_shapes)], verify).run(program.graph_module, context(BUCKET))
-    _, program = captured(tiny_checkpoints["lora-groups"], BUCKET)
+    _, program = captured(tiny_checkpoints["lora-groups"], BUCKET, GENERIC_MOE)
     PassManager([("break_shapes", _break_shapes)], verify, verify=False).run(program.graph_module, context(BUCKET))
 
 
 def test_disabled_passes_are_skipped_and_unknown_names_refused(tiny_checkpoints):
-    _, program = captured(tiny_checkpoints["lora-groups"], BUCKET)
+    _, program = captured(tiny_checkpoints["lora-groups"], BUCKET, GENERIC_MOE)
     log = PassManager(SPECIALISE, verify, disabled=frozenset({"lower_trivial_collectives"})).run(
         program.graph_module, context(BUCKET))
     assert "lower_trivial_collectives" not in [name for name, *_ in log.entries]
@@ -88,7 +88,7 @@ def test_disabled_passes_are_skipped_and_unknown_names_refused(tiny_checkpoints)
 
 
 def test_dumps_the_graph_before_and_after_every_pass(tiny_checkpoints, tmp_path):
-    _, program = captured(tiny_checkpoints["lora-groups"], BUCKET)
+    _, program = captured(tiny_checkpoints["lora-groups"], BUCKET, GENERIC_MOE)
     PassManager(SPECIALISE, verify, dump_dir=tmp_path).run(program.graph_module, context(BUCKET))
     dumped = sorted(p.name for p in (tmp_path / "decode-1" / "every-rank").iterdir())
     assert dumped == ["00-capture.py"] + [f"{i:02d}-{name}.py" for i, (name, _) in enumerate(SPECIALISE, start=1)]

@@ -24,7 +24,7 @@ BUCKET = Bucket("decode", 2)
 def test_programs_issuing_the_same_collectives_agree_and_one_that_skips_one_is_refused(tiny_checkpoints):
     model = load_expert_shard(tiny_checkpoints["lora-groups"], Topology(2, 2), 0, torch.float32)
     leader = capture_bucket(model, BUCKET, BLOCKS_PER_ROW, NUM_BLOCKS, BLOCK_SIZE,
-                            Parallelism(cp=2, ep=2, tokens_replicated=True))
+                            Parallelism(cp=2, ep=2, moe_exchange="static"))
     followers = copy_program(leader)
     strip_follower_sampling(followers.graph_module, context(BUCKET, 2, 2, "followers"))
     check_program_agreement({"leader": leader.graph_module, "followers": followers.graph_module}, BUCKET.name)

@@ -30,13 +30,18 @@ def endpoints():
 
 
 def _fields(rows, width, seed):
+    """Every rank's inputs (they differ, as replicas' do), fp32 sampling parameters included."""
     g = torch.Generator().manual_seed(seed)
     return {
-        "input_ids": torch.randint(0, 100, (rows, width), generator=g),
-        "positions": torch.randint(0, 100, (rows, width), generator=g),
-        "logits_index": torch.randint(0, width, (rows,), generator=g),
+        "input_ids": torch.randint(0, 100, (WORLD, rows, width), generator=g),
+        "positions": torch.randint(0, 100, (WORLD, rows, width), generator=g),
+        "logits_index": torch.randint(0, width, (WORLD, rows), generator=g),
         "block_table": torch.randint(0, 9, (WORLD, rows, BLOCKS), generator=g),
-        "slot_mapping": torch.randint(-1, 50, (WORLD, rows, width), generator=g),
+        "slot_mapping": torch.randint(-2, 50, (WORLD, rows, width), generator=g),
+        "temperature": torch.rand(WORLD, rows, generator=g) * 2,
+        "top_k": torch.randint(0, 50, (WORLD, rows), generator=g),
+        "top_p": torch.rand(WORLD, rows, generator=g),
+        "seed": torch.randint(0, 2**40, (WORLD, rows), generator=g),
     }
 
 
@@ -68,6 +73,16 @@ def test_the_leader_never_overwrites_a_slot_a_follower_has_not_read(endpoints):
         leader.publish(2, PREFILL_8, _fields(1, 8, 2))  # would overwrite step 0's slot
     follower.receive(0)
     leader.publish(2, PREFILL_8, _fields(1, 8, 2))
+
+
+def test_a_replica_leaders_tokens_reach_the_leader_and_it_waits_for_them(endpoints):
+    leader, follower = endpoints
+    with pytest.raises(ChannelTimeout, match=r"rank 0: timed out .* waiting for rank 1's tokens of step 0"):
+        leader.returned_tokens(0, rank=1, rows=3)
+    follower.return_tokens(0, torch.tensor([7, 8, 9, 10]))
+    assert leader.returned_tokens(0, rank=1, rows=3).tolist() == [7, 8, 9]
+    follower.return_tokens(1, torch.tensor([4]))
+    assert leader.returned_tokens(1, rank=1, rows=1).tolist() == [4]
 
 
 def test_a_follower_waiting_for_a_dead_leader_times_out_naming_itself(endpoints):

@@ -11,19 +11,24 @@ from graphc.buckets.selection import Bucket
 from graphc.cli import EXIT_BAD_INPUT, cli
 from graphc.models.checkpoint import load_model_args
 from graphc.tools.plan import step_collectives
+from graphc.topology import Topology
 from support import SPARSE_V32, TEST_BUCKETS, model_yaml
 
-OPS = {"attention_combine": "graphc::attention_combine", "all_reduce": "graphc::all_reduce",
-       "moe_dispatch": "graphc::moe_dispatch", "moe_combine": "graphc::moe_combine",
-       "index_topk_combine": "graphc::index_topk_combine"}
+OPS = {name: f"graphc::{name}" for name in ("attention_combine", "all_reduce", "moe_dispatch", "moe_combine",
+                                             "index_topk_combine", "moe_a2a_dispatch", "moe_a2a_combine")}
 
 
-@pytest.mark.parametrize("preset, cp, ep, static", [
-    ("wide-16e", 2, 1, True), ("wide-16e", 2, 2, True), ("wide-16e", 2, 2, False), ("wide-16e", 4, 4, True),
-    (SPARSE_V32, 2, 2, True),  # sparse attention: a top-k combine per layer too
+@pytest.mark.parametrize("preset, dp, cp, ep, exchange", [
+    ("wide-16e", 1, 2, 1, "local"), ("wide-16e", 1, 2, 2, "static"), ("wide-16e", 1, 2, 2, "ag_rs"),
+    ("wide-16e", 1, 4, 4, "static"),
+    (SPARSE_V32, 1, 2, 2, "static"),  # sparse attention: a top-k combine per layer too
+    ("wide-16e", 2, 1, 2, "a2a_even"), ("wide-16e", 2, 2, 4, "a2a_v"),  # data-parallel attention
 ])
-def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, cp, ep, static, compiled, tiny_checkpoints):
-    manifest = read_manifest(compiled(preset, "export", "small", cp, ep, static))
+def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, dp, cp, ep, exchange, compiled,
+                                                              tiny_checkpoints):
+    static = exchange != "ag_rs"
+    manifest = read_manifest(compiled(preset, "export", "small", cp, ep, static, dp))
+    topology = manifest.topology.topology()
     args = load_model_args(tiny_checkpoints[preset])
     slots = manifest.kv_cache.blocks_per_row * manifest.kv_cache.block_size
     for rank in manifest.ranks:
@@ -31,26 +36,34 @@ def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, cp, ep, s
             bucket = graph.bucket
             counts = manifest.extra["op_counts"][f"{bucket.name} every-rank"]
             in_graph = {op: n for op, n in counts.items() if op in OPS.values()}
+            assert graph.moe_exchange == exchange
             planned = {OPS[c.op]: c.count
-                       for c in step_collectives(args, cp, ep, bucket, "float32", static, context_slots=slots)}
+                       for c in step_collectives(args, topology, bucket, "float32", exchange, context_slots=slots)}
             assert planned == in_graph, (bucket.name, rank.rank)
 
 
 def test_payloads_follow_the_tokens_of_the_bucket(tiny_checkpoints):
     args = load_model_args(tiny_checkpoints["wide-16e"])  # hidden 64, 4 heads, kv_lora_rank 32
-    [attention, moe] = step_collectives(args, 2, 2, Bucket("decode", 4, 3), "bfloat16")
+    [attention, moe] = step_collectives(args, Topology(2, 2), Bucket("decode", 4, 3), "bfloat16", "static")
     assert attention.bytes_in == 12 * 4 * 33 * 4  # [T, H, R] + [T, H], fp32
     assert (moe.op, moe.bytes_in) == ("all_reduce", 12 * 64 * 2)
-    generic = step_collectives(args, 2, 2, Bucket("prefill", 8), "float32", static_moe=False)
+    generic = step_collectives(args, Topology(2, 2), Bucket("prefill", 8), "float32", "ag_rs")
     assert [(c.op, c.bytes_in) for c in generic[1:]] == [("moe_dispatch", 8 * 64 * 4), ("moe_combine", 2 * 8 * 64 * 4)]
+    routes = 2 * 8 * 2 * 4 * 4  # [ep, T, 2K] fp32 (K = 4)
+    even = step_collectives(args, Topology(1, 2, 2), Bucket("prefill", 8), "float32", "a2a_even")
+    assert [(c.op, c.bytes_in) for c in even] == [("moe_a2a_dispatch", 2 * 8 * 64 * 4 + routes),
+                                                  ("moe_a2a_combine", 2 * 8 * 64 * 4)]
+    [v_dispatch, _] = step_collectives(args, Topology(1, 2, 2), Bucket("prefill", 8), "float32", "a2a_v")
+    assert v_dispatch.bytes_in == even[0].bytes_in + 2 * 8  # and the int64 split counts
 
 
 def test_sparse_attention_adds_the_top_k_candidates(tiny_checkpoints):
     args = load_model_args(tiny_checkpoints[SPARSE_V32])  # index_topk 16
-    [topk, attention, _] = step_collectives(args, 2, 2, Bucket("prefill", 8), "float32", context_slots=64)
+    [topk, attention, _] = step_collectives(args, Topology(2, 2), Bucket("prefill", 8), "float32", "static",
+                                            context_slots=64)
     assert (topk.op, topk.group, topk.count) == ("index_topk_combine", "cp", 3)
     assert topk.bytes_in == 8 * 16 * (8 + 4)  # [T, k] int64 positions + fp32 scores
-    [short, *_] = step_collectives(args, 2, 2, Bucket("prefill", 8), "float32", context_slots=8)
+    [short, *_] = step_collectives(args, Topology(2, 2), Bucket("prefill", 8), "float32", "static", context_slots=8)
     assert short.bytes_in == 8 * 8 * 12  # k is capped by the context the block table holds
 
 
@@ -72,6 +85,7 @@ def test_plan_prints_buckets_waste_graphs_and_collectives_and_plots(auto_yaml, t
     assert "expected prefill padding over 200 prompts" in out and "vs power-of-two ladder" in out
     assert "per rank x 2 rank(s) = 12 in all, 6 distinct (every-rank program per bucket" in out
     assert "x attention_combine(cp)" in out and "x all_reduce(ep)" in out
+    assert "groups (dp=1, cp=2, ep=2; MoE exchange static):" in out and "cp    1 x 2 rank(s): [0, 1]" in out
     assert (tmp_path / "out" / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

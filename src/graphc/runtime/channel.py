@@ -1,17 +1,21 @@
 """The leader -> followers host-metadata channel, over one shared-memory segment per job.
 
 The leader publishes, once at start-up, the serving parameters every rank must agree on (bucket
-table, context limit, prompt-as-decode size, KV pool), and then every step: the bucket, the token
-ids, positions and logits index (the tokens the leader sampled last step are this step's
-ids), and each rank's block table and slot mapping. Followers copy a
-step out and acknowledge it; they never schedule, allocate or sample, and no graph broadcasts.
+table, context limit, prompt-as-decode size, KV pool), and then every step: the bucket and each
+rank's step inputs (token ids, positions, logits index, block table, slot mapping and sampling
+parameters: ranks of one attention replica share all but their KV shard's table and slots, and
+replicas differ). Followers copy a step out and acknowledge it; they never schedule or allocate.
+With data-parallel replicas, the first rank of each other replica samples its replica's rows and
+returns the tokens here; no graph broadcasts.
 
-Layout (int64 words): a header [published step, stop step, start-up length, ack per rank], a
-start-up area (JSON bytes), then two step slots used alternately. The leader writes slot k % 2
-only after every follower has acknowledged step k - 2, so a slot is never overwritten while read;
-it publishes a step by writing its number into the header after the slot (x86 keeps stores in
-order). The leader creates and alone unlinks the segment; followers detach without unlinking
-(the launcher removes it too, should the leader die first).
+Layout (int64 words): a header [published step, stop step, start-up length, ack per rank,
+returned step per rank], a start-up area (JSON bytes), the returned tokens [world, max rows], then
+two step slots used alternately. The leader writes slot k % 2 only after every follower has
+acknowledged step k - 2, so a slot is never overwritten while read; it publishes a step by
+writing its number into the header after the slot (x86 keeps stores in order). A follower writes
+step k's tokens, then k into its returned word; the leader reads them before it schedules step
+k + 1, so they are never overwritten unread. The leader creates and alone unlinks the segment;
+followers detach without unlinking (the launcher removes it too, should the leader die first).
 """
 
 from __future__ import annotations
@@ -35,10 +39,11 @@ KINDS = ("prefill", "decode")
 """Bucket kinds by their number in a slot."""
 HEADER_WORDS = 3
 """A slot starts with the step's bucket: kind, size, tokens per row."""
-STEP_FIELDS = ("input_ids", "positions", "logits_index", "block_table", "slot_mapping")
-"""The step inputs the leader sends (the sampler's stay on the leader)."""
-PER_RANK_FIELDS = frozenset({"block_table", "slot_mapping"})
-"""Fields sent as [world, ...]: each rank's own KV shard."""
+STEP_FIELDS = ("input_ids", "positions", "logits_index", "block_table", "slot_mapping",
+               "temperature", "top_k", "top_p", "seed")
+"""The step inputs the leader sends, each as [world, ...]: every rank's own."""
+FLOAT_FIELDS = frozenset({"temperature", "top_p"})
+"""fp32 fields, sent as their bit patterns."""
 
 
 def remove_segment(name: str) -> None:
@@ -72,20 +77,23 @@ class StepChannel:
                  timeout: float | None = 120.0):
         self.name, self.world, self.rank, self.timeout = name, world, rank, timeout
         self.max_rows, self.max_width, self.blocks_per_row = max_rows, max_width, blocks_per_row
-        header = 3 + world
+        header = 3 + 2 * world
         largest = self._shapes(max_rows, max_width)
         self.capacity = {name: math.prod(largest[name]) for name in STEP_FIELDS}
         """Words of each field in a slot: room for the largest step (computed once, not per step)."""
         self.slot_words = HEADER_WORDS + sum(self.capacity.values())
-        size = 8 * (header + 2 * self.slot_words) + STARTUP_BYTES
+        returned = world * max_rows
+        size = 8 * (header + returned + 2 * self.slot_words) + STARTUP_BYTES
         if rank == 0:
             remove_segment(name)  # a crashed run's leftover of the same name
             self.segment = shared_memory.SharedMemory(name=name, create=True, size=size)
         else:
             self.segment = self._attach(name, size)
-        words = np.ndarray((header + 2 * self.slot_words,), dtype=np.int64, buffer=self.segment.buf)
+        words = np.ndarray((header + returned + 2 * self.slot_words,), dtype=np.int64, buffer=self.segment.buf)
         self.header = words[:header]
-        self.slots = [words[header + i * self.slot_words: header + (i + 1) * self.slot_words] for i in range(2)]
+        self.returned = words[header: header + returned].reshape(world, max_rows)
+        slots = header + returned
+        self.slots = [words[slots + i * self.slot_words: slots + (i + 1) * self.slot_words] for i in range(2)]
         self.startup = np.ndarray((STARTUP_BYTES,), dtype=np.uint8, buffer=self.segment.buf, offset=8 * words.size)
         if rank == 0:
             self.header[:] = -1
@@ -134,15 +142,15 @@ class StepChannel:
     # -- steps ------------------------------------------------------------------------------
 
     def publish(self, step: int, bucket: Bucket, fields: dict[str, torch.Tensor]) -> None:
-        """Leader: write step `step`, run in `bucket` (rank-independent fields [B, Q] / [B];
-        per-rank ones [world, ...])."""
+        """Leader: write step `step`, run in `bucket` (every field [world, ...]: each rank's)."""
         self._wait(lambda: all(self.header[3 + r] >= step - 2 for r in range(1, self.world)),
                    f"followers to read step {step - 2}")
         slot = self.slots[step % 2]
         slot[:3] = (KINDS.index(bucket.kind), bucket.size, bucket.tokens_per_row)
         offset = HEADER_WORDS
         for name in STEP_FIELDS:
-            values = fields[name].reshape(-1).numpy()
+            values = fields[name].reshape(-1)
+            values = (values.view(torch.int32) if name in FLOAT_FIELDS else values).numpy()
             slot[offset: offset + values.size] = values
             offset += self.capacity[name]
         self.header[0] = step
@@ -159,10 +167,21 @@ class StepChannel:
         fields, offset = {}, HEADER_WORDS
         for name in STEP_FIELDS:
             count = int(np.prod(shapes[name]))
-            fields[name] = torch.from_numpy(slot[offset: offset + count].copy()).view(shapes[name])
+            values = torch.from_numpy(slot[offset: offset + count].copy()).view(shapes[name])
+            fields[name] = values.to(torch.int32).view(torch.float32) if name in FLOAT_FIELDS else values
             offset += self.capacity[name]
         self.header[3 + self.rank] = step
         return bucket, fields
+
+    def return_tokens(self, step: int, tokens: torch.Tensor) -> None:
+        """A follower that samples (a replica's first rank): hand step `step`'s tokens to the leader."""
+        self.returned[self.rank, : tokens.numel()] = tokens.numpy()
+        self.header[3 + self.world + self.rank] = step
+
+    def returned_tokens(self, step: int, rank: int, rows: int) -> torch.Tensor:
+        """Leader: the first `rows` tokens `rank` sampled in step `step` (waits for them)."""
+        self._wait(lambda: self.header[3 + self.world + rank] >= step, f"rank {rank}'s tokens of step {step}")
+        return torch.from_numpy(self.returned[rank, :rows].copy())
 
     def stop(self, step: int) -> None:
         """Leader: no step `step` or later will come."""
@@ -170,10 +189,10 @@ class StepChannel:
 
     def _shapes(self, rows: int, width: int) -> dict[str, tuple[int, ...]]:
         shapes = step_shapes(rows, width, self.blocks_per_row)
-        return {name: (self.world, *shapes[name]) if name in PER_RANK_FIELDS else shapes[name] for name in STEP_FIELDS}
+        return {name: (self.world, *shapes[name]) for name in STEP_FIELDS}
 
     def close(self) -> None:
-        self.header = self.slots = self.startup = None  # views first: the buffer cannot close under them
+        self.header = self.returned = self.slots = self.startup = None  # views first: the buffer cannot close under them
         self.segment.close()
         if self.rank == 0:
             try:

@@ -1,10 +1,11 @@
 """The generation loop of one rank: scheduler -> step metadata -> precompiled graph -> tokens.
 
 On one rank, `Engine.generate` does everything. With several ranks the leader (rank 0) runs
-`generate`, publishing each step's host metadata (every rank's block table and slot mapping
-included) on the channel before running its own graph; followers run `Engine.follow`, which
-takes each step from the channel and runs the same bucket's graph on their shard. Followers
-never schedule, allocate or sample.
+`generate`, publishing each step's host metadata (every rank's inputs) on the channel before
+running its own graph; followers run `Engine.follow`, which takes each step from the channel and
+runs the same bucket's graph on their shard. Followers never schedule or allocate; with
+data-parallel replicas the first rank of each other replica samples its replica's rows and
+returns the tokens over the channel.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from graphc.buckets.selection import Bucket
 from graphc.errors import GraphcError
 from graphc.runtime.channel import StepChannel
 from graphc.runtime.loader import LoadedRank, load_rank
-from graphc.runtime.paged import step_metadata
+from graphc.runtime.paged import METADATA_FIELDS, step_metadata
+from graphc.runtime.replicas import ReplicatedScheduler, scheduler_for
 from graphc.runtime.scheduler import Emitted, Request, Result, Scheduler, Step
 from graphc.sampling import sampler_inputs
 
@@ -60,10 +62,12 @@ class Engine:
         self.loaded: LoadedRank = load_rank(Path(artifacts), rank, manifest, trusted_key)
         manifest = self.manifest = self.loaded.manifest
         self.rank, self.channel = rank, channel
-        self.world, self.cp = manifest.topology.world, manifest.topology.cp
+        self.topology = manifest.topology.topology()
+        self.world = self.topology.world
         if self.world > 1 and channel is None:
             raise GraphcError(
-                f"{artifacts}: compiled for {self.world} ranks (cp={self.cp}, ep={manifest.topology.ep}); "
+                f"{artifacts}: compiled for {self.world} ranks (dp={self.topology.dp}, cp={self.topology.cp}, "
+                f"ep={self.topology.ep}); "
                 "serve it with `graphc run`, which launches one process per rank"
             )
         self.steps = 0
@@ -98,34 +102,41 @@ class Engine:
 
     def session(self) -> Session:
         """A scheduler over this engine's pool, for requests submitted at any time (leader only)."""
-        return Session(self, Scheduler.for_manifest([], self.manifest, self.loaded.num_blocks))
+        return Session(self, scheduler_for(self.manifest, self.loaded.num_blocks))
+
+    def _rank_inputs(self, step: Step) -> list[dict[str, torch.Tensor]]:
+        """Every rank's step inputs: its replica's rows (all padding for a replica without any),
+        as its KV shard sees them."""
+        bucket, per_rank = step.bucket, []
+        for rows in step.by_replica():
+            sequences = [(s.blocks, tokens, start) for s, tokens, start in rows]
+            sampling = sampler_inputs([s.request.sampling for s, _, _ in rows], [len(s.output) for s, _, _ in rows],
+                                      bucket.rows)
+            for shard in range(self.topology.cp):
+                fields = step_metadata(sequences, bucket.width, self.manifest.kv_cache.blocks_per_row,
+                                       total_rows=bucket.rows, shard=shard)
+                per_rank.append({**dict(zip(METADATA_FIELDS, fields)), **sampling})
+        return per_rank
 
     def run_step(self, step: Step) -> list[int]:
-        """Run one scheduled step (publishing it to the followers first); its rows' tokens."""
-        m = self.manifest
+        """Run one scheduled step (publishing it to the followers first); its rows' tokens, replica
+        by replica."""
         started = time.perf_counter()
-        rows = [(s.blocks, tokens, start) for s, tokens, start in step.rows]
-        shards = [step_metadata(rows, step.bucket.width, m.kv_cache.blocks_per_row,
-                                total_rows=step.bucket.rows, shard=shard) for shard in range(self.cp)]
-        input_ids, positions, _, _, last = shards[0]
+        inputs = self._rank_inputs(step)
         if self.channel is not None:
-            self.channel.publish(self.steps, step.bucket, {
-                "input_ids": input_ids, "positions": positions, "logits_index": last,
-                "block_table": torch.stack([shards[r % self.cp][2] for r in range(self.world)]),
-                "slot_mapping": torch.stack([shards[r % self.cp][3] for r in range(self.world)]),
-            })
-        sampling = sampler_inputs([s.request.sampling for s, _, _ in step.rows],
-                                  [len(s.output) for s, _, _ in step.rows], step.bucket.rows)
+            self.channel.publish(self.steps, step.bucket, {name: torch.stack([rank[name] for rank in inputs])
+                                                           for name in inputs[0]})
         with torch.no_grad():
-            tokens = self._run(step.bucket, {
-                "input_ids": input_ids, "positions": positions, "block_table": shards[0][2],
-                "slot_mapping": shards[0][3], "logits_index": last, **sampling,
-            })
+            tokens = self._run(step.bucket, inputs[0])
+        replicas = step.by_replica()
+        replica_tokens = [tokens[: len(replicas[0])]] + [
+            self.channel.returned_tokens(self.steps, self.topology.replica_leader(replica), len(rows))
+            for replica, rows in enumerate(replicas[1:], start=1)]
         self.steps += 1
         self.stats.setdefault(step.bucket.name, BucketStats()).add(
-            sum(len(run) for _, run, _ in step.rows), step.bucket.rows * step.bucket.width,
+            sum(len(run) for _, run, _ in step.rows), step.bucket.rows * step.bucket.width * len(replicas),
             time.perf_counter() - started)
-        return tokens[: len(step.rows)].tolist()
+        return torch.cat(replica_tokens).tolist()
 
     def stop_followers(self) -> None:
         """Leader: tell the followers no more steps will come."""
@@ -136,12 +147,9 @@ class Engine:
         with torch.no_grad():
             while (message := self.channel.receive(self.steps)) is not None:
                 bucket, fields = message
-                # The follower's graph has no sampler; its sampling inputs only keep the signature.
-                self._run(bucket, {
-                    "input_ids": fields["input_ids"], "positions": fields["positions"],
-                    "block_table": fields["block_table"][self.rank], "slot_mapping": fields["slot_mapping"][self.rank],
-                    "logits_index": fields["logits_index"], **sampler_inputs([], [], bucket.rows),
-                })
+                tokens = self._run(bucket, {name: values[self.rank] for name, values in fields.items()})
+                if self.loaded.rank.samples:  # the first rank of another replica: its tokens go to the leader
+                    self.channel.return_tokens(self.steps, tokens)
                 self.steps += 1
         return self.steps
 
@@ -152,7 +160,7 @@ class Session:
     time (`Engine.generate` drives one to completion; `graphc serve` drives one from a thread)."""
 
     engine: Engine
-    scheduler: Scheduler
+    scheduler: Scheduler | ReplicatedScheduler
 
     @property
     def idle(self) -> bool:

@@ -80,6 +80,10 @@ class SequenceBlocks:
         return self.blocks[shard::self.num_shards]
 
 
+METADATA_FIELDS = ("input_ids", "positions", "block_table", "slot_mapping", "logits_index")
+"""What `step_metadata` returns, in order."""
+
+
 def step_metadata(
     rows: list[tuple[SequenceBlocks, list[int], int]],
     width: int,

@@ -94,11 +94,25 @@ class Emitted:
     result: Result | None
 
 
+Row = tuple[Sequence, list[int], int]
+"""One row of a step: (sequence, tokens to run, position of the first)."""
+
+
 @dataclass(frozen=True)
 class Step:
     bucket: Bucket
-    rows: list[tuple[Sequence, list[int], int]]
-    """(sequence, tokens to run, position of the first)."""
+    rows: list[Row]
+    """Every replica's rows, replica by replica."""
+    replica_rows: tuple[int, ...] = ()
+    """With data-parallel replicas, how many of `rows` each has (`graphc.runtime.replicas`);
+    empty: one replica, all of them."""
+
+    def by_replica(self) -> list[list[Row]]:
+        """The rows of each replica, in replica order."""
+        if not self.replica_rows:
+            return [self.rows]
+        ends = [sum(self.replica_rows[: i + 1]) for i in range(len(self.replica_rows))]
+        return [self.rows[end - count: end] for count, end in zip(self.replica_rows, ends)]
 
 
 class Scheduler:
@@ -136,10 +150,12 @@ class Scheduler:
         for request in requests:
             self.submit(request)
 
-    def submit(self, request: Request) -> int:
-        """Queue `request` (at any time between steps); returns its index. A request that can never
-        be served has its error result at once."""
-        index, self._submitted = self._submitted, self._submitted + 1
+    def submit(self, request: Request, index: int | None = None) -> int:
+        """Queue `request` (at any time between steps); returns its index (the next one, unless a
+        caller that numbers requests itself gives it). A request that can never be served has its
+        error result at once."""
+        if index is None:
+            index, self._submitted = self._submitted, self._submitted + 1
         problem = self.refusal(request)
         if problem:
             self.results[index] = Result(request, [], "error", problem)
@@ -180,13 +196,14 @@ class Scheduler:
         if len(request.prompt) >= self.context_limit:
             return (f"prompt of {len(request.prompt)} tokens leaves no room under context_limit "
                     f"{self.context_limit}; shorten it or compile with a larger context_limit")
-        blocks = max(self._blocks_per_shard(request))
+        blocks = max(self.blocks_needed(request))
         if blocks > self.allocator.num_blocks:
             return (f"needs {blocks} KV blocks but the pool has {self.allocator.num_blocks}; "
                     "raise kv_cache.num_blocks or GRAPHC_NUM_KV_BLOCKS")
         return None
 
-    def _blocks_per_shard(self, request: Request) -> list[int]:
+    def blocks_needed(self, request: Request) -> list[int]:
+        """The KV blocks `request` reserves on admission, per context-parallel shard."""
         blocks = ceil_div(self._lifetime(request), self.block_size)
         return [len(range(shard, blocks, self.kv_shards)) for shard in range(self.kv_shards)]
 
@@ -194,10 +211,10 @@ class Scheduler:
     def done(self) -> bool:
         return not self.waiting and not self.running
 
-    def _admit(self) -> None:
+    def admit(self) -> None:
         while self.waiting:
             index, request = self.waiting[0]
-            needed = self._blocks_per_shard(request)
+            needed = self.blocks_needed(request)
             if any(n > allocator.free_blocks for n, allocator in zip(needed, self.allocators)):
                 return
             self.waiting.popleft()
@@ -206,22 +223,38 @@ class Scheduler:
             self.running.append(sequence)
 
     def next_step(self) -> Step:
-        self._admit()
-        short = [s for s in self.running if 0 < s.remaining_prompt <= self.prompt_as_decode]
-        long = [s for s in self.running if s.remaining_prompt > self.prompt_as_decode]
-        decoding = [s for s in self.running if not s.prefilling]
-        if long and (not (short or decoding) or not self._last_was_prefill):
+        self.admit()
+        long, others = self.pending()
+        if long and (not others or not self._last_was_prefill):
             self._last_was_prefill = True
-            sequence = long[0]
-            chunk = sequence.request.prompt[sequence.prefilled: sequence.prefilled + self.max_chunk]
-            return Step(Bucket("prefill", smallest_fitting(self.prefill, len(chunk))), [(sequence, chunk, sequence.prefilled)])
+            row = self.prefill_row()
+            return Step(Bucket("prefill", smallest_fitting(self.prefill, len(row[1]))), [row])
         self._last_was_prefill = False
-        short = short[: self.decode[-1]]
+        rows, short = self.decode_rows()
+        return Step(Bucket("decode", smallest_fitting(self.decode, len(rows)), self.prompt_as_decode if short else 1),
+                    rows)
+
+    def pending(self) -> tuple[bool, bool]:
+        """Whether a long prompt waits for a prefill step, and whether anything can run in a
+        decode step (a short prompt or a decoding sequence)."""
+        return (any(s.remaining_prompt > self.prompt_as_decode for s in self.running),
+                any(s.remaining_prompt <= self.prompt_as_decode for s in self.running))
+
+    def prefill_row(self) -> Row | None:
+        """The next chunk of the oldest long prompt, or None if none waits."""
+        sequence = next((s for s in self.running if s.remaining_prompt > self.prompt_as_decode), None)
+        if sequence is None:
+            return None
+        return sequence, sequence.request.prompt[sequence.prefilled: sequence.prefilled + self.max_chunk], sequence.prefilled
+
+    def decode_rows(self) -> tuple[list[Row], bool]:
+        """A decode step's rows (rule 2b or 2c), and whether short prompts are among them."""
+        short = [s for s in self.running if 0 < s.remaining_prompt <= self.prompt_as_decode][: self.decode[-1]]
+        decoding = [s for s in self.running if not s.prefilling]
         batch = short + self._rotate(decoding[: self.decode[-1] - len(short)])
         rows = [(s, s.request.prompt[s.prefilled:], s.prefilled) if s.prefilling
                 else (s, [s.output[-1]], len(s.request.prompt) + len(s.output) - 1) for s in batch]
-        size = smallest_fitting(self.decode, len(batch))
-        return Step(Bucket("decode", size, self.prompt_as_decode if short else 1), rows)
+        return rows, bool(short)
 
     def _rotate(self, batch: list[Sequence]) -> list[Sequence]:
         """Move the sequences of this step to the back: with more decoding sequences than a step

@@ -19,8 +19,9 @@ from graphc.buckets.planner import Histogram, chunk_histogram, padding_waste, po
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
 from graphc.models.args import ModelArgs
-from graphc.models.moe_forms import step_moe_form
+from graphc.models.moe_forms import moe_exchange, step_moe_form
 from graphc.step import blocks_per_row
+from graphc.topology import GROUPS, Topology
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -35,34 +36,45 @@ class Collective:
     bytes_in: int
 
 
-def step_collectives(args: ModelArgs, cp: int, ep: int, bucket: Bucket, dtype: str,
-                     static_moe: bool = True, context_slots: int | None = None) -> list[Collective]:
-    """The collectives of one step in `bucket` on any rank (every rank issues the same ones).
+def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype: str, exchange: str,
+                     context_slots: int | None = None) -> list[Collective]:
+    """The collectives of one step in `bucket` on any rank (every rank issues the same ones, each
+    over its own group of the name).
 
     Attention: one `attention_combine` per layer over cp, all-gathering the fp32 partial output
-    [T, H, R] and its log-sum-exp [T, H]. MoE layers over ep: the static form all-reduces the
-    routed output [T, D]; the generic form all-gathers the tokens [T, D] and reduce-scatters
-    [T * ep, D]. Sparse attention (V3.2) adds one `index_topk_combine` per layer over cp,
-    all-gathering each token's k candidate positions (int64) and scores (fp32), k =
-    min(index_topk, context_slots), context_slots being the block table's token capacity. A group
-    of one rank issues nothing (the pass lowers it away).
+    [T, H, R] and its log-sum-exp [T, H]. Sparse attention (V3.2) adds one `index_topk_combine`
+    per layer over cp, all-gathering each token's k candidate positions (int64) and scores (fp32),
+    k = min(index_topk, context_slots), context_slots being the block table's token capacity.
+    MoE layers over ep, by `exchange` (`MOE_EXCHANGES`): `static` all-reduces the routed output
+    [T, D]; `ag_rs` all-gathers the tokens [T, D] and reduce-scatters [T * ep, D]; the
+    all-to-alls send [ep, T] blocks of rows [D] and fp32 routes [2K] and take back [ep, T, D]
+    (`a2a_v` sends only the rows routed, so these are its upper bounds, plus an all-gather of its
+    int64 split counts [ep]). A group of one rank issues nothing (the pass lowers it away).
     """
     tokens = bucket.rows * bucket.width
     moe_layers = args.num_hidden_layers - args.first_k_dense_replace
-    hidden = tokens * args.hidden_size * DTYPE_BYTES[dtype]
+    width = DTYPE_BYTES[dtype]
+    hidden = tokens * args.hidden_size * width
     out: list[Collective] = []
-    if cp > 1:
+    if topology.cp > 1:
         heads = args.num_attention_heads
         if args.sparse_attention:
             selected = min(args.index_topk, context_slots or args.index_topk)
             out.append(Collective("index_topk_combine", "cp", args.num_hidden_layers, tokens * selected * (8 + 4)))
         out.append(Collective("attention_combine", "cp", args.num_hidden_layers, tokens * heads * (args.kv_lora_rank + 1) * 4))
-    if ep > 1 and moe_layers:
-        if static_moe:
-            out.append(Collective("all_reduce", "ep", moe_layers, hidden))
-        else:
-            out.append(Collective("moe_dispatch", "ep", moe_layers, hidden))
-            out.append(Collective("moe_combine", "ep", moe_layers, hidden * ep))
+    ep = topology.ep
+    if ep == 1 or not moe_layers:
+        return out
+    if exchange == "static":
+        out.append(Collective("all_reduce", "ep", moe_layers, hidden))
+    elif exchange == "ag_rs":
+        out.append(Collective("moe_dispatch", "ep", moe_layers, hidden))
+        out.append(Collective("moe_combine", "ep", moe_layers, hidden * ep))
+    else:
+        routes = ep * tokens * 2 * args.num_experts_per_tok * 4
+        counts = ep * 8 if exchange == "a2a_v" else 0
+        out.append(Collective("moe_a2a_dispatch", "ep", moe_layers, ep * hidden + routes + counts))
+        out.append(Collective("moe_a2a_combine", "ep", moe_layers, ep * hidden))
     return out
 
 
@@ -87,18 +99,25 @@ def describe(config: GraphcConfig, args: ModelArgs, workload: Histogram | None) 
                                                               f"  ([B, {b.prompt_as_decode}] graphs per decode batch)")]
     if workload:
         lines += _waste_lines(config, workload)
-    world = t.cp
+    topology = t.topology()
+    exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated)
+    world = topology.world
     programs = backend(config.backend).programs(world)
     lines += [f"graphs: {len(buckets)} per rank x {world} rank(s) = {len(buckets) * world} in all, "
               f"{len(buckets) * len(programs)} distinct ({' and '.join(programs)} program per bucket; "
               "a rank's KV shard and experts are an input)"]
-    lines.append(f"routed-expert form and collectives per step, every rank (cp={t.cp}, ep={t.ep}, static MoE):")
+    lines.append(f"groups (dp={topology.dp}, cp={topology.cp}, ep={topology.ep}; MoE exchange {exchange}):")
+    for name in GROUPS:
+        groups = topology.groups(name)
+        lines.append(f"  {name:5s} {len(groups)} x {topology.group_size(name)} rank(s): "
+                     + " ".join(str(ranks) for ranks in groups))
+    lines.append("routed-expert form and collectives per step per group, every rank:")
     for bucket in buckets:
         slots = blocks_per_row(config.buckets.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
-        calls = step_collectives(args, t.cp, t.ep, bucket, config.model.dtype, context_slots=slots)
+        calls = step_collectives(args, topology, bucket, config.model.dtype, exchange, context_slots=slots)
         text = ", ".join(f"{c.count} x {c.op}({c.group}) of {_bytes(c.bytes_in)}" for c in calls) or "none"
         form = step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
-                             args.n_routed_experts, t.ep, tokens_replicated=True)
+                             args.n_routed_experts, topology.ep, exchange)
         lines.append(f"  {bucket.name:14s} MoE {form:8s} {text}")
     return lines
 
