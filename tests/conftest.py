@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from graphc.models.tiny import PRESETS, make_tiny_checkpoint, preset_config
-from support import SPARSE_TOPK, SPARSE_V32, TEST_BUCKETS, model_yaml, rewrite_config
+from support import (SKEWED, SPARSE_TOPK, SPARSE_V32, TEST_BUCKETS, model_yaml, rewrite_config,
+                     skew_routes_to_first_experts)
 
 # Lines the tests want a reader of the CI log to see (agreement rates, margins, noise floors).
 _REPORT: list[str] = []
@@ -45,6 +46,8 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     made = {name: make_tiny_checkpoint(root / name, preset=name, seed=0) for name in PRESETS}
     made[SPARSE_V32] = shutil.copytree(made["v32"], root / SPARSE_V32)
     rewrite_config(made[SPARSE_V32], index_topk=SPARSE_TOPK)
+    made[SKEWED] = shutil.copytree(made["lora-groups"], root / SKEWED)
+    skew_routes_to_first_experts(made[SKEWED], experts=4)
     return made
 
 

@@ -44,6 +44,23 @@ def load_hf(path: Path, dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
+SKEWED = "lora-groups-skewed"
+"""lora-groups with a correction bias that routes every token to experts 0-3 alone: with ep = 2,
+every route lands on rank 0 (the all-to-all's worst case)."""
+
+
+def skew_routes_to_first_experts(path: Path, experts: int) -> None:
+    """Raise the first `experts` experts' correction bias far above the others in every MoE layer
+    (selection uses score + bias; the weights stay the unbiased scores)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    for name, bias in tensors.items():
+        if name.endswith("mlp.gate.e_score_correction_bias"):
+            bias[:experts] += 100.0
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
 def rewrite_config(path: Path, **changes) -> None:
     config = json.loads((path / "config.json").read_text())
     config.update(changes)
@@ -70,6 +87,8 @@ TEST_BUCKETS = {
     "prompt_as_decode": {"prefill": [8, 32], "decode": [1, 4], "prompt_as_decode": 4, "context_limit": 128},
     # Prompt-as-decode with the fewest graphs (prefill-32, decode-4, decode-4x4): for multi-rank runs.
     "prompt_as_decode_small": {"prefill": [32], "decode": [4], "prompt_as_decode": 4, "context_limit": 128},
+    # Every bucket kind in three graphs, decode rows enough for uneven replicas: data-parallel runs.
+    "dp": {"prefill": [8], "decode": [8], "prompt_as_decode": 4, "context_limit": 64},
     # The fewest graphs (one prefill, one decode): for the inductor multi-rank runs, whose compiles
     # dominate the suite's time.
     "small": {"prefill": [8], "decode": [2], "prompt_as_decode": 0, "context_limit": 64},

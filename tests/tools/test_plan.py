@@ -22,12 +22,13 @@ OPS = {name: f"graphc::{name}" for name in ("attention_combine", "all_reduce", "
     ("wide-16e", 1, 2, 1, "local"), ("wide-16e", 1, 2, 2, "static"), ("wide-16e", 1, 2, 2, "ag_rs"),
     ("wide-16e", 1, 4, 4, "static"),
     (SPARSE_V32, 1, 2, 2, "static"),  # sparse attention: a top-k combine per layer too
-    ("wide-16e", 2, 1, 2, "a2a_even"), ("wide-16e", 2, 2, 4, "a2a_v"),  # data-parallel attention
+    ("lora-groups", 2, 1, 2, "a2a_even"), ("lora-groups", 2, 2, 4, "a2a_v"),  # data-parallel attention
 ])
 def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, dp, cp, ep, exchange, compiled,
                                                               tiny_checkpoints):
     static = exchange != "ag_rs"
-    manifest = read_manifest(compiled(preset, "export", "small", cp, ep, static, dp))
+    # The data-parallel artifacts are the serving tests' (runtime/test_data_parallel.py).
+    manifest = read_manifest(compiled(preset, "export", "dp" if dp > 1 else "small", cp, ep, static, dp))
     topology = manifest.topology.topology()
     args = load_model_args(tiny_checkpoints[preset])
     slots = manifest.kv_cache.blocks_per_row * manifest.kv_cache.block_size
