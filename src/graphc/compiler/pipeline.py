@@ -23,10 +23,11 @@ from graphc.config import GraphcConfig
 from graphc.models.checkpoint import load_expert_shard
 from graphc.models.deepseek_v3 import Parallelism
 from graphc.models.moe_forms import MOE_LOWERINGS, moe_exchange, step_moe_form
+from graphc.passes.collective_schedule import check_collective_schedule, program_collectives
 from graphc.passes.graph import step_placeholders
 from graphc.passes.manager import PassContext, PassManager, op_counts
 from graphc.passes.registry import backend_passes, check_pass_names
-from graphc.passes.verifier import check_program_agreement, verify
+from graphc.passes.verifier import verify
 from graphc.step import POOL_BLOCKS_DIM, STEP_INPUTS, blocks_per_row
 from graphc.errors import GraphcError
 from graphc.topology import Topology
@@ -82,8 +83,8 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                                            moe_forms[bucket])
                     for bucket in buckets}
         # 3. Rewrite each bucket's programs (passes/registry.py): at most two whatever the world
-        # (`Backend.programs`), the rank's coordinates being an input. With two, check they issue
-        # the same collectives.
+        # (`Backend.programs`), the rank's coordinates being an input. Then check that no rank's
+        # collectives can wait forever on another's.
         passes = backend_passes(backend)
         manager = PassManager(passes, verify, verify=options.verify_passes,
                               disabled=options.disabled_passes & {name for name, _ in passes},
@@ -98,16 +99,16 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                 _sync_output_signature(program)
                 programs[name, bucket] = program
                 pass_logs[f"{bucket.name} {name}"] = log.changes()
-        if len(names) > 1:
-            for bucket in buckets:
-                check_program_agreement({name: programs[name, bucket].graph_module for name in names}, bucket.name)
+        run_by = {rank: backend_named(backend).program_of(rank) for rank in range(topology.world)}
+        for bucket in buckets:  # refuse any bucket whose ranks' collectives could hang
+            issued = {name: program_collectives(programs[name, bucket].graph_module) for name in names}
+            check_collective_schedule(topology, bucket.name, {rank: issued[run_by[rank]] for rank in run_by})
         # 4. Emit: compile each distinct program once (cached); every rank's entry points at the
         # file of the program it runs.
         keys = {where: program_key(program, backend, topology) for where, program in programs.items()}
         compiled = compile_all([CompileJob(f"{bucket.name} {name}", keys[name, bucket], program)
                                 for (name, bucket), program in programs.items()],
                                backend, topology, options.workers, options.show_progress)
-        run_by = {rank: backend_named(backend).program_of(rank) for rank in range(topology.world)}
         graphs = {rank: [CompiledGraph(bucket, compiled[keys[run_by[rank], bucket]],
                                        _step_specs(programs[run_by[rank], bucket]), moe_forms[bucket], exchange)
                          for bucket in buckets]

@@ -8,9 +8,13 @@ import torch.fx
 
 from graphc.step import STEP_INPUTS
 
-COLLECTIVE_OPS = ("graphc::moe_dispatch", "graphc::moe_combine", "graphc::attention_combine", "graphc::all_reduce",
-                  "graphc::index_topk_combine")
-"""Ops that move data between ranks; each names its group in its `group` argument."""
+IDENTITY_AT_ONE_RANK = ("graphc::moe_dispatch", "graphc::moe_combine", "graphc::attention_combine",
+                        "graphc::all_reduce", "graphc::index_topk_combine")
+"""Collectives whose value over a group of one rank is their first argument."""
+
+COLLECTIVE_OPS = (*IDENTITY_AT_ONE_RANK, "graphc::moe_a2a_dispatch", "graphc::moe_a2a_combine")
+"""Ops that move data between ranks; each names its group in its `group` argument. (The
+all-to-all MoE is never captured for a group of one: `moe_forms.moe_exchange` picks `local`.)"""
 
 
 def graphc_op(node: torch.fx.Node) -> str | None:
@@ -38,12 +42,6 @@ def set_op_argument(node: torch.fx.Node, name: str, value) -> None:
     args[index] = value
     node.args = tuple(args)
     node.kwargs = {k: v for k, v in node.kwargs.items() if k != name}
-
-
-def collective_sequence(gm: torch.fx.GraphModule) -> list[tuple[str, str, tuple]]:
-    """(op, group, input shape) of every collective, in graph order."""
-    return [(graphc_op(n), op_argument(n, "group"), tuple(n.args[0].meta["val"].shape))
-            for n in gm.graph.nodes if graphc_op(n) in COLLECTIVE_OPS]
 
 
 def step_placeholders(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import torch.fx
 
-from graphc.passes.graph import COLLECTIVE_OPS, graphc_op, op_argument
+from graphc.passes.graph import IDENTITY_AT_ONE_RANK, graphc_op, op_argument
 from graphc.passes.manager import PassContext, PassResult
 
 
 def lower_trivial_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     modified = False
     for node in list(gm.graph.nodes):
-        if graphc_op(node) in COLLECTIVE_OPS and ctx.topology.group_size(op_argument(node, "group")) == 1:
+        if graphc_op(node) in IDENTITY_AT_ONE_RANK and ctx.topology.group_size(op_argument(node, "group")) == 1:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             modified = True

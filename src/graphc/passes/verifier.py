@@ -1,13 +1,11 @@
-"""The graph verifier run before and after every pass (invariants in README.md), and the check
-that a bucket's programs (the leader's and the followers') issue the same collectives."""
+"""The graph verifier run before and after every pass (invariants in README.md)."""
 
 from __future__ import annotations
 
 import torch
 import torch.fx
 
-from graphc.errors import GraphcError
-from graphc.passes.graph import COLLECTIVE_OPS, collective_sequence, graphc_op, op_argument, step_placeholders
+from graphc.passes.graph import COLLECTIVE_OPS, graphc_op, op_argument, step_placeholders
 from graphc.passes.manager import GraphInvariantError, PassContext
 from graphc.step import POOL_BLOCKS_DIM
 from graphc.topology import GROUPS
@@ -34,15 +32,3 @@ def verify(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
 def _symbols(size) -> set:
     """The free symbols of a (possibly symbolic) size; none for an int."""
     return set() if isinstance(size, int) else set(size.node.expr.free_symbols)
-
-
-def check_program_agreement(graphs: dict[str, torch.fx.GraphModule], bucket_name: str) -> None:
-    """Every rank of a bucket must issue the same collectives, in the same order, on the same
-    groups with the same shapes, or the job hangs; refuse programs (`graphs` by name: the
-    leader's and the followers') that would not."""
-    sequences = {name: collective_sequence(gm) for name, gm in graphs.items()}
-    (first, expected), *others = sequences.items()
-    for name, issued in others:
-        if issued != expected:
-            raise GraphcError(f"{bucket_name}: the {name} program would issue collectives {issued} but the {first} "
-                              f"program {expected}; the ranks would deadlock")
