@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from graphc.buckets.selection import Bucket
-from graphc.passes.graph import collective_sequence
+from graphc.passes.collective_schedule import program_collectives
 from graphc.passes.manager import op_counts
 from graphc.passes.strip_follower_sampling import strip_follower_sampling
 from graphc.passes.verifier import verify
@@ -26,7 +26,7 @@ def test_a_followers_sampler_becomes_zeros_and_its_logits_stay(tiny_checkpoints)
 
     assert result.modified
     assert "graphc::sample" not in op_counts(result.graph_module)
-    assert collective_sequence(result.graph_module) == collective_sequence(before.graph_module)
+    assert program_collectives(result.graph_module) == program_collectives(before.graph_module)
     verify(result.graph_module, ctx)
     (tokens, logits), pool = run_program(program, model, BUCKET)
     (tokens_before, logits_before), pool_before = run_program(before, model, BUCKET)
