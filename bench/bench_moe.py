@@ -1,16 +1,20 @@
-"""The static-MoE rewrite against the generic (gather / reduce-scatter) MoE: expert rows computed
-and bytes moved per rank per MoE layer, and the layer's time, on real gloo ranks in the same run.
+"""The MoE's exchange lowerings under data-parallel attention: bytes each rank sends and
+receives per MoE layer, and the layer's time, for `a2a_even` and `a2a_v` against `ag_rs`, on real
+gloo ranks in the same run; and the static MoE (tokens replicated over the group) for scale.
 
-    .venv/bin/python bench/bench_moe.py [--topologies 2 4] [--repeats 200]
+    .venv/bin/python bench/bench_moe.py [--worlds 2 4 8] [--repeats 50]
 
-One MoE layer of the 16-expert tiny preset (cp = ep = N: every rank sees every token, as the
-runtime serves) runs in both forms on a decode step (8 sequences x 1 token) and a prefill chunk
-(32 tokens). Counted on every rank while the layer runs: rows entering the routed experts times
-the rank's experts (each local expert runs densely on each row it is given), the bytes each
-collective takes in and gives back, and the bytes a rank sends under the ring algorithms
-(all-gather (N-1)·n, reduce-scatter (N-1)/N·n, all-reduce 2(N-1)/N·n; n = input bytes). The
-static form must cut rows by N. Time is the layer's forward, best of `--repeats` after warm-up,
-slowest rank; its ratio is the result.
+One MoE layer of the 16-expert tiny preset (hidden 64, 4 experts per token, fp32) at
+(dp, cp, ep) = (N, 1, N): every rank holds its own tokens and 16 / N experts. Steps: decode (8
+rows x 1 token) and prefill (1 x 64). Bytes are payloads between distinct ranks, counted on
+each rank around torch.distributed's calls while the layer runs: an all-gather sends its input
+to N - 1 ranks and receives N - 1 inputs; a reduce-scatter sends the N - 1 blocks that are
+not its own and receives N - 1 of its own; an all-to-all sends (receives) every block but its
+own, with `a2a_v` at its split sizes. `ag_rs` moves every token to every rank; the all-to-alls
+move a token only to the ranks holding one of its experts (at most min(K, N) of N), `a2a_v`
+without the zero rows. The static form is the cp = ep = N layout (every rank sees every token):
+not an alternative for DP, shown as what replication costs. Time: the layer's forward, best of
+`--repeats` after warm-up, slowest rank; the ratio column is ag_rs over the lowering.
 """
 
 from __future__ import annotations
@@ -23,76 +27,101 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from graphc import ops
 from graphc.models.checkpoint import load_model
-from graphc.models.deepseek_v3 import Parallelism
+from graphc.models.deepseek_v3 import Parallelism, StepInputs
 from graphc.models.tiny import make_tiny_checkpoint
 from graphc.ops.distributed import register_groups
 from graphc.topology import Topology
 from ranks import run_ranks
 
 PRESET = "wide-16e"
-SHAPES = {"decode 8x1": (8, 1), "prefill 1x32": (1, 32)}
-RING_SENT = {"moe_dispatch": lambda n, size: (size - 1) * n, "moe_combine": lambda n, size: (size - 1) * n // size,
-             "all_reduce": lambda n, size: 2 * (size - 1) * n // size}
+SHAPES = {"decode 8x1": (8, 1), "prefill 1x64": (1, 64)}
+EXCHANGES = ("ag_rs", "a2a_even", "a2a_v", "static")
 
 
-class Counter:
-    """Wraps the MoE collectives and the routed experts to count what one forward moves and computes."""
+class ByteCounter:
+    """Wraps torch.distributed's collectives to add up what this rank sends and receives."""
 
-    def __init__(self, ep: int):
-        self.ep, self.rows, self.bytes_in, self.bytes_out, self.sent = ep, 0, 0, 0, 0
+    def __init__(self):
+        self.sent = self.received = 0
+        self._originals = {}
 
-    def collective(self, name, op):
-        def counted(tensor, *args):
-            out = op(tensor, *args)
-            n = tensor.numel() * tensor.element_size()
-            self.bytes_in += n
-            self.bytes_out += out.numel() * out.element_size()
-            self.sent += RING_SENT[name](n, self.ep)
-            return out
-        return counted
+    def install(self) -> None:
+        def bytes_of(tensor) -> int:
+            return tensor.numel() * tensor.element_size()
 
-    def experts(self, forward):
-        def counted(module, x, *args):
-            self.rows += x.shape[0] * module.gate_proj.shape[0]  # every local expert on every row
-            return forward(module, x, *args)
-        return counted
+        def all_gather_single(output, input, group=None, **kwargs):
+            others = dist.get_world_size(group) - 1
+            self.sent += others * bytes_of(input)
+            self.received += others * bytes_of(input)
+            return self._originals["all_gather_single"](output, input, group=group, **kwargs)
+
+        def reduce_scatter_single(output, input, group=None, **kwargs):
+            others = dist.get_world_size(group) - 1
+            self.sent += bytes_of(input) - bytes_of(output)
+            self.received += others * bytes_of(output)
+            return self._originals["reduce_scatter_single"](output, input, group=group, **kwargs)
+
+        def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
+            size, me = dist.get_world_size(group), dist.get_rank(group)
+            row_in = bytes_of(input) // max(1, input.shape[0])
+            row_out = bytes_of(output) // max(1, output.shape[0])
+            send = input_split_sizes or [input.shape[0] // size] * size
+            receive = output_split_sizes or [output.shape[0] // size] * size
+            self.sent += (sum(send) - send[me]) * row_in
+            self.received += (sum(receive) - receive[me]) * row_out
+            return self._originals["all_to_all_single"](output, input, output_split_sizes, input_split_sizes,
+                                                        group=group, **kwargs)
+
+        def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, **kwargs):
+            # Reduce-scatter then all-gather: the least any algorithm moves.
+            others = dist.get_world_size(group) - 1
+            self.sent += 2 * others * bytes_of(tensor) // (others + 1)
+            self.received += 2 * others * bytes_of(tensor) // (others + 1)
+            return self._originals["all_reduce"](tensor, op=op, group=group, **kwargs)
+
+        for name, wrapper in (("all_gather_single", all_gather_single), ("reduce_scatter_single", reduce_scatter_single),
+                              ("all_to_all_single", all_to_all_single), ("all_reduce", all_reduce)):
+            self._originals[name] = getattr(dist, name)
+            setattr(dist, name, wrapper)
+
+    def reset(self) -> None:
+        self.sent = self.received = 0
 
 
 def worker(rank, world, port, results, checkpoint, repeats):
-    topology = Topology(world, world)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=topology.world)
-    register_groups(topology, rank)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    data_parallel, replicated = Topology(1, world, world), Topology(world, world)
     try:
         args = load_model(checkpoint).args
-        model = load_model(checkpoint, experts=topology.experts(rank, args.n_routed_experts))
-        moe = model.model.layers[0].mlp
-        counter = Counter(topology.ep)
-        for name in RING_SENT:
-            setattr(ops, name, counter.collective(name, getattr(ops, name)))
-        experts_type = type(moe.experts)
-        experts_type.forward = counter.experts(experts_type.forward)
+        moe = load_model(checkpoint, experts=data_parallel.experts(rank, args.n_routed_experts)).model.layers[1].mlp
+        counter = ByteCounter()
+        counter.install()
+        register_groups(data_parallel, rank)  # the EP group is the world in both layouts, all the MoE uses
         out = {}
-        for static in (True, False):
+        for exchange in EXCHANGES:
+            topology = replicated if exchange == "static" else data_parallel
             parallel = Parallelism(cp_rank=topology.cp_rank(rank), cp=topology.cp, ep_rank=topology.ep_rank(rank),
-                                   ep=topology.ep, tokens_replicated=static)
+                                   ep=topology.ep, moe_exchange=exchange)
             for shape_name, shape in SHAPES.items():
-                x = torch.randn(*shape, args.hidden_size, generator=torch.Generator().manual_seed(0))
+                # Each rank its own tokens, except where the static form needs them replicated.
+                seed = 0 if exchange == "static" else rank
+                x = torch.randn(*shape, args.hidden_size, generator=torch.Generator().manual_seed(seed))
+                step = StepInputs(None, None, torch.zeros(shape, dtype=torch.int64), None, parallel)
                 with torch.no_grad():
-                    counter.__init__(topology.ep)
-                    moe(x, parallel)
-                    counts = (counter.rows, counter.bytes_in, counter.bytes_out, counter.sent)
-                    for _ in range(10):
-                        moe(x, parallel)
+                    for _ in range(5):
+                        moe(x, step)
+                    counter.reset()
+                    moe(x, step)
+                    moved = (counter.sent, counter.received)
                     best = float("inf")
                     for _ in range(repeats):
                         dist.barrier()
                         start = time.perf_counter()
-                        moe(x, parallel)
+                        moe(x, step)
                         best = min(best, time.perf_counter() - start)
-                out["static" if static else "generic", shape_name] = (*counts, best)
+                out[exchange, shape_name] = (*moved, best)
         results[rank] = out
         dist.barrier()
     finally:
@@ -101,29 +130,26 @@ def worker(rank, world, port, results, checkpoint, repeats):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--topologies", type=int, nargs="+", default=[2, 4], help="cp = ep = N for each N")
-    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8], help="dp = ep = N for each N")
+    parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = str(make_tiny_checkpoint(Path(tmp) / PRESET, preset=PRESET, seed=0))
-        print(f"one MoE layer of {PRESET} (16 routed experts, hidden 64, fp32); per rank, per layer, per step")
-        print(f"{'cp=ep':>5} {'step':>13} {'form':>8} {'expert rows':>11} {'coll. in B':>10} {'coll. out B':>11} "
-              f"{'ring sent B':>11} {'time us':>8}")
-        for n in args.topologies:
-            per_rank = run_ranks(worker, n, checkpoint, args.repeats)
+        print(f"one MoE layer of {PRESET} (16 routed experts, 4 per token, hidden 64, fp32); per rank per layer")
+        print(f"{'N':>3} {'step':>13} {'exchange':>9} {'sent B (max)':>12} {'recv B (max)':>12} {'time us':>8} "
+              f"{'ag_rs / this':>18}")
+        for world in args.worlds:
+            per_rank = run_ranks(worker, world, checkpoint, args.repeats)
             for shape_name in SHAPES:
-                rows = {}
-                for form in ("static", "generic"):
-                    measured = [r[form, shape_name] for r in per_rank]
-                    assert len({m[:4] for m in measured}) == 1, f"ranks differ: {measured}"  # symmetric topology
-                    count_rows, bytes_in, bytes_out, sent, _ = measured[0]
-                    slowest = max(m[4] for m in measured)
-                    rows[form] = (count_rows, sent, slowest)
-                    print(f"{n:>5} {shape_name:>13} {form:>8} {count_rows:>11} {bytes_in:>10} {bytes_out:>11} "
-                          f"{sent:>11} {slowest * 1e6:>8.0f}")
-                (s_rows, s_sent, s_time), (g_rows, g_sent, g_time) = rows["static"], rows["generic"]
-                print(f"{'':>5} {'':>13} {'ratio':>8} {g_rows / s_rows:>10.1f}x {'':>10} {'':>11} "
-                      f"{g_sent / s_sent:>10.1f}x {g_time / s_time:>7.2f}x  (generic / static)")
+                measured = {}
+                for exchange in EXCHANGES:
+                    ranks = [r[exchange, shape_name] for r in per_rank]
+                    measured[exchange] = (max(m[0] for m in ranks), max(m[1] for m in ranks), max(m[2] for m in ranks))
+                base_sent, _, base_time = measured["ag_rs"]
+                for exchange, (sent, received, seconds) in measured.items():
+                    ratio = f"{base_sent / sent:5.2f}x B {base_time / seconds:5.2f}x t" if sent else ""
+                    print(f"{world:>3} {shape_name:>13} {exchange:>9} {sent:>12} {received:>12} {seconds * 1e6:>8.0f} "
+                          f"{ratio:>18}")
 
 
 if __name__ == "__main__":
