@@ -16,6 +16,7 @@ from graphc.config import load_config
 from graphc.errors import GraphcError
 from graphc.runtime.engine import Engine
 from graphc.tools.sweep import bucket_table, parse_topologies, sweep
+from graphc.topology import Topology
 from support import TEST_BUCKETS, model_yaml
 
 pytestmark = pytest.mark.compiles
@@ -82,7 +83,8 @@ def test_buckets_the_runtime_cannot_reach_are_reported(tmp_path, tiny_checkpoint
     config = model_yaml(tiny_checkpoints["lora-groups"], {**BUCKETS, "prompt_as_decode": 0})
     config["runtime"]["max_num_prefilling_tokens"] = 16
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(config))
-    stages = sweep(load_config(tmp_path / "model.yaml"), tmp_path / "work", [(1, 1)], ["export"], log=lambda line: None)
+    stages = sweep(load_config(tmp_path / "model.yaml"), tmp_path / "work", [Topology()], ["export"],
+                   log=lambda line: None)
     assert stages[0].unexercised == ["prefill-32"]
     from graphc.tools.sweep import markdown
 
@@ -90,15 +92,17 @@ def test_buckets_the_runtime_cannot_reach_are_reported(tmp_path, tiny_checkpoint
 
 
 def test_topologies_parse_sorted_with_the_reference_first():
-    assert parse_topologies("4x4, 2x1,2x2") == [(1, 1), (2, 1), (2, 2), (4, 4)]
-    for bad, says in [("2by2", "is not CPxEP"), ("2x4", "topology.ep: 4 must divide the world size"), ("0x0", "must be a positive integer")]:
+    assert parse_topologies("4x4, 2x1,2x1x2,2x2") == [Topology(), Topology(2, 1), Topology(2, 2), Topology(1, 2, 2),
+                                                      Topology(4, 4)]
+    for bad, says in [("2by2", "is not CPxEP or DPxCPxEP"), ("2x4", "topology.ep: 4 must divide the world size"),
+                      ("0x0", "must be a positive integer"), ("2x2x2x2", "is not CPxEP or DPxCPxEP")]:
         with pytest.raises(GraphcError, match=says):
             parse_topologies(bad)
 
 
 def test_an_impossible_stage_is_refused_before_any_work(model_path, tmp_path):
     with pytest.raises(GraphcError, match=r"topology\.ep: 3 must divide"):
-        sweep(load_config(model_path), tmp_path, [(1, 1), (3, 3)], ["export"], log=lambda line: None)
+        sweep(load_config(model_path), tmp_path, [Topology(), Topology(3, 3)], ["export"], log=lambda line: None)
     assert not any(tmp_path.iterdir())
 
 

@@ -59,20 +59,28 @@ class Stage:
     """Compiled buckets no case ran (the runtime cannot reach them with this config)."""
 
 
-def parse_topologies(text: str) -> list[tuple[int, int]]:
-    """"1x1,2x2,4x4" -> [(1, 1), (2, 2), (4, 4)] (cp x ep), sorted by world size, 1x1 first."""
+def parse_topologies(text: str) -> list[Topology]:
+    """"1x1,2x2,2x1x2" -> the stages' topologies (CPxEP, or DPxCPxEP for data-parallel replicas),
+    sorted by world size, 1x1 first."""
     out = []
     for item in text.split(","):
         try:
-            cp, ep = (int(v) for v in item.strip().lower().split("x"))
+            sizes = [int(v) for v in item.strip().lower().split("x")]
+            if len(sizes) not in (2, 3):
+                raise ValueError
         except ValueError:
-            raise GraphcError(f"--topologies: {item.strip()!r} is not CPxEP (e.g. 2x2)") from None
+            raise GraphcError(f"--topologies: {item.strip()!r} is not CPxEP or DPxCPxEP (e.g. 2x2, 2x1x2)") from None
+        dp, cp, ep = sizes if len(sizes) == 3 else (1, *sizes)
         try:
-            Topology(cp, ep)
+            out.append(Topology(cp, ep, dp))
         except GraphcError as e:
             raise GraphcError(f"--topologies: {item.strip()!r}: {e}") from None
-        out.append((cp, ep))
-    return sorted(set(out) | {(1, 1)})
+    return sorted(set(out) | {Topology()}, key=lambda t: (t.world, t.dp, t.cp, t.ep))
+
+
+def stage_name(topology: Topology) -> str:
+    """CPxEP, or DPxCPxEP with data-parallel replicas."""
+    return f"{topology.cp}x{topology.ep}" if topology.dp == 1 else f"{topology.dp}x{topology.cp}x{topology.ep}"
 
 
 def _prompt(length: int, salt: int, vocab: int) -> list[int]:
@@ -189,7 +197,7 @@ def transformers_reference(config: GraphcConfig, cases: list[Case]) -> list[list
     return out
 
 
-def sweep(config: GraphcConfig, workdir: Path, topologies: list[tuple[int, int]], backends: list[str],
+def sweep(config: GraphcConfig, workdir: Path, topologies: list[Topology], backends: list[str],
           new_tokens: int = 8, log: Callable[[str], None] = print, check_cores: bool = True) -> list[Stage]:
     """Compile and run every stage; returns them with their failures recorded."""
     from graphc.config import validate
@@ -197,9 +205,10 @@ def sweep(config: GraphcConfig, workdir: Path, topologies: list[tuple[int, int]]
     from graphc.compiler.pipeline import CompileOptions, compile
 
     staged = {}
-    for cp, ep in topologies:  # every stage's topology checked before any work
-        staged[cp, ep] = dataclasses.replace(config, topology=dataclasses.replace(config.topology, cp=cp, ep=ep))
-        validate(staged[cp, ep])
+    for topology in topologies:  # every stage's topology checked before any work
+        staged[topology] = dataclasses.replace(config, topology=dataclasses.replace(
+            config.topology, dp=topology.dp, cp=topology.cp, ep=topology.ep))
+        validate(staged[topology])
     args = load_model_args(config.model.checkpoint)
     cases = sweep_cases(config, args.vocab_size, new_tokens)
     log(f"{len(cases)} cases: " + "; ".join(c.name for c in cases))
@@ -208,15 +217,15 @@ def sweep(config: GraphcConfig, workdir: Path, topologies: list[tuple[int, int]]
     stages = []
     for backend in backends:
         reference = None
-        for cp, ep in topologies:
-            name = f"{cp}x{ep}"
-            note = busy_cores_note(cp) if check_cores else None
+        for topology in topologies:
+            name = stage_name(topology)
+            note = busy_cores_note(topology.world) if check_cores else None
             if note:
                 log(f"[{backend} {name}] note: {note}")
             out = workdir / f"{backend}-{name}"
             log(f"[{backend} {name}] compiling into {out}")
-            compile(staged[cp, ep], out, CompileOptions(backend=backend, force=True, show_progress=False))
-            log(f"[{backend} {name}] serving {len(cases)} cases on {cp} rank(s)")
+            compile(staged[topology], out, CompileOptions(backend=backend, force=True, show_progress=False))
+            log(f"[{backend} {name}] serving {len(cases)} cases on {topology.world} rank(s)")
             results = run_stage(out, cases)
             if reference is None:
                 reference = [r.outputs for r in results]  # 1x1 comes first
