@@ -397,7 +397,7 @@ def test_inspect_lists_buckets_graph_files_and_graphc_ops(artifacts):
         counts = manifest["extra"]["op_counts"][f"{label} every-rank"]
         line = lines[label]
         assert graph["file"] in line, line
-        assert f"MoE {graph['moe_form']};" in line, line
+        assert f"MoE {graph['moe_form']}, exchange {graph['moe_exchange']};" in line, line
         assert f"{sum(counts.values())} ops" in line, line
         for op in ("graphc::kv_write", "graphc::sample"):
             assert f"{op} x{counts[op]}" in line, (op, line)
@@ -431,8 +431,8 @@ def test_dump_graphs_writes_every_pass_for_every_bucket(cli_compiled):
         assert sorted(p.name for p in (dumps / bucket).iterdir()) == ["every-rank"]  # one program a bucket
         assert sorted(p.name for p in (dumps / bucket / "every-rank").iterdir()) == names
         folder = dumps / bucket / "every-rank"
-        assert "graphc.moe_dispatch" in (folder / "00-capture.py").read_text()
-        assert "graphc.moe_dispatch" not in (folder / f"{PASSES.index('lower_trivial_collectives') + 1:02d}-lower_trivial_collectives.py").read_text()
+        assert "graphc.attention_combine" in (folder / "00-capture.py").read_text()
+        assert "graphc.attention_combine" not in (folder / f"{PASSES.index('lower_trivial_collectives') + 1:02d}-lower_trivial_collectives.py").read_text()
         assert "graphc.kv_write" in (folder / f"{len(PASSES):02d}-dead_code_elimination.py").read_text()
 
 
@@ -443,8 +443,8 @@ def test_disabled_lowering_keeps_collectives_and_tokens(no_lowering, cli_compile
     assert sorted(lines) == sorted(BUCKETS)
     for bucket in BUCKETS:
         counts = manifest["extra"]["op_counts"][f"{bucket} every-rank"]
-        assert counts["graphc::moe_dispatch"] == counts["graphc::moe_combine"] == 2  # the two MoE layers
-        assert "graphc::moe_dispatch x2" in lines[bucket] and "graphc::moe_combine x2" in lines[bucket]
+        assert counts["graphc::attention_combine"] == 3  # one per layer, over a context-parallel group of one
+        assert "graphc::attention_combine x3" in lines[bucket]
         assert not (dumps / bucket / "every-rank" / f"{PASSES.index('lower_trivial_collectives') + 1:02d}-lower_trivial_collectives.py").exists()
         assert (dumps / bucket / "every-rank" / f"{len(PASSES):02d}-dead_code_elimination.py").is_file()
     standard = yaml.safe_load((cli_compiled[0] / MANIFEST).read_text())

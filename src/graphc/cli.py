@@ -400,7 +400,7 @@ def inspect(artifacts: Path, lint: bool) -> None:
             counts = m.extra.get("op_counts", {}).get(f"{label} {program}", {})
             graphc_ops = ", ".join(f"{op} x{n}" for op, n in sorted(counts.items()) if op.startswith("graphc::"))
             click.echo(f"  {label:12s} {g.file} ({(artifacts / g.file).stat().st_size / 1e6:.2f} MB; "
-                       f"MoE {g.moe_form}; {sum(counts.values())} ops; {graphc_ops})")
+                       f"MoE {g.moe_form}, exchange {g.moe_exchange}; {sum(counts.values())} ops; {graphc_ops})")
     if lint:
         from graphc.tools.lint import lint_artifacts
 

@@ -34,8 +34,8 @@ lower and load per rank (each costs seconds on two cores); every kind runs at on
 PROMPTS = [[(7 * i + n) % 250 + 3 for i in range(n)] for n in (1, 3, 9, 40)]
 SAMPLED = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=11)
 NEW_TOKENS = 6
-CASES = [  # (preset, cp, ep)
-    ("lora-groups", 1, 1), ("wide-16e", 2, 1), ("wide-16e", 2, 2), ("wide-16e", 4, 4),
+CASES = [  # (preset, cp, ep); (2, 2) holds every collective (2, 1) would
+    ("lora-groups", 1, 1), ("wide-16e", 2, 2), ("wide-16e", 4, 4),
     (SPARSE_V32, 1, 1), (SPARSE_V32, 2, 2),
 ]
 

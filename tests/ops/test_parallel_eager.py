@@ -52,11 +52,11 @@ def test_ranks_give_single_rank_logits_and_tokens(cp, ep, moe_exchange, tiny_che
     _check_against_single_rank(results, Topology(cp, ep), [PROMPT], single_rank)
 
 
-@pytest.mark.parametrize("dp, cp, ep", [(2, 1, 2), (2, 2, 4)])
+@pytest.mark.parametrize("dp, cp, ep", [(4, 1, 4), (2, 2, 4)])  # (2, 1, 2): compiled, runtime/test_data_parallel.py
 def test_data_parallel_replicas_give_single_rank_tokens_with_every_lowering(dp, cp, ep, tiny_checkpoints,
                                                                           single_rank):
     """Each replica its own prompt; the all-to-all lowerings are bit-identical to each other."""
-    topology, prompts = Topology(cp, ep, dp), [PROMPT, OTHER_PROMPT]
+    topology, prompts = Topology(cp, ep, dp), [PROMPT, OTHER_PROMPT] * (dp // 2)
     checkpoint = str(tiny_checkpoints["wide-16e"])
     by_lowering = {lowering: run_ranks(topology, generate_on_rank, checkpoint, lowering, prompts)
                    for lowering in ("ag_rs", "a2a_even", "a2a_v")}

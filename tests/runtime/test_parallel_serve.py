@@ -56,14 +56,6 @@ def test_inductor_ranks_serve_the_single_rank_tokens(cp, ep, static, compiled):
     _check_tokens(compiled, "inductor", INDUCTOR_CASE, cp, ep, static)
 
 
-@pytest.mark.slow
-def test_sixteen_ranks_serve_the_single_rank_tokens(compiled):
-    """cp = ep = 16 on the 16-expert preset: one routed expert per rank. Two prompts (2 and 5
-    chunks) and 6 new tokens: the steps of 16 processes on two cores are the test's cost."""
-    preset, buckets, prompts = EXPORT_CASE
-    _check_tokens(compiled, "export", (preset, buckets, prompts[1:]), 16, 16, True, new_tokens=6)
-
-
 @pytest.mark.parametrize("cp, ep, static", [(2, 2, True), (2, 2, False), (4, 4, True), (4, 4, False)])
 def test_graph_structure_and_one_program_per_bucket(cp, ep, static, compiled):
     preset, buckets, _ = EXPORT_CASE
@@ -91,5 +83,5 @@ def test_graph_structure_and_one_program_per_bucket(cp, ep, static, compiled):
 def test_single_rank_engine_refuses_multi_rank_artifacts(compiled):
     from graphc.errors import GraphcError
 
-    with pytest.raises(GraphcError, match=r"compiled for 2 ranks \(cp=2, ep=2\); serve it with `graphc run`"):
+    with pytest.raises(GraphcError, match=r"compiled for 2 ranks \(dp=1, cp=2, ep=2\); serve it with `graphc run`"):
         Engine(compiled(EXPORT_CASE[0], "export", EXPORT_CASE[1], 2, 2))

@@ -114,3 +114,24 @@ def test_bucket_table_sums_stats_per_bucket_and_marks_failures():
                                     CaseResult("b", [[1]], {"decode-4": stats}, ["differs"])], None)
     cell = bucket_table([stage])["decode-4"]["export 1x1"]
     assert cell == {"matched": False, "failed_cases": ["b"], "steps": 4, "tokens": 12, "padding": 4, "seconds": 1.0}
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_data_parallel_sweep_stages_at_world_8_and_16(tmp_path, tiny_checkpoints):
+    """wide-16e (16 experts) with every bucket kind in three graphs: 4 replicas of 2 ranks with
+    the experts over all 8 (a2a_v), and 2 replicas of 8 context-parallel ranks with one expert
+    per rank over all 16 (a2a_even): every bucket matches the 1x1 stage and transformers. (The
+    job's wall time is the ranks' start-up and steps on oversubscribed cores.)"""
+    buckets = TEST_BUCKETS["dp"]
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(model_yaml(tiny_checkpoints["wide-16e"], buckets)))
+    result = CliRunner().invoke(cli, ["sweep", str(tmp_path / "model.yaml"), "--topologies", "4x2x8,2x8x16",
+                                      "--new-tokens", "4", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [s["topology"] for s in report] == ["1x1", "4x2x8", "2x8x16"]
+    expected = {b.name for b in all_buckets(buckets["prefill"], buckets["decode"], buckets["prompt_as_decode"])}
+    for stage in report:
+        assert {bucket for case in stage["cases"] for bucket in case["buckets"]} == expected, stage["topology"]
+        assert all(case["failures"] == [] for case in stage["cases"])
+    assert "transformers reference: yes" in result.stderr
