@@ -184,7 +184,7 @@ def compile_command(config_path, out, backend, disabled, dump_graphs, verify_pas
     options = CompileOptions(backend=backend, disabled_passes=frozenset(disabled), dump_graphs=dump_graphs,
                              verify_passes=verify_passes, force=force, sign_key=sign_key,
                              **({"workers": jobs} if jobs else {}))
-    check_options(out, options)
+    check_options(config, out, options)
     click.echo(_describe_config(config, backend), err=True)
     manifest = compile(config, out, options)
     graphs = {g.file for r in manifest.ranks for g in r.graphs}
@@ -507,7 +507,7 @@ def _describe_config(config, backend: str | None = None) -> str:
     b, t, kv = config.buckets, config.topology, config.kv_cache
     return "\n".join([
         f"model      {config.model.checkpoint} ({config.model.dtype})",
-        f"topology   cp={t.cp} ep={t.ep}",
+        f"topology   dp={t.dp} cp={t.cp} ep={t.ep}" + (f" (MoE exchange {config.model.moe_lowering})" if t.dp > 1 else ""),
         f"buckets    prefill={b.prefill} decode={b.decode} prompt_as_decode={b.prompt_as_decode} "
         f"context_limit={b.context_limit}",
         f"kv_cache   {kv.num_blocks} blocks x {kv.block_size} tokens",

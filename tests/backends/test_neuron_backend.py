@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import zipfile
 
 import pytest
 import torch
+import yaml
 from click.testing import CliRunner
 
 from graphc.artifacts.directory import read_manifest
@@ -23,7 +25,7 @@ from graphc.runtime.loader import load_rank
 from graphc.sampling import Sampling
 from graphc.step import PADDING_SLOT
 from graphc.tools.lint import lint_artifacts
-from support import SPARSE_V32
+from support import SPARSE_V32, TEST_BUCKETS, model_yaml
 
 pytestmark = [pytest.mark.compiles]
 
@@ -126,3 +128,18 @@ def test_the_pool_size_is_fixed_at_compile_time(compiled, monkeypatch):
         Engine(artifacts)
     monkeypatch.setenv("GRAPHC_NUM_KV_BLOCKS", "64")  # the compiled size itself is accepted
     Engine(artifacts)
+
+
+@pytest.mark.parametrize("topology, lowering, says", [
+    ({"dp": 2, "cp": 1, "ep": 2}, "auto", r"^topology\.dp: 2; the neuron backend serves one attention replica"),
+    ({"dp": 1, "cp": 2, "ep": 2}, "a2a_v", r"^model\.moe_lowering: a2a_v has no neuron lowering yet"),
+])
+def test_what_the_neuron_backend_cannot_compile_yet_is_refused_before_any_work(topology, lowering, says, tmp_path,
+                                                                            tiny_checkpoints):
+    config = {**model_yaml(tiny_checkpoints["lora-groups"], TEST_BUCKETS["small"], "neuron"), "topology": topology}
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(config))
+    result = CliRunner().invoke(cli, ["compile", str(tmp_path / "model.yaml"), "-o", str(tmp_path / "out"),
+                                      "--disable-pass", "static_moe", "--moe-lowering", lowering])
+    assert result.exit_code == 2, result.output
+    assert re.search(says, result.stderr.removeprefix("error: ")) and result.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()

@@ -22,7 +22,7 @@ from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
 from graphc.config import GraphcConfig
 from graphc.models.checkpoint import load_expert_shard
 from graphc.models.deepseek_v3 import Parallelism
-from graphc.models.moe_forms import MOE_LOWERINGS, moe_exchange, step_moe_form
+from graphc.models.moe_forms import moe_exchange, step_moe_form
 from graphc.passes.collective_schedule import check_collective_schedule, program_collectives
 from graphc.passes.graph import step_placeholders
 from graphc.passes.manager import PassContext, PassManager, op_counts
@@ -47,9 +47,10 @@ class CompileOptions:
     """An Ed25519 private key (PEM): sign the manifest (`manifest.sig`), which covers every file."""
 
 
-def check_options(out: Path, options: CompileOptions) -> None:
+def check_options(config: GraphcConfig, out: Path, options: CompileOptions) -> None:
     """Fail fast, before any work, on options that cannot succeed."""
     check_pass_names(options.disabled_passes)
+    check_backend_topology(options.backend or config.backend, config, "static_moe" not in options.disabled_passes)
     check_replaceable(Path(out), options.force)
     if options.sign_key is not None:
         private_key(options.sign_key)  # a key that cannot sign fails before any work
@@ -59,12 +60,11 @@ def check_options(out: Path, options: CompileOptions) -> None:
 def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOptions()) -> Manifest:
     """Compile `config` into the artifacts directory `out` (written atomically). One function on
     purpose: its numbered stages read top to bottom as the pipeline; each is a call elsewhere."""
-    check_options(out, options)
+    check_options(config, out, options)
     backend = options.backend or config.backend
     topology = config.topology.topology()
     exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated,
                             static_enabled="static_moe" not in options.disabled_passes)
-    check_backend_topology(backend, topology, exchange)
     b, kv = config.buckets, config.kv_cache
     table_width = blocks_per_row(b.context_limit, kv.block_size)
     dtype = getattr(torch, config.model.dtype)
@@ -134,15 +134,17 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                               extra, options.sign_key)
 
 
-def check_backend_topology(backend: str, topology: Topology, exchange: str) -> None:
-    """Refuse, before any work, what a backend cannot compile yet: the neuron backend samples in
-    the leader's program alone and lowers no all-to-all (no data-parallel attention there yet)."""
+def check_backend_topology(backend: str, config: GraphcConfig, static_enabled: bool) -> None:
+    """Refuse what a backend cannot compile yet: the neuron backend samples in the leader's
+    program alone and lowers no all-to-all (no data-parallel attention there yet)."""
     if backend != "neuron":
         return
+    topology = config.topology.topology()
+    exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated, static_enabled)
     if topology.dp > 1:
         raise GraphcError(f"topology.dp: {topology.dp}; the neuron backend serves one attention replica "
                           "(dp = 1): use the export or inductor backend for data-parallel attention")
-    if exchange in MOE_LOWERINGS[1:]:
+    if exchange in ("a2a_even", "a2a_v"):
         raise GraphcError(f"model.moe_lowering: {exchange} has no neuron lowering yet; the neuron backend "
                           "takes ag_rs (or the static MoE)")
 
