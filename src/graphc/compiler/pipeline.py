@@ -30,7 +30,6 @@ from graphc.passes.registry import backend_passes, check_pass_names
 from graphc.passes.verifier import verify
 from graphc.step import POOL_BLOCKS_DIM, STEP_INPUTS, blocks_per_row
 from graphc.errors import GraphcError
-from graphc.topology import Topology
 
 
 @dataclass(frozen=True)
