@@ -65,9 +65,6 @@ class Topology:
         size = self.group_size(group)
         return [self.group_ranks(group, first) for first in range(0, self.world, size)]
 
-    def ep_groups(self) -> list[list[int]]:
-        return self.groups("ep")
-
     def cp_rank(self, rank: int) -> int:
         return rank % self.cp
 

@@ -32,6 +32,7 @@ given to the constructor is the same as submitting it in order.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -111,8 +112,8 @@ class Step:
         """The rows of each replica, in replica order."""
         if not self.replica_rows:
             return [self.rows]
-        ends = [sum(self.replica_rows[: i + 1]) for i in range(len(self.replica_rows))]
-        return [self.rows[end - count: end] for count, end in zip(self.replica_rows, ends)]
+        rows = iter(self.rows)
+        return [list(itertools.islice(rows, count)) for count in self.replica_rows]
 
 
 class Scheduler:
@@ -212,6 +213,7 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def admit(self) -> None:
+        """Admit waiting requests in order while the pool holds their whole lives (rule 1)."""
         while self.waiting:
             index, request = self.waiting[0]
             needed = self.blocks_needed(request)
