@@ -157,17 +157,25 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def swiglu(gate: Tensor, up: Tensor, limit: float | None) -> Tensor:
+    """silu(gate) * up; with `limit` (DeepSeek-V4's), gate clamped above and up both ways first."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
 class MLP(nn.Module):
     """SwiGLU MLP: the dense layers' MLP and the shared experts."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, swiglu_limit: float | None = None):
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.swiglu_limit = swiglu_limit
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
 
 
 class Router(nn.Module):
@@ -227,9 +235,10 @@ class RoutedExperts(nn.Module):
     contiguous last dim, and the grouped form reads them through transposed views.
     """
 
-    def __init__(self, args: ModelArgs, local_experts: int | None = None):
+    def __init__(self, args: ModelArgs, local_experts: int | None = None, swiglu_limit: float | None = None):
         super().__init__()
         self.n_routed_experts = args.n_routed_experts
+        self.swiglu_limit = swiglu_limit
         experts, dim, hidden = local_experts or args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * hidden, dim))  # [E', F, D]: gate rows, then up
         self.down_proj = nn.Parameter(torch.empty(experts, dim, hidden))  # [E', D, I]
@@ -251,7 +260,7 @@ class RoutedExperts(nn.Module):
             combine = torch.zeros(x.shape[0], self.local_experts + 1, dtype=weights.dtype, device=x.device)
             combine = combine.scatter(1, ids, weights)[:, :-1]  # [T, E']
             gate, up = torch.einsum("td,efd->etf", x, self.gate_up_proj).split(width, dim=-1)  # [E', T, I] each
-            out = torch.einsum("eti,edi->etd", F.silu(gate) * up, self.down_proj)  # [E', T, D]
+            out = torch.einsum("eti,edi->etd", swiglu(gate, up, self.swiglu_limit), self.down_proj)  # [E', T, D]
             # Weigh and sum the experts in fp32 (the weights are fp32): one rounding, not E of them.
             return torch.einsum("etd,te->td", out.float(), combine).to(x.dtype)  # [T, D]
         if form == "gather":
@@ -261,7 +270,7 @@ class RoutedExperts(nn.Module):
             experts = ids.clamp(max=self.local_experts - 1)  # [T, K]
             gate_up = (x.float()[:, None, None, :] * self.gate_up_proj[experts].float()).sum(-1)  # [T, K, F]
             gate, up = gate_up.to(x.dtype).split(width, dim=-1)  # [T, K, I] each
-            hidden = (F.silu(gate) * up).float()  # [T, K, I]
+            hidden = swiglu(gate, up, self.swiglu_limit).float()  # [T, K, I]
             routed = (hidden[:, :, None, :] * self.down_proj[experts].float()).sum(-1).to(x.dtype)  # [T, K, D]
         else:
             tokens, per_token = ids.shape
@@ -272,7 +281,7 @@ class RoutedExperts(nn.Module):
             offsets = counts.cumsum(0).to(torch.int32)  # [E']
             rows = x[order // per_token]  # [M, D] each route's token
             gate, up = moe.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offsets).split(width, dim=-1)  # [M, I]
-            out = moe.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offsets)  # [M, D]; 0 off-shard
+            out = moe.grouped_mm(swiglu(gate, up, self.swiglu_limit), self.down_proj.transpose(1, 2), offsets)  # [M, D]; 0 off-shard
             unsort = torch.zeros_like(order).scatter(0, order, torch.arange(order.shape[0], device=x.device))  # [M]
             routed = out[unsort].view(tokens, per_token, -1)  # [T, K, D]
         # Weigh and sum the routes in fp32 (the weights are fp32): one rounding, not K of them.
@@ -280,11 +289,17 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, args: ModelArgs, local_experts: int | None = None):
+    """Router, routed experts (this rank's) and shared experts, over the step's MoE exchange."""
+
+    def __init__(self, gate: nn.Module, experts: RoutedExperts, shared_experts: MLP):
         super().__init__()
-        self.gate = Router(args)
-        self.experts = RoutedExperts(args, local_experts)
-        self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
+        self.gate = gate
+        self.experts = experts
+        self.shared_experts = shared_experts
+
+    def route(self, tokens: Tensor, step: "StepInputs") -> tuple[Tensor, Tensor]:
+        """Combine weights [T, K] and expert ids [T, K] of tokens [T, D]."""
+        return self.gate(tokens)
 
     def forward(self, x: Tensor, step: "StepInputs") -> Tensor:
         """x [B, Q, D] -> [B, Q, D]."""
@@ -292,7 +307,7 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])  # [T, D]
         if parallel.moe_exchange in ("local", "static"):
             # The EP group (if any) already shares these tokens: each rank adds its experts' share.
-            weights, ids = self.gate(tokens)  # [T, K]
+            weights, ids = self.route(tokens, step)  # [T, K]
             ids, weights = moe.expert_routes(ids, weights, experts, parallel.expert_shard(), parallel.ep)
             routed = self.experts(tokens, weights, ids, self._form(tokens, step))  # [T, D]
             if parallel.moe_exchange == "static":
@@ -300,13 +315,13 @@ class MoE(nn.Module):
         elif parallel.moe_exchange == "ag_rs":
             # Route after an all-gather, so every rank routes the tokens it computes on.
             dispatched = collectives.moe_dispatch(tokens, "ep", parallel.ep)  # [T * ep, D]
-            weights, ids = self.gate(dispatched)  # [T * ep, K]
+            weights, ids = self.route(dispatched, step)  # [T * ep, K]
             ids, weights = moe.expert_routes(ids, weights, experts, parallel.expert_shard(), parallel.ep)
             partial = self.experts(dispatched, weights, ids, self._form(dispatched, step))  # [T * ep, D]
             routed = collectives.moe_combine(partial, "ep", parallel.ep)  # [T, D]
         else:
             # Route once at the source; each token travels only to its experts' ranks (padding nowhere).
-            weights, ids = self.gate(tokens)  # [T, K]
+            weights, ids = self.route(tokens, step)  # [T, K]
             valid = step.slot_mapping.reshape(-1) != PADDING_SLOT  # [T]
             rows, ids, weights, sent, received = all_to_all.moe_a2a_dispatch(
                 tokens, ids, weights, valid, experts, "ep", parallel.ep, parallel.moe_exchange)  # [T * ep, ...]
@@ -450,8 +465,11 @@ class DecoderLayer(nn.Module):
                  sparse_probabilities: str = "fp32"):
         super().__init__()
         self.self_attn = Attention(args, layer, rotary, sparse_probabilities)
-        hidden = args.intermediate_size
-        self.mlp = MoE(args, local_experts) if args.is_moe_layer(layer) else MLP(args.hidden_size, hidden)
+        if args.is_moe_layer(layer):
+            shared = MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
+            self.mlp = MoE(Router(args), RoutedExperts(args, local_experts), shared)
+        else:
+            self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -471,16 +489,18 @@ class StepInputs:
         kv_pool: [L, N, S, C] the paged cache, written in place.
         parallel: this rank's place among the others.
         moe_form: the routed experts' form (one of `MOE_FORMS`), or None for `moe_form_for`'s.
+        input_ids: [B, Q] the tokens (DeepSeek-V4's hash-routed layers choose experts by them).
     """
 
     def __init__(self, positions: Tensor, block_table: Tensor, slot_mapping: Tensor, kv_pool: Tensor,
-                 parallel: Parallelism, moe_form: str | None = None):
+                 parallel: Parallelism, moe_form: str | None = None, input_ids: Tensor | None = None):
         self.positions = positions
         self.block_table = block_table
         self.slot_mapping = slot_mapping
         self.kv_pool = kv_pool
         self.parallel = parallel
         self.moe_form = moe_form
+        self.input_ids = input_ids
 
 
 class Backbone(nn.Module):

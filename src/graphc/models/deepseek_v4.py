@@ -1,0 +1,484 @@
+"""DeepSeek-V4 on one device, over a paged cache, in graphc's step layout (see `deepseek_v3`).
+
+What V4 changes from V3: attention is multi-query over one shared K = V head (low-rank q with a
+weightless per-head norm, interleaved RoPE on each head's trailing `rope_head_dim` dims and the
+inverse rotation on the output, a learnable per-head sink logit in the softmax, a grouped low-rank
+output projection). Every layer attends to a sliding window of `sliding_window` tokens; compressed
+layers also attend to *compressed entries*, each a gated softmax pool of a window of tokens: HCA
+pools every `hca_rate` tokens and attends to every closed entry, CSA pools overlapping windows of
+2 * `csa_rate` tokens every `csa_rate` and attends to the `index_topk` entries its lightning
+indexer scores best. The residual is `hc_mult` parallel streams mixed before and after every
+sublayer (mHC). Every layer is MoE with sqrt(softplus) router scores; the first layers choose
+their experts by a frozen token -> experts table.
+
+The cache. The pool is [2L, N, S, C] and a slot is a token's, addressed through the row's block
+table as for V3 (slot = block_table[b, pos // S] * S + pos % S). Model layer i owns two pool
+layers:
+- 2i, the *token cache*: what each token leaves for later tokens: its K = V [head_dim] (the
+  sliding window reads it), then its compressor projections, kv and gate (HCA [head_dim] each;
+  CSA [2 * head_dim] each, the two overlapping series, then the indexer's [2 * index_head_dim]
+  each). These are the compressors' partial windows: a window that a chunk or decode step leaves
+  open is pooled when the token that closes it arrives, by reading its tokens back from here.
+- 2i + 1, the *entry cache*: at the slot of the token that closes window w (position
+  (w + 1) * rate - 1), entry w [head_dim] (CSA: then the indexer's key [index_head_dim]). The
+  other slots of the entry cache are never read.
+So every bucket addresses every state through the block table, a chunked prefill or decode step
+pools exactly the windows its tokens close, and no slot past a row's context is read (reads are
+clamped to the row's last position and masked). C is the widest state of any layer; a sliding
+layer uses [head_dim] of its token cache and none of its entry cache. (Storing the raw window
+rather than a running pool costs memory, 2-5x head_dim per token in compressed layers; the
+device kernels this layout is validated for can fold the pool into the write.)
+
+Parameter names are transformers' `DeepseekV4ForCausalLM` names (its routed experts are stacked
+as graphc's are); `v4_layout` maps the released DeepSeek names onto them.
+
+Shape letters: B rows, Q tokens per row, D hidden, n = hc_mult streams, H heads, d head_dim,
+P rope dims, W sliding window, m compress rate, E entries a row's block table can address,
+G indexer heads, J index_head_dim, k entries CSA selects, S block size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from graphc.models.deepseek_v3 import MLP, MoE, Parallelism, RotaryEmbedding, RoutedExperts, StepInputs
+from graphc.models.moe_forms import MOE_FORMS
+from graphc.models.v4_args import CSA, HASH_MOE, SLIDING, V4Args
+from graphc.ops import paged_attention
+
+FP32_SUFFIXES = ("norm.weight", "hc.fn", "hc.base", "hc.scale", "hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale",
+                 "sinks", "position_bias", "e_score_correction_bias", "mlp.gate.weight")
+"""Parameters that stay fp32 whatever the model dtype, as DeepSeek and transformers keep them."""
+
+
+class FP32RMSNorm(nn.Module):
+    """RMSNorm whose weight stays fp32 and multiplies in fp32, casting once (V4's order)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
+
+
+def unweighted_rms_norm(x: Tensor, eps: float) -> Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def rotate_trailing(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Interleaved RoPE of x's trailing 2 * cos.shape[-1] dims, in place in the layout (K = V,
+    so the value dims keep their order), in fp32; cos/sin broadcast against x[..., P/2]."""
+    rope = 2 * cos.shape[-1]
+    nope, roped = x[..., :-rope], x[..., -rope:].float()
+    evens, odds = roped[..., 0::2], roped[..., 1::2]
+    cos, sin = cos.float(), sin.float()
+    rotated = torch.stack([evens * cos - odds * sin, odds * cos + evens * sin], dim=-1).flatten(-2)
+    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+class CacheView:
+    """A step's reads of one row's positions in the pool, through its block table.
+
+    Reads are clamped to each row's last position (the row's context), so no block-table entry
+    past it is dereferenced; callers mask what they read outside the range they asked for.
+    """
+
+    def __init__(self, step: StepInputs):
+        self.pool = step.kv_pool
+        self.block_size = step.kv_pool.shape[2]
+        self.table = paged_attention.context_block_table(step.block_table, step.positions, self.block_size)  # [B, M]
+        self.context_end = step.positions.amax(dim=1)  # [B]
+        self.capacity = step.block_table.shape[1] * self.block_size  # positions a row can address
+
+    def read(self, layer: int, positions: Tensor, dims: slice) -> Tensor:
+        """`dims` of the cached vectors at `positions` [B, ...] of each row -> [B, ..., c]."""
+        rows = positions.shape[0]
+        clamped = torch.minimum(positions.clamp(min=0), self.context_end.view(-1, *[1] * (positions.dim() - 1)))
+        flat = clamped.reshape(rows, -1)
+        blocks = self.table.gather(1, flat // self.block_size)  # [B, X]
+        cached = self.pool[layer, :, :, dims]  # [N, S, c] (a view: only `dims` are gathered)
+        return cached[blocks, flat % self.block_size].view(*positions.shape, -1)
+
+
+class Compressor(nn.Module):
+    """Pools windows of tokens into entries: entry w = norm(sum_j softmax_j(gate_j + bias_j) kv_j),
+    roped at its window's first position. With `overlap` (CSA), each token projects two series and
+    entry w pools the first series of window w - 1 with the second of window w (2 * rate tokens)."""
+
+    def __init__(self, hidden: int, width: int, rate: int, overlap: bool, eps: float):
+        super().__init__()
+        self.width, self.rate, self.overlap = width, rate, overlap
+        series = 2 if overlap else 1
+        self.kv_proj = nn.Linear(hidden, series * width, bias=False)
+        self.gate_proj = nn.Linear(hidden, series * width, bias=False)
+        self.position_bias = nn.Parameter(torch.empty(rate, series * width))
+        self.kv_norm = FP32RMSNorm(width, eps)
+
+    @property
+    def state_dim(self) -> int:
+        """What a token leaves in the token cache: its kv, then its gate."""
+        return 2 * self.kv_proj.out_features
+
+    def token_state(self, x: Tensor) -> Tensor:
+        """x [B, Q, D] -> [B, Q, state_dim]."""
+        return torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)
+
+    def pool(self, cache: CacheView, layer: int, dims_start: int, positions: Tensor, rotary: RotaryEmbedding) -> Tensor:
+        """The entry of the window each token closes (garbage for tokens that close none: the
+        attention never reads those slots).
+
+        Args:
+            layer, dims_start: where this compressor's token states sit in the token cache.
+            positions: [B, Q] the step's positions.
+
+        Returns:
+            [B, Q, width] roped entries.
+        """
+        span = (2 if self.overlap else 1) * self.rate
+        window = positions[..., None] - span + 1 + torch.arange(span, device=positions.device)  # [B, Q, span]
+        state = cache.read(layer, window, slice(dims_start, dims_start + self.state_dim))  # [B, Q, span, 2 * series * w]
+        kv, gate = state.chunk(2, dim=-1)
+        gate = gate.float()
+        bias = self.position_bias.float()  # [m, series * w]
+        if self.overlap:  # the older window's first series, then this window's second
+            w, m = self.width, self.rate
+            kv = torch.cat([kv[..., :m, :w], kv[..., m:, w:]], dim=-2)  # [B, Q, 2m, w]
+            gate = torch.cat([gate[..., :m, :w] + bias[:, :w], gate[..., m:, w:] + bias[:, w:]], dim=-2)
+        else:
+            gate = gate + bias
+        gate = gate.masked_fill((window < 0)[..., None], float("-inf"))  # before the first token
+        weights = gate.softmax(dim=-2).to(kv.dtype)
+        pooled = self.kv_norm((kv * weights).sum(dim=-2))  # [B, Q, w]
+        start = positions + 1 - self.rate
+        return rotate_trailing(pooled, *rotary(start, pooled.dtype))
+
+
+class Indexer(Compressor):
+    """CSA's lightning indexer: a compressor of its own at `index_head_dim` gives each entry a
+    key; query t scores entry s as sum_g w_{t,g} relu(q_{t,g} . k_s) / sqrt(J) and keeps the top
+    `index_topk` closed entries."""
+
+    def __init__(self, args: V4Args):
+        super().__init__(args.hidden_size, args.index_head_dim, args.csa_rate, True, args.rms_norm_eps)
+        self.heads, self.topk = args.index_n_heads, args.index_topk
+        self.q_b_proj = nn.Linear(args.q_lora_rank, self.heads * self.width, bias=False)
+        self.scorer = nn.Module()
+        self.scorer.weights_proj = nn.Linear(args.hidden_size, self.heads, bias=False)
+
+
+class Attention(nn.Module):
+    """Shared-KV multi-query attention over the sliding window and, in compressed layers, the
+    compressed entries, with a per-head sink (see the module docstring for the cache)."""
+
+    def __init__(self, args: V4Args, layer: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer, self.kind = layer, args.layer_types[layer]
+        self.rotary = rotary
+        self.heads, self.head_dim = args.num_attention_heads, args.head_dim
+        self.window = args.sliding_window
+        self.eps = args.rms_norm_eps
+        self.o_groups = args.o_groups
+        self.q_a_proj = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
+        self.q_a_norm = FP32RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.q_b_proj = nn.Linear(args.q_lora_rank, self.heads * self.head_dim, bias=False)
+        self.kv_proj = nn.Linear(args.hidden_size, self.head_dim, bias=False)
+        self.kv_norm = FP32RMSNorm(self.head_dim, args.rms_norm_eps)
+        group_width = self.heads * self.head_dim // args.o_groups
+        self.o_a_proj = nn.Linear(group_width, args.o_groups * args.o_lora_rank, bias=False)  # block-diagonal
+        self.o_b_proj = nn.Linear(args.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.empty(self.heads))
+        self.rate = args.compress_rate(layer)
+        if self.kind != SLIDING:
+            self.compressor = Compressor(args.hidden_size, self.head_dim, self.rate, self.kind == CSA,
+                                         args.rms_norm_eps)
+            if self.kind == CSA:
+                self.compressor.indexer = Indexer(args)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: StepInputs) -> Tensor:
+        """x [B, Q, D] -> [B, Q, D]; writes the step's token (and entry) states first."""
+        rows, width = x.shape[:2]
+        q_latent = self.q_a_norm(self.q_a_proj(x))  # [B, Q, q_lora_rank]
+        q = unweighted_rms_norm(self.q_b_proj(q_latent).view(rows, width, self.heads, self.head_dim), self.eps)
+        q = rotate_trailing(q, cos[:, :, None], sin[:, :, None])  # [B, Q, H, d]
+        kv = rotate_trailing(self.kv_norm(self.kv_proj(x)), cos, sin)  # [B, Q, d]
+        cache = CacheView(step)
+        token_layer, entry_layer = 2 * self.layer, 2 * self.layer + 1
+        states = [kv]
+        if self.kind != SLIDING:
+            states.append(self.compressor.token_state(x))
+            if self.kind == CSA:
+                states.append(self.compressor.indexer.token_state(x))
+        self._write(step, token_layer, torch.cat(states, dim=-1))
+
+        # Key sets, each [B, K, d] shared by a row's queries or [B, Q, K, d] per query, with
+        # which keys each query sees [B, Q, K].
+        key_sets = [self._window(cache, token_layer, step.positions)]
+        if self.kind != SLIDING:
+            self._write(step, entry_layer, self._pool_entries(cache, token_layer, step.positions))
+            entry_positions = (torch.arange(cache.capacity // self.rate, device=x.device) + 1) * self.rate - 1  # [E]
+            closed = entry_positions[None, None, :] <= step.positions[..., None]  # [B, Q, E]
+            if self.kind == CSA:
+                chosen = self._select(x, q_latent, cos, sin, cache, entry_layer, entry_positions, closed)  # [B, Q, k]
+                entries = cache.read(entry_layer, entry_positions[chosen], slice(0, self.head_dim))  # [B, Q, k, d]
+                key_sets.append((entries, closed.gather(-1, chosen)))
+            else:
+                entries = cache.read(entry_layer, entry_positions[None].expand(rows, -1), slice(0, self.head_dim))
+                key_sets.append((entries, closed))  # [B, E, d]
+        out = self._attend(q, key_sets)  # [B, Q, H, d]
+        out = rotate_trailing(out.to(x.dtype), cos[:, :, None], -sin[:, :, None])  # undo the values' rotation
+        groups = out.reshape(rows, width, self.o_groups, -1)  # [B, Q, g, H*d/g]
+        weight = self.o_a_proj.weight.view(self.o_groups, -1, groups.shape[-1])  # [g, o_lora, H*d/g]
+        return self.o_b_proj(torch.einsum("bqgi,goi->bqgo", groups, weight).flatten(2))
+
+    def _write(self, step: StepInputs, layer: int, state: Tensor) -> None:
+        width = step.kv_pool.shape[-1]
+        paged_attention.kv_write(step.kv_pool, layer, F.pad(state, (0, width - state.shape[-1])), step.slot_mapping)
+
+    def _window(self, cache: CacheView, layer: int, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Each row's keys from W - 1 before its first token to its last, and which each query sees."""
+        width = positions.shape[1]
+        span = torch.arange(self.window + width - 1, device=positions.device)
+        key_positions = positions[:, :1] - self.window + 1 + span  # [B, K]
+        keys = cache.read(layer, key_positions, slice(0, self.head_dim))  # [B, K, d]
+        query = positions[..., None]  # [B, Q, 1]
+        key = key_positions[:, None, :]  # [B, 1, K]
+        return keys, (key >= 0) & (key <= query) & (key > query - self.window)
+
+    def _pool_entries(self, cache: CacheView, layer: int, positions: Tensor) -> Tensor:
+        entry = self.compressor.pool(cache, layer, self.head_dim, positions, self.rotary)
+        if self.kind != CSA:
+            return entry
+        key = self.compressor.indexer.pool(cache, layer, self.head_dim + self.compressor.state_dim, positions,
+                                           self.rotary)
+        return torch.cat([entry, key], dim=-1)
+
+    def _select(self, x: Tensor, q_latent: Tensor, cos: Tensor, sin: Tensor, cache: CacheView, entry_layer: int,
+                entry_positions: Tensor, closed: Tensor) -> Tensor:
+        """[B, Q, k] the entries each query's indexer keeps (closed ones first; `closed` masks the rest)."""
+        indexer = self.compressor.indexer
+        rows, width = x.shape[:2]
+        q = indexer.q_b_proj(q_latent).view(rows, width, indexer.heads, indexer.width)
+        q = rotate_trailing(q, cos[:, :, None], sin[:, :, None]).float()  # [B, Q, G, J]
+        keys = cache.read(entry_layer, entry_positions[None].expand(rows, -1),
+                          slice(self.head_dim, self.head_dim + indexer.width)).float()  # [B, E, J]
+        scores = torch.einsum("bqgj,bej->bqge", q, keys).relu() * indexer.width**-0.5
+        head_weights = indexer.scorer.weights_proj(x).float() * indexer.heads**-0.5  # [B, Q, G]
+        scores = (scores * head_weights[..., None]).sum(dim=2).masked_fill(~closed, float("-inf"))  # [B, Q, E]
+        return scores.topk(min(indexer.topk, scores.shape[-1]), dim=-1).indices
+
+    def _attend(self, q: Tensor, key_sets: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """softmax of q . k / sqrt(d) over every visible key and the head's sink, in fp32; the sink
+        takes its share of the probability and adds nothing (K = V: keys are the values).
+
+        Args:
+            q: [B, Q, H, d].
+            key_sets: (keys, visible) pairs: keys [B, K, d] shared by a row's queries or
+                [B, Q, K, d] per query, visible [B, Q, K].
+
+        Returns:
+            [B, Q, H, d] fp32.
+        """
+        q = q.float() * self.head_dim**-0.5
+        scores = []
+        for keys, visible in key_sets:
+            pattern = "bqhd,bkd->bqhk" if keys.dim() == 3 else "bqhd,bqkd->bqhk"
+            score = torch.einsum(pattern, q, keys.float())
+            scores.append(score.masked_fill(~visible[:, :, None, :], float("-inf")))
+        sink = self.sinks.float().view(1, 1, -1, 1).expand(*q.shape[:3], 1)
+        probabilities = torch.cat([*scores, sink], dim=-1).softmax(dim=-1)  # [B, Q, H, K' + 1]
+        out, start = 0, 0
+        for keys, _ in key_sets:
+            share, start = probabilities[..., start:start + keys.shape[-2]], start + keys.shape[-2]
+            pattern = "bqhk,bkd->bqhd" if keys.dim() == 3 else "bqhk,bqkd->bqhd"
+            out = out + torch.einsum(pattern, share, keys.float())
+        return out
+
+
+class HyperConnection(nn.Module):
+    """mHC: from the RMS-normalised streams, `pre` weights collapse the n streams into the
+    sublayer's input, `post` spreads its output back over them, and `comb` (made doubly stochastic
+    by Sinkhorn iterations) mixes the residual streams."""
+
+    def __init__(self, args: V4Args):
+        super().__init__()
+        self.streams, self.iterations, self.eps, self.norm_eps = (args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps,
+                                                                  args.rms_norm_eps)
+        mixes = (2 + self.streams) * self.streams
+        self.fn = nn.Parameter(torch.empty(mixes, self.streams * args.hidden_size))
+        self.base = nn.Parameter(torch.empty(mixes))
+        self.scale = nn.Parameter(torch.empty(3))
+
+    def forward(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """streams [B, Q, n, D] -> post [B, Q, n], comb [B, Q, n, n] (fp32), collapsed [B, Q, D]."""
+        n = self.streams
+        flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
+        mixes = F.linear(flat, self.fn.float())  # [B, Q, (2 + n) n]
+        pre, post, comb = mixes.split([n, n, n * n], dim=-1)
+        pre_base, post_base, comb_base = self.base.float().split([n, n, n * n])
+        pre_scale, post_scale, comb_scale = self.scale.float().unbind(0)
+        pre = torch.sigmoid(pre * pre_scale + pre_base) + self.eps
+        post = 2 * torch.sigmoid(post * post_scale + post_base)
+        comb = torch.softmax(comb.unflatten(-1, (n, n)) * comb_scale + comb_base.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iterations - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        collapsed = (pre[..., None] * streams).sum(dim=2).to(streams.dtype)
+        return post, comb, collapsed
+
+
+def mix_streams(streams: Tensor, output: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """The streams after a sublayer: post-weighted output plus comb-mixed residual (comb read
+    transposed: stream k receives sum_j comb[j, k] * stream j)."""
+    dtype = streams.dtype
+    return post.to(dtype)[..., None] * output[..., None, :] + comb.to(dtype).transpose(-1, -2) @ streams
+
+
+class Router(nn.Module):
+    """sqrt(softplus) scores; the correction bias steers the top-k choice, the unbiased scores weigh
+    the chosen experts (renormalised, scaled)."""
+
+    def __init__(self, args: V4Args):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(args.n_routed_experts))
+        self.top_k, self.scaling = args.num_experts_per_tok, args.routed_scaling_factor
+
+    def scores(self, x: Tensor) -> Tensor:
+        return F.softplus(F.linear(x.float(), self.weight.float())).sqrt()  # [T, E]
+
+    def forward(self, x: Tensor, token_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """x [T, D], token_ids [T] -> weights [T, K] fp32, ids [T, K]."""
+        scores = self.scores(x)
+        ids = (scores + self.e_score_correction_bias.float()).topk(self.top_k, dim=-1, sorted=False).indices
+        return self.weigh(scores, ids), ids
+
+    def weigh(self, scores: Tensor, ids: Tensor) -> Tensor:
+        weights = scores.gather(1, ids)
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+
+
+class HashRouter(Router):
+    """The first layers' routing: the experts are `tid2eid[token]`, a frozen table; the learned
+    scores only weigh them."""
+
+    def __init__(self, args: V4Args):
+        super().__init__(args)
+        del self.e_score_correction_bias
+        self.register_buffer("tid2eid", torch.zeros(args.vocab_size, args.num_experts_per_tok, dtype=torch.int64))
+
+    def forward(self, x: Tensor, token_ids: Tensor) -> tuple[Tensor, Tensor]:
+        ids = self.tid2eid[token_ids]
+        return self.weigh(self.scores(x), ids), ids
+
+
+class V4MoE(MoE):
+    """V3's MoE exchange with V4's routers and clamped SwiGLU experts."""
+
+    def __init__(self, args: V4Args, layer: int, local_experts: int | None = None):
+        nn.Module.__init__(self)
+        self.gate = HashRouter(args) if args.mlp_layer_types[layer] == HASH_MOE else Router(args)
+        self.experts = RoutedExperts(args, local_experts, swiglu_limit=args.swiglu_limit)
+        self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size, swiglu_limit=args.swiglu_limit)
+
+    def route(self, tokens: Tensor, step: StepInputs) -> tuple[Tensor, Tensor]:
+        if isinstance(self.gate, HashRouter) and step.parallel.moe_exchange == "ag_rs":
+            raise ValueError("hash-routed MoE layers route at the source: the ag_rs exchange routes the gathered "
+                             "tokens, whose ids it does not carry; use a2a_even or a2a_v")
+        return self.gate(tokens, step.input_ids.reshape(-1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: V4Args, layer: int, rotary: RotaryEmbedding, local_experts: int | None = None):
+        super().__init__()
+        self.self_attn = Attention(args, layer, rotary)
+        self.mlp = V4MoE(args, layer, local_experts)
+        self.input_layernorm = FP32RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = FP32RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attn_hc = HyperConnection(args)
+        self.ffn_hc = HyperConnection(args)
+
+    def forward(self, streams: Tensor, cos: Tensor, sin: Tensor, step: StepInputs) -> Tensor:
+        """streams [B, Q, n, D] -> [B, Q, n, D]."""
+        post, comb, collapsed = self.attn_hc(streams)
+        streams = mix_streams(streams, self.self_attn(self.input_layernorm(collapsed), cos, sin, step), post, comb)
+        post, comb, collapsed = self.ffn_hc(streams)
+        return mix_streams(streams, self.mlp(self.post_attention_layernorm(collapsed), step), post, comb)
+
+
+class HyperHead(nn.Module):
+    """Collapses the streams once more, with sigmoid weights, before the final norm."""
+
+    def __init__(self, args: V4Args):
+        super().__init__()
+        self.eps, self.norm_eps = args.hc_eps, args.rms_norm_eps
+        self.hc_fn = nn.Parameter(torch.empty(args.hc_mult, args.hc_mult * args.hidden_size))
+        self.hc_base = nn.Parameter(torch.empty(args.hc_mult))
+        self.hc_scale = nn.Parameter(torch.empty(1))
+
+    def forward(self, streams: Tensor) -> Tensor:
+        flat = unweighted_rms_norm(streams.flatten(-2).float(), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        return (pre[..., None] * streams).sum(dim=-2).to(streams.dtype)
+
+
+class Backbone(nn.Module):
+    """Embedding, decoder layers, stream head and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, args: V4Args, local_experts: int | None = None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        rope_dims = args.rope_head_dim
+        self.main_rotary = RotaryEmbedding(args.main_rope, rope_dims)
+        self.compress_rotary = RotaryEmbedding(args.compress_rope, rope_dims)
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, i, self.main_rotary if args.layer_types[i] == SLIDING else self.compress_rotary,
+                         local_experts)
+            for i in range(args.num_hidden_layers))
+        self.hc_head = HyperHead(args)
+        self.norm = FP32RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class DeepseekV4(nn.Module):
+    """DeepSeek-V4 causal LM over a paged pool; one call is one step (the signature of
+    `DeepseekV3.forward`)."""
+
+    def __init__(self, args: V4Args, local_experts: int | None = None):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args, local_experts)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_kv_pool(self, num_blocks: int, block_size: int) -> Tensor:
+        """A zeroed pool [2L, N, S, C] in the model dtype."""
+        shape = (self.args.cache_layers, num_blocks, block_size, self.args.kv_cache_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.model.embed_tokens.weight.device)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, block_table: Tensor, slot_mapping: Tensor,
+                kv_pool: Tensor, logits_index: Tensor | None = None, parallel: Parallelism = Parallelism(),
+                moe_form: str | None = None) -> Tensor:
+        """One step; arguments and result as `DeepseekV3.forward`."""
+        if moe_form is not None and moe_form not in MOE_FORMS:
+            raise ValueError(f"moe_form {moe_form!r}; expected one of {MOE_FORMS}")
+        if parallel.cp != 1:
+            raise ValueError("DeepSeek-V4 runs without context parallelism (cp = 1) so far")
+        step = StepInputs(positions, block_table, slot_mapping, kv_pool, parallel, moe_form, input_ids)
+        x = self.model.embed_tokens(input_ids)  # [B, Q, D]
+        streams = x[:, :, None, :].expand(-1, -1, self.args.hc_mult, -1).contiguous()  # [B, Q, n, D]
+        ropes = {rotary: rotary(positions, x.dtype) for rotary in (self.model.main_rotary, self.model.compress_rotary)}
+        for layer in self.model.layers:
+            cos, sin = ropes[layer.self_attn.rotary]
+            streams = layer(streams, cos, sin, step)
+        if logits_index is not None:
+            index = logits_index.view(-1, 1, 1, 1).expand(-1, 1, *streams.shape[2:])
+            streams = streams.gather(1, index).squeeze(1)  # [B, n, D]
+        return self.lm_head(self.model.norm(self.model.hc_head(streams)))
