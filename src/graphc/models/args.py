@@ -6,11 +6,14 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphc.errors import CheckpointError
 
-SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+if TYPE_CHECKING:
+    from graphc.models.v4_args import V4Args
+
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM")
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
 SPARSE_MODEL_TYPE = "deepseek_v32"
 INDEXER_DEFAULTS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
@@ -238,10 +241,15 @@ def check_field_types(config: dict[str, Any]) -> None:
                               f"in 0..{vocab - 1}")
 
 
-def model_args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
-    """Translate an HF DeepSeek-V3 `config.json` into `ModelArgs`, refusing other architectures.
+def model_args_from_hf_config(config: dict[str, Any]) -> "ModelArgs | V4Args":
+    """Translate an HF DeepSeek `config.json` into `ModelArgs` (V3 / V3.2) or `V4Args` (V4),
+    refusing other architectures.
 
     One function on purpose: a field-by-field translation that reads top to bottom."""
+    from graphc.models.v4_args import is_v4_config, v4_args_from_hf_config  # V4's builds on this module
+
+    if is_v4_config(config):
+        return v4_args_from_hf_config(config)
     architectures = config.get("architectures") or []
     if isinstance(architectures, str):
         architectures = [architectures]

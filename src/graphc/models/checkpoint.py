@@ -1,4 +1,5 @@
-"""Load HF-layout DeepSeek-V3 checkpoints (`config.json` + safetensors) into `DeepseekV3`.
+"""Load HF-layout DeepSeek-V3 checkpoints (`config.json` + safetensors) into `DeepseekV3`, and
+DeepSeek-V4 ones (released or transformers layout, `v4_layout`) into `DeepseekV4`.
 
 The on-disk names are the HF / DeepSeek ones. graphc's module uses the same names except the routed
 experts, which it stacks in the layout the compiled graphs read: `model.layers.{i}.mlp.experts.{e}.
@@ -25,8 +26,11 @@ from torch import Tensor
 
 from graphc.errors import CheckpointError
 from graphc.models.args import ModelArgs, model_args_from_hf_config, read_hf_config
+from graphc.models import deepseek_v4, v4_layout
 from graphc.models.deepseek_v3 import FP32_SUFFIXES, DeepseekV3
+from graphc.models.deepseek_v4 import DeepseekV4
 from graphc.models.fp8 import FP8, SCALE_SUFFIX, dequantize
+from graphc.models.v4_args import V4Args
 from graphc.topology import Topology
 
 STACKED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -34,14 +38,36 @@ EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("d
 """Each stacked expert parameter's checkpoint projections, concatenated along rows in this order."""
 LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+Args = ModelArgs | V4Args
+Model = DeepseekV3 | DeepseekV4
+Sources = dict[str, list[list[str]]]
+"""Per graphc parameter, the stored tensors that make it: one list per routed expert (its
+projections, concatenated along rows) for a stacked parameter stored per expert, else one list of
+one tensor (for a stacked parameter stored stacked, as transformers' V4 layout may: this rank's
+experts are rows of it)."""
 
 
-def load_model_args(checkpoint_dir: Path) -> ModelArgs:
+def load_model_args(checkpoint_dir: Path) -> Args:
     return model_args_from_hf_config(read_hf_config(checkpoint_dir))
 
 
+def build_model(args: Args, local_experts: int | None = None, sparse_probabilities: str = "fp32") -> Model:
+    """The module of `args`'s architecture (weights uninitialised; build it under a meta device)."""
+    if isinstance(args, V4Args):
+        return DeepseekV4(args, local_experts)
+    return DeepseekV3(args, local_experts, sparse_probabilities)
+
+
+def _parameter_shapes(args: Args) -> dict[str, tuple[int, ...]]:
+    """Every graphc parameter (and persistent buffer) of the whole model, with its shape."""
+    with torch.device("meta"):
+        model = build_model(args)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()
+            if not (name == "lm_head.weight" and args.tie_word_embeddings)}
+
+
 def hf_tensor_names(graphc_name: str, experts: int | range) -> list[str]:
-    """The checkpoint tensor(s) that make up one graphc parameter, in stacking order
+    """The HF-layout DeepSeek-V3 tensor(s) that make up one graphc parameter, in stacking order
     (`experts`: how many routed experts, or which ones)."""
     stacked = STACKED_EXPERT.match(graphc_name)
     if stacked:
@@ -51,31 +77,66 @@ def hf_tensor_names(graphc_name: str, experts: int | range) -> list[str]:
     return [graphc_name]
 
 
-def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every tensor an HF-layout checkpoint of `args` holds for the main layers, with its shape."""
-    with torch.device("meta"):
-        model = DeepseekV3(args)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and args.tie_word_embeddings:
-            continue
-        names = hf_tensor_names(name, args.n_routed_experts)
-        stacked = STACKED_EXPERT.match(name)
-        if stacked:  # [E, rows, cols] from per-expert [rows / parts, cols] projections
-            rows, cols = tensor.shape[1:]
-            shape = (rows // len(EXPERT_PROJECTIONS[stacked.group(2)]), cols)
+def _v3_sources(args: ModelArgs) -> Sources:
+    sources = {}
+    for name in _parameter_shapes(args):
+        if STACKED_EXPERT.match(name):
+            parts = len(EXPERT_PROJECTIONS[STACKED_EXPERT.match(name).group(2)])
+            names = hf_tensor_names(name, args.n_routed_experts)
+            sources[name] = [names[i:i + parts] for i in range(0, len(names), parts)]
         else:
-            shape = tuple(tensor.shape)
-        shapes.update({n: shape for n in names})
-    return shapes
+            sources[name] = [[name]]
+    return sources
 
 
-def is_multi_token_prediction(name: str, args: ModelArgs) -> bool:
-    """MTP modules are stored as layers num_hidden_layers .. num_hidden_layers + n - 1."""
+def _stored_per_expert(name: str, groups: list[list[str]]) -> bool:
+    """Whether parameter `name` is a stacked expert parameter stored one tensor (or more) per expert."""
+    return bool(STACKED_EXPERT.match(name)) and not STACKED_EXPERT.match(v4_layout.graphc_name(groups[0][0]))
+
+
+def _expected_shapes(args: Args, sources: Sources) -> dict[str, tuple[int, ...]]:
+    """The shape each stored source of a parameter must have."""
+    expected = {}
+    for name, shape in _parameter_shapes(args).items():
+        groups = sources.get(name, [])
+        if groups and _stored_per_expert(name, groups):
+            expected.update({n: (shape[1] // len(parts), shape[2]) for parts in groups for n in parts})
+        else:
+            expected.update({n: shape for parts in groups for n in parts})
+    return expected
+
+
+def expected_tensors(args: Args) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `args` holds for the main layers, with its shape: DeepSeek-V3's
+    HF layout, DeepSeek-V4's released one (what graphc's tiny checkpoints are written in)."""
+    if isinstance(args, ModelArgs):
+        return _expected_shapes(args, _v3_sources(args))
+    sources = {}
+    for name in _parameter_shapes(args):
+        stacked = STACKED_EXPERT.match(name)
+        if stacked:
+            prefix = v4_layout.released_name(stacked.group(1) + ".x").removesuffix(".x")
+            weights = v4_layout.RELEASED_EXPERT_WEIGHTS[stacked.group(2)]
+            sources[name] = [[f"{prefix}.{e}.{w}.weight" for w in weights] for e in range(args.n_routed_experts)]
+        else:
+            sources[name] = [[v4_layout.released_name(name)]]
+    return _expected_shapes(args, sources)
+
+
+def is_multi_token_prediction(name: str, args: Args) -> bool:
+    """MTP modules are stored as layers num_hidden_layers .. num_hidden_layers + n - 1 (V3), or
+    under `mtp.` (V4)."""
+    if isinstance(args, V4Args):
+        return bool(v4_layout.MULTI_TOKEN_PREDICTION.search(name))
     layer = LAYER_INDEX.match(name)
     return bool(layer) and args.num_hidden_layers <= int(layer.group(1)) < (
         args.num_hidden_layers + args.num_nextn_predict_layers
     )
+
+
+def fp32_suffixes(args: Args) -> tuple[str, ...]:
+    """Parameters that stay fp32 whatever the model dtype."""
+    return deepseek_v4.FP32_SUFFIXES if isinstance(args, V4Args) else FP32_SUFFIXES
 
 
 def _stored_names(path: Path) -> list[str]:
@@ -122,7 +183,7 @@ def _summarise(names: list[str], limit: int = 5) -> str:
 
 
 def load_expert_shard(checkpoint_dir: Path, topology: Topology, rank: int, dtype: torch.dtype,
-                      sparse_probabilities: str | None = None) -> DeepseekV3:
+                      sparse_probabilities: str | None = None) -> Model:
     """The model of `rank`'s expert-parallel shard: the module holding its routed experts (all of
     them when ep = 1); ranks with the same `topology.ep_rank` hold the same shard."""
     experts = topology.experts(topology.ep_rank(rank), load_model_args(checkpoint_dir).n_routed_experts)
@@ -130,8 +191,8 @@ def load_expert_shard(checkpoint_dir: Path, topology: Topology, rank: int, dtype
 
 
 def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               experts: range | None = None, sparse_probabilities: str | None = None) -> DeepseekV3:
-    """Build `DeepseekV3` from an HF-layout checkpoint.
+               experts: range | None = None, sparse_probabilities: str | None = None) -> Model:
+    """Build `DeepseekV3` (or `DeepseekV4`) from a checkpoint.
 
     Args:
         checkpoint_dir: directory with config.json and model.safetensors (or a sharded index).
@@ -150,14 +211,14 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     if dtype not in SUPPORTED_DTYPES:
         raise CheckpointError(f"dtype {dtype} is not supported; supported: float32, bfloat16, float16")
     checked = check_checkpoint(checkpoint_dir)
-    args, files, block, expected = checked.args, checked.files, checked.fp8_block, checked.expected
+    args, files, block, expected, sources = (checked.args, checked.files, checked.fp8_block, checked.expected,
+                                             checked.sources)
 
     experts = experts if experts is not None else range(args.n_routed_experts)
     if experts.start < 0 or experts.stop > args.n_routed_experts or not len(experts):
         raise CheckpointError(f"experts {experts} are not a share of the checkpoint's {args.n_routed_experts}")
     with torch.device("meta"):
-        model = DeepseekV3(args, local_experts=len(experts),
-                           sparse_probabilities=sparse_probabilities or default_sparse_probabilities(dtype))
+        model = build_model(args, len(experts), sparse_probabilities or default_sparse_probabilities(dtype))
     state: dict[str, Tensor] = {}
     with contextlib.ExitStack() as stack:
         # pread, not a mapping: the tensors are copied anyway, and a mapped checkpoint's touched
@@ -168,30 +229,39 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
         for name in model.state_dict():
             if name == "lm_head.weight" and args.tie_word_embeddings:
                 continue
-            target = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
-            parts = [_read_tensor(handles, files, n, expected[n], block).to(device=device, dtype=target)
-                     for n in hf_tensor_names(name, experts)]
-            stacked = STACKED_EXPERT.match(name)
-            if stacked:
-                per_expert = len(EXPERT_PROJECTIONS[stacked.group(2)])
-                parts = [torch.cat(parts[i:i + per_expert]) for i in range(0, len(parts), per_expert)]
-            state[name] = torch.stack(parts) if stacked else parts[0]
+            target = (torch.int64 if name.endswith(v4_layout.INDEX_TENSORS) else
+                      torch.float32 if name.endswith(fp32_suffixes(args)) else dtype)
+
+            def read(stored: str) -> Tensor:
+                return _read_tensor(handles, files, stored, expected[stored], block).to(device=device, dtype=target)
+
+            groups = sources[name]
+            if _stored_per_expert(name, groups):
+                state[name] = torch.stack([torch.cat([read(n) for n in groups[e]]) for e in experts])
+            elif STACKED_EXPERT.match(name):  # stored stacked: this rank's rows
+                state[name] = read(groups[0][0])[experts.start:experts.stop]
+            else:
+                state[name] = read(groups[0][0])
     if args.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
-    model.model.rotary_emb.to(device)
+    for rotary in ("rotary_emb", "main_rotary", "compress_rotary"):
+        if hasattr(model.model, rotary):
+            getattr(model.model, rotary).to(device)
     _check_device(model, torch.device(device))
     return model.requires_grad_(False).eval()  # inference only: no autograd bookkeeping
 
 
 @dataclass(frozen=True)
 class CheckedCheckpoint:
-    args: ModelArgs
+    args: Args
     files: dict[str, Path]
     """Each stored tensor's safetensors file."""
     fp8_block: tuple[int, int] | None
     expected: dict[str, tuple[int, ...]]
     """Each tensor of the main layers with its shape."""
+    sources: Sources
+    """The stored tensors of each graphc parameter."""
 
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -201,6 +271,8 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 """safetensors' dtype names."""
 WEIGHT_DTYPES = ("F32", "BF16", "F16", "F8_E4M3")
 """What a weight may be stored as (FP8 with its block scales)."""
+INDEX_DTYPES = ("I64", "I32")
+"""What an index table (V4's `tid2eid`) may be stored as."""
 
 
 def check_checkpoint(checkpoint_dir: Path) -> CheckedCheckpoint:
@@ -215,30 +287,45 @@ def check_checkpoint(checkpoint_dir: Path) -> CheckedCheckpoint:
     args = load_model_args(checkpoint_dir)
     files = _tensor_files(checkpoint_dir)
     block = _fp8_block(checkpoint_dir, files)
-    expected = expected_tensors(args)
     stored = {n for n in files if not is_multi_token_prediction(n, args)}
-    stray_scales = sorted(n for n in stored if n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) not in expected)
+    scales = {n for n in stored if n.endswith(SCALE_SUFFIX)}
+    stored -= scales
+    if args.tie_word_embeddings:  # a tied head may be stored too; the embedding is what counts
+        stored -= {"lm_head.weight", "head.weight"}
+    if isinstance(args, V4Args):
+        sources, missing = v4_layout.parameter_sources(stored, args.n_routed_experts)
+        params = _parameter_shapes(args)
+        missing += [v4_layout.released_name(n) for n in params if n not in sources]
+        unexpected = sorted(n for target, groups in sources.items() if target not in params for parts in groups
+                            for n in parts)
+        sources = {name: groups for name, groups in sources.items() if name in params}
+    else:
+        sources = _v3_sources(args)
+        named = {n for groups in sources.values() for parts in groups for n in parts}
+        missing, unexpected = sorted(named - stored), sorted(stored - named)
+    weights = {n for groups in sources.values() for parts in groups for n in parts}
+    stray_scales = sorted(n for n in scales if n.removesuffix(SCALE_SUFFIX) not in weights)
     if stray_scales:
         raise CheckpointError(f"{checkpoint_dir}: scale tensor(s) of no expected weight: {_summarise(stray_scales)}")
-    stored = {n for n in stored if not n.endswith(SCALE_SUFFIX)}
-    missing = sorted(set(expected) - stored)
     if missing:
         raise CheckpointError(f"{checkpoint_dir}: missing tensor(s) {_summarise(missing)}")
-    if args.tie_word_embeddings:
-        stored.discard("lm_head.weight")  # a tied head may be stored too; the embedding is what counts
-    unexpected = sorted(stored - set(expected))
     if unexpected:
         raise CheckpointError(f"{checkpoint_dir}: unexpected tensor(s) {_summarise(unexpected)}")
+    expected = _expected_shapes(args, sources)
     headers = {path: _header(path) for path in sorted(set(files.values()))}
     for name, shape in expected.items():
         dtype, stored_shape = headers[files[name]][name]
-        if dtype not in WEIGHT_DTYPES:
+        if name.endswith(v4_layout.INDEX_TENSORS):
+            if dtype not in INDEX_DTYPES:
+                raise CheckpointError(f"{files[name].name}: tensor {name} has dtype {SAFETENSORS_DTYPES[dtype]}; "
+                                      "supported: int64, int32")
+        elif dtype not in WEIGHT_DTYPES:
             raise CheckpointError(f"{files[name].name}: tensor {name} has dtype {SAFETENSORS_DTYPES[dtype]}; supported: "
                                   "float32, bfloat16, float16, and float8_e4m3fn with block scales")
         if tuple(stored_shape) != shape:
             raise CheckpointError(f"{files[name].name}: tensor {name} has shape {stored_shape}, expected {list(shape)} "
                                   "from config.json")
-    return CheckedCheckpoint(args, files, block, expected)
+    return CheckedCheckpoint(args, files, block, expected, sources)
 
 
 def _header(path: Path) -> dict[str, tuple[str, list[int]]]:
@@ -318,13 +405,13 @@ def _read_tensor(handles: dict, files: dict[str, Path], name: str, shape: tuple[
     if name + SCALE_SUFFIX in files:
         raise CheckpointError(f"{path.name}: {name}{SCALE_SUFFIX} scales {name}, which is stored as {tensor.dtype}, "
                               "not float8_e4m3fn")
-    if tensor.dtype not in SUPPORTED_DTYPES:
+    if tensor.dtype not in SUPPORTED_DTYPES and not name.endswith(v4_layout.INDEX_TENSORS):
         raise CheckpointError(f"{path.name}: tensor {name} has dtype {tensor.dtype}; supported: float32, bfloat16, "
                               "float16, and float8_e4m3fn with block scales")
     return tensor
 
 
-def _check_device(model: DeepseekV3, device: torch.device) -> None:
+def _check_device(model: Model, device: torch.device) -> None:
     wrong = [
         f"{name} on {t.device}"
         for name, t in [*model.named_parameters(), *model.named_buffers()]

@@ -6,6 +6,13 @@ group-limited routing and plain top-k, dense first layers or none, YaRN with and
 mscale attention factor, interleaved and half-split RoPE, normalised and raw top-k weights,
 several shared experts, and a multi-token-prediction layer stored after the main layers (as
 DeepSeek's releases do) that loaders must skip.
+
+The `v4` preset is DeepSeek-V4 in the released layout (`v4_layout`): all three attention kinds
+(sliding only, CSA, HCA) with rates small enough (4 and 8, a window of 8) that short prompts close
+many windows and slide past the window, an indexer keeping fewer entries than a prompt closes,
+hash-routed layers, 4 residual streams, clamped SwiGLU, YaRN on the compress RoPE, and an MTP
+module stored under `mtp.` that loaders skip. The parameters transformers initialises to zero
+(sinks, position biases, HC bases, correction biases, `tid2eid`) are random, non-zero and distinct.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ import torch
 from safetensors.torch import save_file
 
 from graphc.errors import GraphcError
-from graphc.models.args import model_args_from_hf_config
+from graphc.models import v4_layout
+from graphc.models.args import ModelArgs, model_args_from_hf_config
 from graphc.models.checkpoint import expected_tensors
 from graphc.models.fp8 import SCALE_SUFFIX, quantize
+from graphc.models.v4_args import V4Args, is_v4_config
 
 BASE_CONFIG: dict[str, Any] = {
     "architectures": ["DeepseekV3ForCausalLM"],
@@ -109,6 +118,52 @@ PRESETS: dict[str, dict[str, Any]] = {
         "index_topk": 2048,
     },
 }
+PRESETS["v4"] = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "q_lora_rank": 32,
+    "partial_rotary_factor": 0.25,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention",
+                    "compressed_sparse_attention"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
+    "sliding_window": 8,
+    # 16 indexer heads: a score is exactly 0 (a top-k tie) only when every head's ReLU is.
+    "index_n_heads": 16,
+    "index_head_dim": 16,
+    "index_topk": 3,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "o_groups": 2,
+    "o_lora_rank": 16,
+    "swiglu_limit": 3.0,  # low enough that random activations reach it
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                     "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 1,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "dtype": "float32",
+}
 DEFAULT_PRESET = "lora-groups"
 
 FP8_QUANTISED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(?!weights_proj)(\w+_proj|wq_b|wk)\.weight$")
@@ -121,7 +176,12 @@ MTP_EXTRA_TENSORS = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_
 def preset_config(preset: str) -> dict[str, Any]:
     if preset not in PRESETS:
         raise GraphcError(f"preset {preset!r} is unknown; available: {', '.join(PRESETS)}")
-    return copy.deepcopy({**BASE_CONFIG, **PRESETS[preset]})
+    base = {} if is_v4_config(PRESETS[preset]) else BASE_CONFIG  # V4's preset is whole
+    return copy.deepcopy({**base, **PRESETS[preset]})
+
+
+V4_OFFSETS = re.compile(r"(attn_sink|\.ape|_base)$")
+"""V4 parameters that transformers zeroes: sinks, position biases, HC bases (0.5-scale here)."""
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
@@ -129,10 +189,14 @@ def _random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator
     # decoding is decisive and reference comparisons are meaningful.
     if name.endswith("norm.weight"):
         return 1.0 + 0.1 * torch.randn(shape, generator=generator)
-    if name.endswith("e_score_correction_bias"):
+    if name.endswith(("e_score_correction_bias", "gate.bias")):
         return 0.05 * torch.randn(shape, generator=generator)
-    if name.endswith("embed_tokens.weight"):
+    if name.endswith(("embed_tokens.weight", "embed.weight")):
         return torch.randn(shape, generator=generator)
+    if V4_OFFSETS.search(name):
+        return 0.5 * torch.randn(shape, generator=generator)
+    if name.endswith("_scale"):  # the HC mixes' scales
+        return 1.0 + 0.2 * torch.randn(shape, generator=generator)
     return torch.randn(shape, generator=generator) / math.sqrt(shape[-1])
 
 
@@ -140,8 +204,13 @@ def tiny_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """Random fp32 tensors for every name the checkpoint holds, MTP layers included."""
     args = model_args_from_hf_config(config)
     shapes = expected_tensors(args)
+    if isinstance(args, V4Args):
+        # DeepSeek-V4 keeps its MTP module under `mtp.`: one more decoder layer's tensors here.
+        shapes.update({f"mtp.{mtp}." + n.removeprefix("layers.0."): shape
+                       for mtp in range(args.num_nextn_predict_layers)
+                       for n, shape in list(shapes.items()) if n.startswith("layers.0.")})
     last = args.num_hidden_layers - 1
-    for mtp in range(args.num_nextn_predict_layers):
+    for mtp in range(args.num_nextn_predict_layers if isinstance(args, ModelArgs) else 0):
         # An MTP module is a full (MoE) decoder layer plus its own projections and head.
         layer = args.num_hidden_layers + mtp
         prefix = f"model.layers.{layer}."
@@ -152,7 +221,13 @@ def tiny_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         extra_shapes = [(v, d), (d,), (d,), (d, 2 * d), (d,), (v, d)]
         shapes.update({prefix + n: s for n, s in zip(MTP_EXTRA_TENSORS, extra_shapes)})
     generator = torch.Generator().manual_seed(seed)
-    return {name: _random_tensor(name, shapes[name], generator) for name in sorted(shapes)}
+    return {name: _token_experts(shapes[name], args.n_routed_experts, generator) if name.endswith("tid2eid")
+            else _random_tensor(name, shapes[name], generator) for name in sorted(shapes)}
+
+
+def _token_experts(shape: tuple[int, ...], experts: int, generator: torch.Generator) -> torch.Tensor:
+    """A hash layer's `tid2eid` [V, K]: K distinct experts for every token."""
+    return torch.stack([torch.randperm(experts, generator=generator)[:shape[1]] for _ in range(shape[0])])
 
 
 TINY_TOKENIZER_CONFIG = {
@@ -179,13 +254,14 @@ def byte_level_tokenizer():
     return tokenizer
 
 
-def quantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
+def quantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int],
+                 quantised: re.Pattern = FP8_QUANTISED) -> dict[str, torch.Tensor]:
     """DeepSeek's FP8 release layout: every projection weight of the decoder layers (attention,
-    dense and expert MLPs) as float8_e4m3fn with block scales; embeddings, norms, the router and
-    the head stay as they are."""
+    dense and expert MLPs; `quantised` names them) as float8_e4m3fn with block scales;
+    embeddings, norms, the router and the head stay as they are."""
     out = {}
     for name, tensor in tensors.items():
-        if FP8_QUANTISED.match(name):
+        if quantised.match(name):
             out[name], out[name + SCALE_SUFFIX] = quantize(tensor, block)
         else:
             out[name] = tensor
@@ -228,7 +304,8 @@ def write_random_checkpoint(out: Path, config: dict[str, Any], seed: int) -> Pat
     `make_tiny_checkpoint` writes the presets through it; `bench/bench_scale.py` its larger shapes."""
     tensors = tiny_tensors(config, seed)
     if "quantization_config" in config:
-        tensors = quantize_fp8(tensors, tuple(config["quantization_config"]["weight_block_size"]))
+        quantised = v4_layout.FP8_RELEASED if is_v4_config(config) else FP8_QUANTISED
+        tensors = quantize_fp8(tensors, tuple(config["quantization_config"]["weight_block_size"]), quantised)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

@@ -1,0 +1,162 @@
+"""How DeepSeek-V4 checkpoints name their tensors.
+
+graphc's parameter names are transformers' `DeepseekV4ForCausalLM` module names (routed experts
+stacked: `model.layers.N.mlp.experts.gate_up_proj` [E, 2I, D], `down_proj` [E, D, I]). Checkpoints
+come in two layouts, both read through the renames of transformers' conversion mapping for
+`deepseek_v4` (`graphc_name`), so whatever transformers loads, graphc loads the same way:
+- *released* (DeepSeek's checkpoints): no `model.` prefix, `embed` / `head`, `layers.N.attn.*`
+  (`wq_a`, `q_norm`, `wq_b`, `wkv`, `kv_norm`, `wo_a`, `wo_b`, `attn_sink`, `compressor.{wkv,
+  wgate, ape, norm}`, `indexer.{wq_b, weights_proj, compressor.*}`), `layers.N.ffn.*` (`gate.bias`,
+  `gate.tid2eid`, `experts.E.w1/w2/w3`, `shared_experts.w1/w2/w3`), `attn_norm` / `ffn_norm`,
+  `hc_attn_{fn,base,scale}` / `hc_ffn_*`, `hc_head_{fn,base,scale}`; the multi-token-prediction
+  module under `mtp.`.
+- *transformers* (`save_pretrained`): the same renames reversed where they are not anchored, under
+  `model.` (`model.layers.N.attn.norm.weight`, `model.embed_tokens.weight`, `head.weight`, ...).
+`released_name` writes the released layout (graphc's tiny checkpoints); transformers loading what
+it writes tests it against the conversion mapping.
+
+FP8: in the released layout the attention projections and the experts' weights may be
+float8_e4m3fn with `weight_scale_inv` block scales (models/fp8.py); the compressor and indexer
+projections stay in full precision, as DeepSeek ships them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from graphc.errors import CheckpointError
+
+STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+RELEASED_EXPERT_WEIGHTS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+"""Each stacked expert parameter's released per-expert weights, concatenated along rows in order."""
+
+MULTI_TOKEN_PREDICTION = re.compile(r"(^|\.)mtp\.")
+"""Tensors of the MTP module (stored, never run), in either layout."""
+
+INDEX_TENSORS = ("tid2eid",)
+"""Integer tensors (the hash layers' token -> experts tables)."""
+
+_WHOLE_NAMES = {
+    "model.embed_tokens.weight": "embed.weight",
+    "lm_head.weight": "head.weight",
+    "model.norm.weight": "norm.weight",
+    "model.hc_head.hc_fn": "hc_head_fn",
+    "model.hc_head.hc_base": "hc_head_base",
+    "model.hc_head.hc_scale": "hc_head_scale",
+}
+_FORWARD_RENAMES = [  # transformers' conversion mapping, applied in order (after any `model.` prefix)
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight", "embed_tokens.weight"),
+    (r"^head\.weight", "lm_head.weight"),
+    (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_(fn|base|scale)$", r".attn_hc.\1"),
+    (r"\.hc_ffn_(fn|base|scale)$", r".ffn_hc.\1"),
+    (r"\.attn_sink$", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+    (r"\.norm\.", ".kv_norm."),
+    (r"\.ape$", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+]
+PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
+"""A released per-expert weight, after the renames."""
+
+_RENAMES = [  # released_name's: the forward renames' inverse, applied in order to a layer parameter's name
+    (r"^model\.layers\.", "layers."),
+    (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
+    (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
+    (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
+    (r"\.self_attn\.", ".attn."),
+    (r"\.mlp\.", ".ffn."),
+    (r"\.input_layernorm\.", ".attn_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.attn_hc\.(fn|base|scale)$", r".hc_attn_\1"),
+    (r"\.ffn_hc\.(fn|base|scale)$", r".hc_ffn_\1"),
+    (r"\.sinks$", ".attn_sink"),
+    (r"\.compressor\.kv_norm\.", ".compressor.norm."),
+    (r"\.position_bias$", ".ape"),
+    (r"\.q_a_proj\.", ".wq_a."),
+    (r"\.q_a_norm\.", ".q_norm."),
+    (r"\.attn\.q_b_proj\.", ".attn.wq_b."),
+    (r"\.kv_proj\.", ".wkv."),
+    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
+    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+    (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
+    (r"\.gate_proj\.", ".wgate."),
+    (r"\.o_a_proj\.", ".wo_a."),
+    (r"\.o_b_proj\.", ".wo_b."),
+    (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+]
+
+FP8_RELEASED = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.(experts\.\d+|shared_experts)\.w[123])"
+                          r"\.weight$")
+"""The released weights DeepSeek's FP8 checkpoints quantise."""
+
+
+def released_name(name: str) -> str:
+    """The released name of a graphc (transformers) parameter that is not a stacked expert."""
+    if name in _WHOLE_NAMES:
+        return _WHOLE_NAMES[name]
+    for pattern, replacement in _RENAMES:
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
+def graphc_name(stored: str) -> str:
+    """The graphc parameter a stored tensor belongs to (a per-expert weight keeps its
+    `experts.E.wN.weight` tail: `PER_EXPERT`)."""
+    name = stored.removeprefix("model.")
+    for pattern, replacement in _FORWARD_RENAMES:
+        name = re.sub(pattern, replacement, name)
+    return name if name == "lm_head.weight" else "model." + name
+
+
+def parameter_sources(stored: Iterable[str], routed_experts: int) -> tuple[dict[str, list[list[str]]], list[str]]:
+    """Which stored tensors make each graphc parameter.
+
+    Returns:
+        sources: per parameter, its tensors: one list per routed expert (in `RELEASED_EXPERT_WEIGHTS`
+            order) for a stacked parameter stored per expert, else one list of one tensor.
+        missing: per-expert tensors a stacked parameter lacks (named as stored).
+
+    Raises:
+        CheckpointError: two stored tensors map to the same parameter.
+    """
+    sources: dict[str, list[list[str]]] = {}
+    per_expert: dict[str, dict[tuple[int, str], str]] = {}
+    for name in sorted(stored):
+        target = graphc_name(name)
+        expert = PER_EXPERT.match(target)
+        if expert:
+            prefix, index, weight = expert.groups()
+            fused = "down_proj" if weight == "w2" else "gate_up_proj"
+            per_expert.setdefault(f"{prefix}.{fused}", {})[int(index), weight] = name
+            continue
+        if target in sources:
+            raise CheckpointError(f"tensors {sources[target][0][0]} and {name} are both {target}; a checkpoint "
+                                  "holds each parameter once")
+        sources[target] = [[name]]
+    missing = []
+    for target, found in per_expert.items():
+        order = RELEASED_EXPERT_WEIGHTS[target.rsplit(".", 1)[1]]
+        example = next(iter(found.values()))
+        wanted = [[(e, w) for w in order] for e in range(routed_experts)]
+        missing += [re.sub(r"experts\.\d+\.w\d", f"experts.{e}.{w}", example)
+                    for expert in wanted for e, w in expert if (e, w) not in found]
+        sources[target] = [[found.get(key, "") for key in expert] for expert in wanted]
+    return sources, missing
