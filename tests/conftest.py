@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from graphc.models.tiny import PRESETS, make_tiny_checkpoint, preset_config
-from support import (SKEWED, SPARSE_TOPK, SPARSE_V32, TEST_BUCKETS, model_yaml, rewrite_config,
+from support import (SKEWED, SPARSE_TOPK, SPARSE_V32, TEST_BUCKETS, model_yaml, randomise_v4_zero_inits, rewrite_config,
                      skew_routes_to_first_experts)
 
 # Lines the tests want a reader of the CI log to see (agreement rates, margins, noise floors).
@@ -69,8 +69,10 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config, initializer_range=0.15))
         with torch.no_grad():  # transformers initialises the correction bias to zeros; make it matter
             for layer in model.model.layers:
-                if hasattr(layer.mlp, "gate"):
+                if hasattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias"):
                     layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+            if model_type == "deepseek_v4":
+                randomise_v4_zero_inits(model)
         model.save_pretrained(root / name)
         out[name] = root / name
     return out

@@ -61,6 +61,21 @@ def skew_routes_to_first_experts(path: Path, experts: int) -> None:
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
 
 
+def randomise_v4_zero_inits(model, seed: int = 2) -> None:
+    """Make the parameters transformers' DeepSeek-V4 initialises to zero non-zero and distinct
+    (sinks, position biases, HC bases) and give every token of the hash layers K distinct experts:
+    a reference comparison with them at zero would not test them."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("sinks", "position_bias", ".base", "hc_base")):
+                tensor.copy_(0.5 * torch.randn(tensor.shape, generator=generator))
+            elif name.endswith("tid2eid"):
+                experts = model.config.n_routed_experts
+                tensor.copy_(torch.stack([torch.randperm(experts, generator=generator)[:tensor.shape[1]]
+                                          for _ in range(tensor.shape[0])]))
+
+
 def rewrite_config(path: Path, **changes) -> None:
     config = json.loads((path / "config.json").read_text())
     config.update(changes)

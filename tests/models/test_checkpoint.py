@@ -27,7 +27,7 @@ from graphc.models.checkpoint import (
     load_model_args,
 )
 from graphc.models.deepseek_v3 import FP32_SUFFIXES, rope_inverse_frequencies
-from graphc.models.tiny import PRESETS, preset_config
+from graphc.models.tiny import MLA_PRESETS, PRESETS, preset_config
 
 PRESET = "lora-groups"
 YARN_PRESETS = ["direct-q-yarn", "yarn-mscale"]
@@ -98,7 +98,7 @@ def reference_model(tiny_checkpoints):
 # --- loading what is stored ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", MLA_PRESETS)  # V4's: tests/models/test_v4.py
 def test_every_preset_loads_with_stored_values(preset, tiny_checkpoints):
     path = tiny_checkpoints[preset]
     config = preset_config(preset)
@@ -556,7 +556,7 @@ def test_default_rope_frequencies_match_transformers():
     assert factor == hf_factor == 1.0
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", MLA_PRESETS)
 def test_released_deepseek_config_and_transformers5_config_give_the_same_rope(preset, tmp_path):
     released = _released_config(preset)  # rope_scaling {"type": "yarn", ...} + top-level rope_theta
     hf = _hf_config(preset)

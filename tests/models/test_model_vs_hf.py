@@ -85,7 +85,7 @@ def test_prefill_then_cached_decode_equals_full_forward(preset, tiny_checkpoints
     _assert_logits_close(torch.cat(pieces), full, 1e-5)
 
 
-@pytest.mark.parametrize("preset", ["lora-groups", "direct-q-yarn"])
+@pytest.mark.parametrize("preset", ["lora-groups", "direct-q-yarn", "v4"])
 def test_chunked_prefill_equals_single_prefill(preset, tiny_checkpoints):
     model = load_model(tiny_checkpoints[preset])
     prompts = [_prompt(37, seed=9)[0].tolist()]

@@ -165,6 +165,8 @@ PRESETS["v4"] = {
     "dtype": "float32",
 }
 DEFAULT_PRESET = "lora-groups"
+MLA_PRESETS = tuple(name for name, preset in PRESETS.items() if not is_v4_config(preset))
+"""The DeepSeek-V3 / V3.2 presets (multi-head latent attention)."""
 
 FP8_QUANTISED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(?!weights_proj)(\w+_proj|wq_b|wk)\.weight$")
 """The weights DeepSeek's FP8 releases quantise: the decoder layers' linear projections (the

@@ -1,0 +1,184 @@
+"""DeepSeek-V4: the tiny preset's features, both checkpoint layouts, the cache's chunk
+independence, and the loader's errors. (Logits and greedy tokens against transformers, prefill +
+decode against one forward, and bf16 against the noise floor run for every preset, v4 included:
+test_model_vs_hf.py, test_bf16.py.)"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from graphc.errors import CheckpointError
+from graphc.models.checkpoint import check_checkpoint, expected_tensors, load_model, load_model_args
+from graphc.models.deepseek_v4 import DeepseekV4
+from graphc.models.v4_args import CSA, HASH_MOE, HCA, SLIDING, v4_args_from_hf_config
+from graphc.models.v4_layout import graphc_name, released_name
+from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
+from support import load_hf
+
+PROMPT = torch.randint(2, 256, (41,), generator=torch.Generator().manual_seed(11)).tolist()
+
+
+def _logits(model: DeepseekV4, tokens: list[int], splits: list[int], block_size: int = 4) -> torch.Tensor:
+    """[T, V] logits of `tokens` run as steps cut at `splits` over a fresh pool."""
+    blocks = -(-len(tokens) // block_size)
+    pool = model.new_kv_pool(blocks + 2, block_size)
+    seq = SequenceBlocks(block_size)
+    seq.reserve(len(tokens), BlockAllocator(blocks + 2))
+    bounds = [0, *splits, len(tokens)]
+    pieces = []
+    with torch.no_grad():
+        for start, end in zip(bounds, bounds[1:]):
+            ids, positions, table, slots, _ = step_metadata([(seq, tokens[start:end], start)], end - start, blocks)
+            pieces.append(model(ids, positions, table, slots, pool)[0])
+    return torch.cat(pieces)
+
+
+def test_the_preset_has_every_feature(tiny_checkpoints):
+    path = tiny_checkpoints["v4"]
+    args = load_model_args(path)
+    assert set(args.layer_types) == {SLIDING, CSA, HCA}
+    assert HASH_MOE in args.mlp_layer_types and "moe" in args.mlp_layer_types
+    assert args.hc_mult == 4 and args.compress_rope.yarn_factor is not None
+    # Short prompts close windows of both kinds and slide past the window; the indexer keeps
+    # fewer entries than a 41-token prompt closes.
+    assert max(args.csa_rate, args.hca_rate, args.sliding_window) * 2 < len(PROMPT)
+    assert args.index_topk < len(PROMPT) // args.csa_rate
+    stored = load_file(path / "model.safetensors")
+    assert any(name.startswith("mtp.") for name in stored)
+    for suffix in ("attn_sink", "compressor.ape", "hc_attn_base", "hc_head_base", "gate.bias"):
+        values = torch.cat([t.flatten() for n, t in stored.items() if n.endswith(suffix) and not n.startswith("mtp.")])
+        assert (values != 0).all() and values.unique().numel() == values.numel(), suffix
+    for name, table in stored.items():
+        if name.endswith("tid2eid"):
+            assert all(len(set(row)) == len(row) for row in table.tolist()), name  # distinct experts per token
+            assert table.unique().numel() == args.n_routed_experts
+
+
+def test_both_layouts_load_the_same_model(tiny_checkpoints, tmp_path):
+    released = tiny_checkpoints["v4"]
+    load_hf(released).save_pretrained(tmp_path / "transformers")
+    saved = load_file(tmp_path / "transformers" / "model.safetensors")
+    assert "model.embed_tokens.weight" in saved and "embed.weight" not in saved  # really another layout
+    ours, theirs = load_model(released), load_model(tmp_path / "transformers")
+    for name, value in ours.state_dict().items():
+        torch.testing.assert_close(theirs.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    stored = load_file(released / "model.safetensors")
+    gate_up = ours.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]
+    for e in range(gate_up.shape[0]):  # gate rows, then up rows, per expert
+        expected = torch.cat([stored[f"layers.1.ffn.experts.{e}.w1.weight"], stored[f"layers.1.ffn.experts.{e}.w3.weight"]])
+        torch.testing.assert_close(gate_up[e], expected, rtol=0, atol=0)
+    assert ours.state_dict()["model.layers.0.mlp.gate.tid2eid"].dtype == torch.int64
+    assert torch.equal(ours.state_dict()["model.layers.0.mlp.gate.tid2eid"], stored["layers.0.ffn.gate.tid2eid"])
+
+
+def test_transformers_reads_every_released_name_graphc_writes(tiny_checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["v4"], output_loading_info=True)
+    assert info["missing_keys"] == set() or not info["missing_keys"]
+    assert not [k for k in info["unexpected_keys"] if not k.startswith("mtp.")]
+
+
+def test_released_names_round_trip(tiny_checkpoints):
+    args = load_model_args(tiny_checkpoints["v4"])
+    names = [name for name in expected_tensors(args) if not re.search(r"\.experts\.\d+\.", name)]
+    assert len(names) > 50
+    for name in names:
+        assert released_name(graphc_name(name)) == name
+
+
+@pytest.mark.parametrize("splits", [[4], [7, 8, 20], [13] + list(range(14, 40)), [1, 2, 3, 30]])
+def test_chunked_steps_equal_one_forward(splits, tiny_checkpoints):
+    """Chunks that end inside compressor windows and inside the sliding window, decode steps, and
+    windows closed by a step's first or last token: every split gives the one-step logits."""
+    model = load_model(tiny_checkpoints["v4"])
+    full = _logits(model, PROMPT, [])
+    chunked = _logits(model, PROMPT, splits)
+    scale = full.abs().max().item()
+    torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_block_size_does_not_change_logits(tiny_checkpoints):
+    model = load_model(tiny_checkpoints["v4"])
+    small, large = _logits(model, PROMPT, [9], block_size=2), _logits(model, PROMPT, [9], block_size=16)
+    torch.testing.assert_close(small, large, rtol=1e-5, atol=1e-5 * large.abs().max().item())
+
+
+def test_compressed_entries_change_the_output(tiny_checkpoints):
+    """The entries are attended to: with every layer sliding only, the logits past the first closed
+    window differ (so the comparisons above test them)."""
+    path = tiny_checkpoints["v4"]
+    model = load_model(path)
+    sliding = load_model(path)
+    for layer in sliding.model.layers:
+        layer.self_attn.kind = SLIDING
+    ours, theirs = _logits(model, PROMPT, []), _logits(sliding, PROMPT, [])
+    closes = min(load_model_args(path).csa_rate, load_model_args(path).hca_rate) - 1
+    torch.testing.assert_close(ours[:closes], theirs[:closes], rtol=1e-5, atol=1e-5 * ours.abs().max().item())
+    assert (ours[closes:] - theirs[closes:]).abs().amax(-1).min() > 1e-3
+
+
+def _copy(path, tmp_path):
+    return shutil.copytree(path, tmp_path / "ckpt")
+
+
+def test_a_missing_expert_is_named(tiny_checkpoints, tmp_path):
+    path = _copy(tiny_checkpoints["v4"], tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["layers.2.ffn.experts.5.w3.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) layers\.2\.ffn\.experts\.5\.w3\.weight"):
+        check_checkpoint(path)
+
+
+def test_a_float_token_table_is_refused(tiny_checkpoints, tmp_path):
+    path = _copy(tiny_checkpoints["v4"], tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    tensors["layers.0.ffn.gate.tid2eid"] = tensors["layers.0.ffn.gate.tid2eid"].float()
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"tid2eid has dtype torch.float32; supported: int64, int32"):
+        check_checkpoint(path)
+
+
+def test_a_parameter_stored_twice_is_refused(tiny_checkpoints, tmp_path):
+    path = _copy(tiny_checkpoints["v4"], tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.attn.norm.weight"] = tensors["layers.0.attn.kv_norm.weight"].clone()  # both are kv_norm
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"are both model\.layers\.0\.self_attn\.kv_norm\.weight"):
+        check_checkpoint(path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"scoring_func": "softmax"}, "scoring_func 'softmax' is not supported"),
+    ({"layer_types": ["sliding_attention"] * 3}, "layer_types has 3 entries; num_hidden_layers is 4"),
+    ({"layer_types": ["full_attention"] * 4}, r"layer_types \['full_attention'\] unknown"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads is 2"),
+    ({"o_groups": 3}, r"o_groups \(3\) must divide"),
+])
+def test_bad_v4_configs_are_refused(change, message, tiny_checkpoints):
+    config = {**json.loads((tiny_checkpoints["v4"] / "config.json").read_text()), **change}
+    with pytest.raises(CheckpointError, match=message):
+        v4_args_from_hf_config(config)
+
+
+def test_released_config_fields_fold_like_transformers():
+    """The legacy fields DeepSeek's configs ship (`compress_ratios`, `num_hash_layers`,
+    `qk_rope_head_dim`) give what transformers' config derives from them."""
+    from transformers import DeepseekV4Config
+
+    legacy = {"vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+              "num_attention_heads": 4, "head_dim": 32, "q_lora_rank": 32, "n_routed_experts": 8,
+              "num_experts_per_tok": 2, "o_groups": 2, "o_lora_rank": 16, "index_n_heads": 4, "index_head_dim": 16,
+              "index_topk": 4, "compress_ratios": [0, 4, 128], "num_hash_layers": 1, "qk_rope_head_dim": 8}
+    ours = v4_args_from_hf_config({"architectures": ["DeepseekV4ForCausalLM"], **legacy})
+    theirs = DeepseekV4Config(**legacy)
+    assert list(ours.layer_types) == theirs.layer_types
+    assert list(ours.mlp_layer_types) == theirs.mlp_layer_types
+    assert ours.rope_head_dim == theirs.qk_rope_head_dim
