@@ -145,7 +145,7 @@ def run_program(program, model, bucket: Bucket, seed: int = 0, coordinates: tupl
 def run_step(step, model, bucket: Bucket, seed: int = 0, coordinates: tuple[int, ...] = (0, 0, 1)):
     """`run_program` for any callable of the step's signature (a program's module, a `StepGraph`)."""
     args = model.args
-    pool_shape = (args.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE, args.kv_cache_dim)
+    pool_shape = (args.cache_layers, NUM_BLOCKS, BLOCK_SIZE, args.kv_cache_dim)
     inputs = example_step_inputs(bucket, BLOCKS_PER_ROW, pool_shape, model.dtype)
     g = torch.Generator().manual_seed(seed)
     inputs["input_ids"] = torch.randint(0, args.vocab_size, inputs["input_ids"].shape, generator=g)

@@ -16,7 +16,7 @@ from graphc.errors import GraphcError
 from graphc.sampling import Sampling
 from graphc.topology import Topology
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 MANIFEST = "manifest.yaml"
 
 
@@ -85,12 +85,15 @@ class ChatTemplate:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the runtime needs of the model: vocabulary and EOS ids, the KV pool's layer count,
-    width and dtype (written at compile time from the checkpoint's config)."""
+    """What the runtime needs of the model: its architecture, vocabulary and EOS ids, the KV
+    pool's layer count, width and dtype (written at compile time from the checkpoint's config)."""
 
+    architecture: str
+    """The checkpoint's (`DeepseekV3ForCausalLM`, `DeepseekV32ForCausalLM`, `DeepseekV4ForCausalLM`)."""
     vocab_size: int
     eos_token_id: list[int]
-    num_hidden_layers: int
+    cache_layers: int
+    """The pool's layers: one per decoder layer, two for DeepSeek-V4 (tokens, compressed entries)."""
     kv_cache_dim: int
     dtype: Literal["float32", "bfloat16"]
     sparse_probabilities: Literal["bf16", "fp32"] | None = None

@@ -38,7 +38,7 @@ def _check(manifest, error: type[GraphcError]) -> None:
     model, topology, buckets, kv, runtime = (manifest.model, manifest.topology, manifest.buckets, manifest.kv_cache,
                                              manifest.runtime)
     positive = {
-        "model.vocab_size": model.vocab_size, "model.num_hidden_layers": model.num_hidden_layers,
+        "model.vocab_size": model.vocab_size, "model.cache_layers": model.cache_layers,
         "model.kv_cache_dim": model.kv_cache_dim,
         "buckets.context_limit": buckets.context_limit, "kv_cache.block_size": kv.block_size,
         "kv_cache.num_blocks": kv.num_blocks, "runtime.max_num_prefilling_tokens": runtime.max_num_prefilling_tokens,

@@ -105,7 +105,7 @@ def read_chat_template(checkpoint: Path) -> ChatTemplate | None:
     return ChatTemplate(template, token("bos_token"), token("eos_token"))
 
 
-def write_manifest(staging: Path, config: GraphcConfig, backend: str, args: ModelArgs, sparse_probabilities: str,
+def write_manifest(staging: Path, config: GraphcConfig, backend: str, args: ModelArgs, sparse_probabilities: str | None,
                    topology: Topology, graphs: dict[int, list[CompiledGraph]], weights: dict[int, WeightsFile],
                    extra: dict, sign_key: Path | None) -> Manifest:
     """Copy each distinct graph file and the tokenizer into `staging`, then write (and with
@@ -134,8 +134,8 @@ def write_manifest(staging: Path, config: GraphcConfig, backend: str, args: Mode
         torch_version=str(torch.__version__),
         backend=backend,
         model_fingerprint=model_fingerprint(config.model.checkpoint),
-        model=ModelInfo(args.vocab_size, list(args.eos_token_id), args.num_hidden_layers, args.kv_cache_dim,
-                        config.model.dtype, sparse_probabilities if args.sparse_attention else None,
+        model=ModelInfo(args.architecture, args.vocab_size, list(args.eos_token_id), args.cache_layers, args.kv_cache_dim,
+                        config.model.dtype, sparse_probabilities,
                         read_chat_template(config.model.checkpoint)),
         topology=TopologyInfo(topology.cp, topology.ep, topology.dp, topology.world),
         buckets=BucketTable(list(b.prefill), list(b.decode), b.prompt_as_decode, b.context_limit),

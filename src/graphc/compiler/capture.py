@@ -101,7 +101,7 @@ def capture_bucket(model: DeepseekV3, bucket: Bucket, blocks_per_row: int, num_b
     """
     step = StepGraph(model, parallel, moe_form)
     args = model.args
-    pool_shape = (args.num_hidden_layers, num_blocks, block_size, args.kv_cache_dim)
+    pool_shape = (args.cache_layers, num_blocks, block_size, args.kv_cache_dim)
     inputs = example_step_inputs(bucket, blocks_per_row, pool_shape, model.dtype)
     weights = list(model_weights(model).values())
     dynamic = {name: None for name in STEP_INPUTS}

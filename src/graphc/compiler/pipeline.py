@@ -71,7 +71,8 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         # 1. Model: expert-parallel rank 0's module (every rank's when ep = 1); the other shards
         # are loaded one at a time when their weights are written (step 5).
         model = load_expert_shard(config.model.checkpoint, topology, 0, dtype, config.model.sparse_probabilities)
-        args, sparse_probabilities = model.args, model.sparse_probabilities
+        args = model.args
+        sparse_probabilities = model.sparse_probabilities if args.sparse_attention else None
         # 2. Capture: one rank-agnostic program per bucket, with what changes shapes fixed.
         parallel = Parallelism(cp=topology.cp, ep=topology.ep, moe_exchange=exchange)
         buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode)

@@ -167,6 +167,15 @@ class ModelArgs:
         return self.kv_lora_rank + self.qk_rope_head_dim + (self.index_head_dim or 0)
 
     @property
+    def cache_layers(self) -> int:
+        """Layers of the paged pool: one per decoder layer."""
+        return self.num_hidden_layers
+
+    @property
+    def architecture(self) -> str:
+        return "DeepseekV32ForCausalLM" if self.sparse_attention else "DeepseekV3ForCausalLM"
+
+    @property
     def softmax_scale(self) -> float:
         scale = self.qk_head_dim**-0.5
         if self.rope.yarn_factor is not None and self.rope.yarn_mscale_all_dim:

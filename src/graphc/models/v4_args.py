@@ -111,6 +111,10 @@ class V4Args:
     def attention_bias(self) -> bool:
         return False
 
+    @property
+    def architecture(self) -> str:
+        return V4_ARCHITECTURE
+
     def compress_rate(self, layer: int) -> int | None:
         """Tokens per compressed entry of `layer`; None for a sliding-only layer."""
         return {SLIDING: None, CSA: self.csa_rate, HCA: self.hca_rate}[self.layer_types[layer]]

@@ -76,7 +76,7 @@ class Engine:
         """Per bucket name, what the leader's steps ran there (across `generate` calls)."""
         model = manifest.model
         self.kv_pool = torch.zeros(
-            model.num_hidden_layers, self.loaded.num_blocks, manifest.kv_cache.block_size,
+            model.cache_layers, self.loaded.num_blocks, manifest.kv_cache.block_size,
             model.kv_cache_dim, dtype=getattr(torch, model.dtype),
         )
         self.coordinates = torch.tensor(self.loaded.rank.coordinates, dtype=torch.int32)

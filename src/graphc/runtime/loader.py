@@ -117,7 +117,7 @@ def kv_pool_blocks(manifest: Manifest) -> int:
             f"{manifest.kv_cache.block_size}, and at least 2)"
         )
     model = manifest.model
-    pool_bytes = (model.num_hidden_layers * blocks * manifest.kv_cache.block_size * model.kv_cache_dim
+    pool_bytes = (model.cache_layers * blocks * manifest.kv_cache.block_size * model.kv_cache_dim
                   * getattr(torch, model.dtype).itemsize)
     available = psutil.virtual_memory().available
     if pool_bytes > available:
