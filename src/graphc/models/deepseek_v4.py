@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from graphc.models.deepseek_v3 import MLP, MoE, Parallelism, RotaryEmbedding, RoutedExperts, StepInputs
 from graphc.models.moe_forms import MOE_FORMS
 from graphc.models.v4_args import CSA, HASH_MOE, SLIDING, V4Args
-from graphc.ops import paged_attention
+from graphc.ops import collectives, paged_attention, sparse
 
 FP32_SUFFIXES = ("norm.weight", "hc.fn", "hc.base", "hc.scale", "hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale",
                  "sinks", "position_bias", "e_score_correction_bias", "mlp.gate.weight")
@@ -82,33 +82,56 @@ def rotate_trailing(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class CacheView:
-    """A step's reads of one row's positions in the pool, through its block table.
+    """A step's reads of its rows' positions in this rank's shard of the pool.
 
-    Reads are clamped to each row's last position (the row's context), so no block-table entry
-    past it is dereferenced; callers mask what they read outside the range they asked for.
+    Under context parallelism a row's logical block j lives on shard j % cp and the rank's block
+    table lists only its own blocks (local column j // cp), as for V3. A read returns the vectors
+    at the positions this shard holds, and which those are: positions before the first token,
+    past the row's last or on another shard read slot 0 of a context block (never a table entry
+    past the row's context) and are marked absent.
     """
 
     def __init__(self, step: StepInputs):
         self.pool = step.kv_pool
         self.block_size = step.kv_pool.shape[2]
-        self.table = paged_attention.context_block_table(step.block_table, step.positions, self.block_size)  # [B, M]
+        self.shard, self.shards = step.parallel.kv_shard(), step.parallel.cp
+        self.table = paged_attention.context_block_table(step.block_table, step.positions, self.block_size,
+                                                         self.shard, self.shards)  # [B, M']
+        self.positions = step.positions
         self.context_end = step.positions.amax(dim=1)  # [B]
         self.capacity = step.block_table.shape[1] * self.block_size  # positions a row can address
 
-    def read(self, layer: int, positions: Tensor, dims: slice) -> Tensor:
-        """`dims` of the cached vectors at `positions` [B, ...] of each row -> [B, ..., c]."""
-        rows = positions.shape[0]
-        clamped = torch.minimum(positions.clamp(min=0), self.context_end.view(-1, *[1] * (positions.dim() - 1)))
-        flat = clamped.reshape(rows, -1)
-        blocks = self.table.gather(1, flat // self.block_size)  # [B, X]
+    def read(self, layer: int, positions: Tensor, dims: slice) -> tuple[Tensor, Tensor]:
+        """`dims` of the cached vectors at `positions` [B, ...] of each row.
+
+        Returns:
+            values: [B, ..., c] in the pool dtype (garbage where absent).
+            here: [B, ...] whether this shard holds the position (and it is in the row's context).
+        """
+        rows, end = positions.shape[0], self.context_end.view(-1, *[1] * (positions.dim() - 1))
+        block = positions.clamp(min=0) // self.block_size
+        here = (positions >= 0) & (positions <= end) & (block % self.shards == self.shard)
+        column = torch.where(here, block // self.shards, 0).reshape(rows, -1)
+        offset = torch.where(here, positions % self.block_size, 0).reshape(rows, -1)
         cached = self.pool[layer, :, :, dims]  # [N, S, c] (a view: only `dims` are gathered)
-        return cached[blocks, flat % self.block_size].view(*positions.shape, -1)
+        return cached[self.table.gather(1, column), offset].view(*positions.shape, -1), here
+
+
+def partial_softmax(logits: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """Softmax weights over this rank's share of `dim` and their log-sum-exp, so that shares of
+    disjoint sets combine exactly (`collectives.attention_combine`): a share with nothing (all
+    -inf) gets weights 0 and lse -inf."""
+    lse = torch.logsumexp(logits, dim=dim, keepdim=True)
+    weights = torch.exp(logits - torch.where(lse.isinf(), 0.0, lse))
+    return weights, lse.squeeze(dim)
 
 
 class Compressor(nn.Module):
-    """Pools windows of tokens into entries: entry w = norm(sum_j softmax_j(gate_j + bias_j) kv_j),
-    roped at its window's first position. With `overlap` (CSA), each token projects two series and
-    entry w pools the first series of window w - 1 with the second of window w (2 * rate tokens)."""
+    """Pools windows of tokens into entries: entry w = norm(sum_j softmax_j(gate_j + bias_j) kv_j)
+    per channel, roped at its window's first position. With `overlap` (CSA), each token projects
+    two series and entry w pools the first series of window w - 1 with the second of window w
+    (2 * rate tokens). A window's tokens may sit on several context-parallel shards: each pools
+    its own (`partial_pool`), and the shares combine like attention's."""
 
     def __init__(self, hidden: int, width: int, rate: int, overlap: bool, eps: float):
         super().__init__()
@@ -128,22 +151,22 @@ class Compressor(nn.Module):
         """x [B, Q, D] -> [B, Q, state_dim]."""
         return torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)
 
-    def pool(self, cache: CacheView, layer: int, dims_start: int, positions: Tensor, rotary: RotaryEmbedding) -> Tensor:
-        """The entry of the window each token closes (garbage for tokens that close none: the
-        attention never reads those slots).
+    def partial_pool(self, cache: CacheView, layer: int, dims_start: int, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """This shard's share of the pool of the window each token closes (garbage for tokens
+        that close none: the attention never reads their entry slots).
 
         Args:
             layer, dims_start: where this compressor's token states sit in the token cache.
             positions: [B, Q] the step's positions.
 
         Returns:
-            [B, Q, width] roped entries.
+            pooled: [B, Q, width] fp32, the softmax-weighted kv over this shard's window tokens.
+            lse: [B, Q, width] fp32 log-sum-exp of their gates (-inf: none here).
         """
         span = (2 if self.overlap else 1) * self.rate
         window = positions[..., None] - span + 1 + torch.arange(span, device=positions.device)  # [B, Q, span]
-        state = cache.read(layer, window, slice(dims_start, dims_start + self.state_dim))  # [B, Q, span, 2 * series * w]
-        kv, gate = state.chunk(2, dim=-1)
-        gate = gate.float()
+        state, here = cache.read(layer, window, slice(dims_start, dims_start + self.state_dim))
+        kv, gate = state.float().chunk(2, dim=-1)  # [B, Q, span, series * w] each
         bias = self.position_bias.float()  # [m, series * w]
         if self.overlap:  # the older window's first series, then this window's second
             w, m = self.width, self.rate
@@ -151,11 +174,13 @@ class Compressor(nn.Module):
             gate = torch.cat([gate[..., :m, :w] + bias[:, :w], gate[..., m:, w:] + bias[:, w:]], dim=-2)
         else:
             gate = gate + bias
-        gate = gate.masked_fill((window < 0)[..., None], float("-inf"))  # before the first token
-        weights = gate.softmax(dim=-2).to(kv.dtype)
-        pooled = self.kv_norm((kv * weights).sum(dim=-2))  # [B, Q, w]
-        start = positions + 1 - self.rate
-        return rotate_trailing(pooled, *rotary(start, pooled.dtype))
+        weights, lse = partial_softmax(gate.masked_fill(~here[..., None], float("-inf")), dim=-2)
+        return (kv * weights).sum(dim=-2), lse
+
+    def finish(self, pooled: Tensor, positions: Tensor, rotary: RotaryEmbedding, dtype: torch.dtype) -> Tensor:
+        """The whole window's pool [B, Q, width] -> the entry: normed, roped at the window's start."""
+        entry = self.kv_norm(pooled.to(dtype))
+        return rotate_trailing(entry, *rotary(positions + 1 - self.rate, dtype))
 
 
 class Indexer(Compressor):
@@ -216,20 +241,21 @@ class Attention(nn.Module):
         self._write(step, token_layer, torch.cat(states, dim=-1))
 
         # Key sets, each [B, K, d] shared by a row's queries or [B, Q, K, d] per query, with
-        # which keys each query sees [B, Q, K].
+        # which keys each query sees [B, Q, K] (those on this shard).
         key_sets = [self._window(cache, token_layer, step.positions)]
         if self.kind != SLIDING:
-            self._write(step, entry_layer, self._pool_entries(cache, token_layer, step.positions))
+            self._write(step, entry_layer, self._entries(cache, token_layer, step.positions, x.dtype))
             entry_positions = (torch.arange(cache.capacity // self.rate, device=x.device) + 1) * self.rate - 1  # [E]
-            closed = entry_positions[None, None, :] <= step.positions[..., None]  # [B, Q, E]
             if self.kind == CSA:
-                chosen = self._select(x, q_latent, cos, sin, cache, entry_layer, entry_positions, closed)  # [B, Q, k]
-                entries = cache.read(entry_layer, entry_positions[chosen], slice(0, self.head_dim))  # [B, Q, k, d]
-                key_sets.append((entries, closed.gather(-1, chosen)))
+                chosen = self._select(x, q_latent, cos, sin, cache, entry_layer, entry_positions)  # [B, Q, k]
+                entries, here = cache.read(entry_layer, chosen, slice(0, self.head_dim))  # [B, Q, k, d]
+                key_sets.append((entries, here & (chosen != sparse.NO_KEY)))
             else:
-                entries = cache.read(entry_layer, entry_positions[None].expand(rows, -1), slice(0, self.head_dim))
-                key_sets.append((entries, closed))  # [B, E, d]
-        out = self._attend(q, key_sets)  # [B, Q, H, d]
+                entries, here = cache.read(entry_layer, entry_positions[None].expand(rows, -1),
+                                           slice(0, self.head_dim))  # [B, E, d]
+                key_sets.append((entries, here[:, None, :] & (entry_positions <= step.positions[..., None])))
+        out, lse = self._partial_attention(q, key_sets, cache.shard)  # [B, Q, H, d], [B, Q, H]
+        out = collectives.attention_combine(out, lse, "cp")  # the CP group's shards, combined
         out = rotate_trailing(out.to(x.dtype), cos[:, :, None], -sin[:, :, None])  # undo the values' rotation
         groups = out.reshape(rows, width, self.o_groups, -1)  # [B, Q, g, H*d/g]
         weight = self.o_a_proj.weight.view(self.o_groups, -1, groups.shape[-1])  # [g, o_lora, H*d/g]
@@ -244,44 +270,55 @@ class Attention(nn.Module):
         width = positions.shape[1]
         span = torch.arange(self.window + width - 1, device=positions.device)
         key_positions = positions[:, :1] - self.window + 1 + span  # [B, K]
-        keys = cache.read(layer, key_positions, slice(0, self.head_dim))  # [B, K, d]
-        query = positions[..., None]  # [B, Q, 1]
-        key = key_positions[:, None, :]  # [B, 1, K]
-        return keys, (key >= 0) & (key <= query) & (key > query - self.window)
+        keys, here = cache.read(layer, key_positions, slice(0, self.head_dim))  # [B, K, d]
+        query, key = positions[..., None], key_positions[:, None, :]  # [B, Q, 1], [B, 1, K]
+        return keys, here[:, None, :] & (key <= query) & (key > query - self.window)
 
-    def _pool_entries(self, cache: CacheView, layer: int, positions: Tensor) -> Tensor:
-        entry = self.compressor.pool(cache, layer, self.head_dim, positions, self.rotary)
-        if self.kind != CSA:
-            return entry
-        key = self.compressor.indexer.pool(cache, layer, self.head_dim + self.compressor.state_dim, positions,
-                                           self.rotary)
-        return torch.cat([entry, key], dim=-1)
+    def _entries(self, cache: CacheView, layer: int, positions: Tensor, dtype: torch.dtype) -> Tensor:
+        """[B, Q, d (+ J)] the entries (and CSA's indexer keys) of the windows the step's tokens
+        close, each window pooled over the CP group: one combine for both compressors."""
+        compressors = [self.compressor] + ([self.compressor.indexer] if self.kind == CSA else [])
+        shares, start = [], self.head_dim
+        for compressor in compressors:
+            shares.append(compressor.partial_pool(cache, layer, start, positions))
+            start += compressor.state_dim
+        pooled = collectives.attention_combine(torch.cat([p for p, _ in shares], dim=-1)[..., None],
+                                               torch.cat([lse for _, lse in shares], dim=-1), "cp")[..., 0]
+        widths = [compressor.width for compressor in compressors]
+        return torch.cat([compressor.finish(part, positions, self.rotary, dtype)
+                          for compressor, part in zip(compressors, pooled.split(widths, dim=-1))], dim=-1)
 
     def _select(self, x: Tensor, q_latent: Tensor, cos: Tensor, sin: Tensor, cache: CacheView, entry_layer: int,
-                entry_positions: Tensor, closed: Tensor) -> Tensor:
-        """[B, Q, k] the entries each query's indexer keeps (closed ones first; `closed` masks the rest)."""
+                entry_positions: Tensor) -> Tensor:
+        """[B, Q, k] the closing positions of the entries each query's indexer keeps, over the CP
+        group (`sparse.NO_KEY` where fewer are closed)."""
         indexer = self.compressor.indexer
         rows, width = x.shape[:2]
         q = indexer.q_b_proj(q_latent).view(rows, width, indexer.heads, indexer.width)
         q = rotate_trailing(q, cos[:, :, None], sin[:, :, None]).float()  # [B, Q, G, J]
-        keys = cache.read(entry_layer, entry_positions[None].expand(rows, -1),
-                          slice(self.head_dim, self.head_dim + indexer.width)).float()  # [B, E, J]
-        scores = torch.einsum("bqgj,bej->bqge", q, keys).relu() * indexer.width**-0.5
+        keys, here = cache.read(entry_layer, entry_positions[None].expand(rows, -1),
+                                slice(self.head_dim, self.head_dim + indexer.width))  # [B, E, J]
+        scores = torch.einsum("bqgj,bej->bqge", q, keys.float()).relu() * indexer.width**-0.5
         head_weights = indexer.scorer.weights_proj(x).float() * indexer.heads**-0.5  # [B, Q, G]
-        scores = (scores * head_weights[..., None]).sum(dim=2).masked_fill(~closed, float("-inf"))  # [B, Q, E]
-        return scores.topk(min(indexer.topk, scores.shape[-1]), dim=-1).indices
+        visible = here[:, None, :] & (entry_positions <= cache.positions[..., None])  # closed, on this shard
+        scores = (scores * head_weights[..., None]).sum(dim=2).masked_fill(~visible, float("-inf"))  # [B, Q, E]
+        candidates = entry_positions.expand(rows, width, -1)  # ascending, as the combine needs
+        positions, best = sparse.top_by_score(candidates, scores, min(indexer.topk, scores.shape[-1]))
+        return sparse.index_topk_combine(positions, best, "cp")
 
-    def _attend(self, q: Tensor, key_sets: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """softmax of q . k / sqrt(d) over every visible key and the head's sink, in fp32; the sink
-        takes its share of the probability and adds nothing (K = V: keys are the values).
+    def _partial_attention(self, q: Tensor, key_sets: list[tuple[Tensor, Tensor]], shard: Tensor) -> tuple[Tensor, Tensor]:
+        """This shard's share of the softmax of q . k / sqrt(d) over every visible key and the
+        head's sink (counted on shard 0 alone: it takes its share of the probability and adds
+        nothing), in fp32 (K = V: keys are the values).
 
         Args:
             q: [B, Q, H, d].
             key_sets: (keys, visible) pairs: keys [B, K, d] shared by a row's queries or
                 [B, Q, K, d] per query, visible [B, Q, K].
+            shard: this rank's place in the CP group.
 
         Returns:
-            [B, Q, H, d] fp32.
+            out: [B, Q, H, d] fp32 and lse: [B, Q, H] fp32, to combine over the CP group.
         """
         q = q.float() * self.head_dim**-0.5
         scores = []
@@ -289,14 +326,15 @@ class Attention(nn.Module):
             pattern = "bqhd,bkd->bqhk" if keys.dim() == 3 else "bqhd,bqkd->bqhk"
             score = torch.einsum(pattern, q, keys.float())
             scores.append(score.masked_fill(~visible[:, :, None, :], float("-inf")))
-        sink = self.sinks.float().view(1, 1, -1, 1).expand(*q.shape[:3], 1)
-        probabilities = torch.cat([*scores, sink], dim=-1).softmax(dim=-1)  # [B, Q, H, K' + 1]
+        sink = self.sinks.float().masked_fill(torch.as_tensor(shard) != 0, float("-inf"))
+        weights, lse = partial_softmax(torch.cat([*scores, sink.view(1, 1, -1, 1).expand(*q.shape[:3], 1)], dim=-1),
+                                       dim=-1)  # [B, Q, H, K' + 1]
         out, start = 0, 0
         for keys, _ in key_sets:
-            share, start = probabilities[..., start:start + keys.shape[-2]], start + keys.shape[-2]
+            share, start = weights[..., start:start + keys.shape[-2]], start + keys.shape[-2]
             pattern = "bqhk,bkd->bqhd" if keys.dim() == 3 else "bqhk,bqkd->bqhd"
             out = out + torch.einsum(pattern, share, keys.float())
-        return out
+        return out, lse
 
 
 class HyperConnection(nn.Module):
@@ -469,8 +507,6 @@ class DeepseekV4(nn.Module):
         """One step; arguments and result as `DeepseekV3.forward`."""
         if moe_form is not None and moe_form not in MOE_FORMS:
             raise ValueError(f"moe_form {moe_form!r}; expected one of {MOE_FORMS}")
-        if parallel.cp != 1:
-            raise ValueError("DeepSeek-V4 runs without context parallelism (cp = 1) so far")
         step = StepInputs(positions, block_table, slot_mapping, kv_pool, parallel, moe_form, input_ids)
         x = self.model.embed_tokens(input_ids)  # [B, Q, D]
         streams = x[:, :, None, :].expand(-1, -1, self.args.hc_mult, -1).contiguous()  # [B, Q, n, D]

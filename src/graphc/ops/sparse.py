@@ -80,7 +80,7 @@ paged_indexer_logits = define_op(
 )
 
 
-def _top_by_score(positions: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def top_by_score(positions: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The k best candidates along the last dim, by score descending, ties to the lower position.
 
     Candidates must come in ascending position order (NO_KEY last): the stable sort then keeps
@@ -112,7 +112,7 @@ def index_candidates_reference(logits: Tensor, k: int, block_size: int, shard: S
         pad = logits.new_full((rows, queries, k - local), float("-inf"))
         logits = torch.cat([logits, pad], dim=-1)  # [B, Q, k]
         key_positions = torch.cat([key_positions, key_positions.new_full((k - local,), NO_KEY)])
-    return _top_by_score(key_positions.expand(rows, queries, -1), logits, k)
+    return top_by_score(key_positions.expand(rows, queries, -1), logits, k)
 
 
 index_candidates = define_op(
@@ -145,7 +145,7 @@ def _index_topk_combine(positions: Tensor, scores: Tensor, group: str) -> Tensor
     candidate_scores = all_gather_group(scores, pg).permute(1, 2, 0, 3).flatten(2)  # [B, Q, G*k]
     # Ascending position first (NO_KEY last), so the score sort breaks ties as one rank does.
     by_position = candidates.masked_fill(candidates == NO_KEY, torch.iinfo(torch.int64).max).argsort(dim=-1)
-    return _top_by_score(candidates.gather(-1, by_position), candidate_scores.gather(-1, by_position), k)[0]
+    return top_by_score(candidates.gather(-1, by_position), candidate_scores.gather(-1, by_position), k)[0]
 
 
 index_topk_combine = define_op(
