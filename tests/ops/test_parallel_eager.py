@@ -64,3 +64,16 @@ def test_data_parallel_replicas_give_single_rank_tokens_with_every_lowering(dp, 
         _check_against_single_rank(results, topology, prompts, single_rank)
     for (even_logits, _), (v_logits, _) in zip(by_lowering["a2a_even"], by_lowering["a2a_v"]):
         assert torch.equal(even_logits, v_logits)
+
+
+@pytest.fixture(scope="module")
+def single_rank_v4(tiny_checkpoints):
+    return generate_on_rank(0, Topology(1, 1), str(tiny_checkpoints["v4"]), "local", [PROMPT])
+
+
+@pytest.mark.parametrize("cp, ep, moe_exchange", [(2, 1, "local"), (2, 2, "static"), (4, 4, "static")])
+def test_v4_ranks_give_single_rank_logits_and_tokens(cp, ep, moe_exchange, tiny_checkpoints, single_rank_v4):
+    """DeepSeek-V4 over blocks of 4 spread on the CP ranks: its sliding windows, compressor windows
+    (4 and 8 tokens, CSA's overlapping 8) and compressed entries all cross shards."""
+    results = run_ranks(Topology(cp, ep), generate_on_rank, str(tiny_checkpoints["v4"]), moe_exchange, [PROMPT])
+    _check_against_single_rank(results, Topology(cp, ep), [PROMPT], {tuple(PROMPT): single_rank_v4})
