@@ -23,6 +23,7 @@ OPS = {name: f"graphc::{name}" for name in ("attention_combine", "all_reduce", "
     ("wide-16e", 1, 4, 4, "static"),
     (SPARSE_V32, 1, 2, 2, "static"),  # sparse attention: a top-k combine per layer too
     ("lora-groups", 2, 1, 2, "a2a_even"), ("lora-groups", 2, 2, 4, "a2a_v"),  # data-parallel attention
+    ("v4", 1, 2, 2, "static"),  # DeepSeek-V4: window pools and CSA's top-k combined too
 ])
 def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, dp, cp, ep, exchange, compiled,
                                                               tiny_checkpoints):
@@ -38,8 +39,9 @@ def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, dp, cp, e
             counts = manifest.extra["op_counts"][f"{bucket.name} every-rank"]
             in_graph = {op: n for op, n in counts.items() if op in OPS.values()}
             assert graph.moe_exchange == exchange
-            planned = {OPS[c.op]: c.count
-                       for c in step_collectives(args, topology, bucket, "float32", exchange, context_slots=slots)}
+            planned = {}
+            for c in step_collectives(args, topology, bucket, "float32", exchange, context_slots=slots):
+                planned[OPS[c.op]] = planned.get(OPS[c.op], 0) + c.count
             assert planned == in_graph, (bucket.name, rank.rank)
 
 
@@ -66,6 +68,17 @@ def test_sparse_attention_adds_the_top_k_candidates(tiny_checkpoints):
     assert topk.bytes_in == 8 * 16 * (8 + 4)  # [T, k] int64 positions + fp32 scores
     [short, *_] = step_collectives(args, Topology(2, 2), Bucket("prefill", 8), "float32", "static", context_slots=8)
     assert short.bytes_in == 8 * 8 * 12  # k is capped by the context the block table holds
+
+
+def test_v4_attention_combines_pools_candidates_and_partials(tiny_checkpoints):
+    args = load_model_args(tiny_checkpoints["v4"])  # CSA, HCA, sliding, CSA; head_dim 32, index_head_dim 16
+    calls = step_collectives(args, Topology(2, 1), Bucket("prefill", 8), "float32", "local", context_slots=64)
+    assert [(c.op, c.count, c.bytes_in) for c in calls] == [
+        ("attention_combine", 1, 8 * 32 * 2 * 4),  # the HCA layer's pool and its lse
+        ("attention_combine", 2, 8 * (32 + 16) * 2 * 4),  # the CSA layers' pools, the indexer's too
+        ("index_topk_combine", 2, 8 * 3 * 12),  # k = index_topk = 3 of 64 / 4 entries
+        ("attention_combine", 4, 8 * 4 * 33 * 4),  # every layer's attention partials
+    ]
 
 
 @pytest.fixture

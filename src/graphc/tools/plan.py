@@ -20,6 +20,7 @@ from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
 from graphc.models.args import ModelArgs
 from graphc.models.moe_forms import moe_exchange, step_moe_form
+from graphc.models.v4_args import CSA, HCA, V4Args
 from graphc.step import blocks_per_row
 from graphc.topology import GROUPS, Topology
 
@@ -36,7 +37,7 @@ class Collective:
     bytes_in: int
 
 
-def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype: str, exchange: str,
+def step_collectives(args: ModelArgs | V4Args, topology: Topology, bucket: Bucket, dtype: str, exchange: str,
                      context_slots: int | None = None) -> list[Collective]:
     """The collectives of one step in `bucket` on any rank (every rank issues the same ones, each
     over its own group of the name).
@@ -50,13 +51,16 @@ def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype:
     all-to-alls send [ep, T] blocks of rows [D] and fp32 routes [2K] and take back [ep, T, D]
     (`a2a_v` sends only the rows routed, so these are its upper bounds, plus an all-gather of its
     int64 split counts [ep]). A group of one rank issues nothing (the pass lowers it away).
+    DeepSeek-V4's attention collectives: `_v4_attention_collectives`.
     """
     tokens = bucket.rows * bucket.width
     moe_layers = args.num_hidden_layers - args.first_k_dense_replace
     width = DTYPE_BYTES[dtype]
     hidden = tokens * args.hidden_size * width
     out: list[Collective] = []
-    if topology.cp > 1:
+    if topology.cp > 1 and isinstance(args, V4Args):
+        out += _v4_attention_collectives(args, tokens, context_slots)
+    elif topology.cp > 1:
         heads = args.num_attention_heads
         if args.sparse_attention:
             selected = min(args.index_topk, context_slots or args.index_topk)
@@ -75,6 +79,26 @@ def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype:
         counts = ep * 8 if exchange == "a2a_v" else 0
         out.append(Collective("moe_a2a_dispatch", "ep", moe_layers, ep * hidden + routes + counts))
         out.append(Collective("moe_a2a_combine", "ep", moe_layers, ep * hidden))
+    return out
+
+
+def _v4_attention_collectives(args: V4Args, tokens: int, context_slots: int | None) -> list[Collective]:
+    """DeepSeek-V4's attention over cp (`models/deepseek_v4.py`): each compressed layer combines
+    its compressors' partial window pools, the fp32 pool [T, c] and its per-channel log-sum-exp
+    [T, c] (c = head_dim, plus index_head_dim in CSA layers, whose indexer pools too); each CSA
+    layer then combines its indexer's top-k candidates, [T, k] int64 positions and fp32 scores
+    (k = min(index_topk, the entries the block table addresses)); every layer combines its
+    attention partials [T, H, head_dim] and [T, H], fp32."""
+    kinds = [args.layer_types[i] for i in range(args.num_hidden_layers)]
+    out = []
+    for kind, width in ((HCA, args.head_dim), (CSA, args.head_dim + args.index_head_dim)):
+        if kind in kinds:
+            out.append(Collective("attention_combine", "cp", kinds.count(kind), tokens * width * 2 * 4))
+    if CSA in kinds:
+        entries = (context_slots // args.csa_rate) if context_slots else args.index_topk
+        out.append(Collective("index_topk_combine", "cp", kinds.count(CSA), tokens * min(args.index_topk, entries) * 12))
+    heads = args.num_attention_heads
+    out.append(Collective("attention_combine", "cp", len(kinds), tokens * heads * (args.head_dim + 1) * 4))
     return out
 
 
