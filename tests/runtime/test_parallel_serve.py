@@ -85,3 +85,25 @@ def test_single_rank_engine_refuses_multi_rank_artifacts(compiled):
 
     with pytest.raises(GraphcError, match=r"compiled for 2 ranks \(dp=1, cp=2, ep=2\); serve it with `graphc run`"):
         Engine(compiled(EXPORT_CASE[0], "export", EXPORT_CASE[1], 2, 2))
+
+
+# DeepSeek-V4 (its windows, compressed entries and indexer cross the CP shards) in every bucket
+# kind (prefill 32, decode 4, prompt-as-decode [4, 4]) at the issue's topologies on export, and
+# at 2x2 on inductor, against the single-rank export tokens. Static MoE only: the ag_rs exchange
+# cannot carry the hash layers' token ids (refused at compile time).
+V4_CASE = ("v4", "prompt_as_decode_small", PROMPTS)
+
+
+@pytest.mark.parametrize("cp, ep", [(2, 1), (2, 2), (4, 4)])
+def test_v4_export_ranks_serve_the_single_rank_tokens(cp, ep, compiled):
+    _check_tokens(compiled, "export", V4_CASE, cp, ep, True)
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_v4_inductor_ranks_serve_the_single_rank_export_tokens(compiled):
+    preset, buckets, prompts = V4_CASE
+    requests = [Request(p, NEW_TOKENS, stop_at_eos=False) for p in prompts]
+    expected = Engine(compiled(preset, "export", buckets)).generate(requests)
+    [outcome] = serve(compiled(preset, "inductor", buckets, 2, 2, True), [requests])
+    assert [r.output_ids for r in outcome.results] == [r.output_ids for r in expected]

@@ -17,11 +17,12 @@ from support import hf_greedy, load_hf
 LENGTHS = [1, 8, 20, 32, 75]
 NEW_TOKENS = 24
 # Every preset on export; inductor lowers the same ops, so one preset there (its compiles cost ~20 s
-# a graph; the V3.2 sparse ops are compiled with inductor in test_v32.py).
+# a graph; the V3.2 sparse ops are compiled with inductor in test_v32.py, V4's in
+# test_parallel_serve.py).
 # The first case is the fast tier's one end-to-end compile and serve; the others carry `compiles`.
 BACKEND_PRESETS = [("export", "lora-groups")] + [
     pytest.param(backend, preset, marks=pytest.mark.compiles)
-    for backend, preset in [*(("export", p) for p in ("direct-q-yarn", "yarn-mscale", "wide-16e", "v32")),
+    for backend, preset in [*(("export", p) for p in ("direct-q-yarn", "yarn-mscale", "wide-16e", "v32", "v4")),
                             ("inductor", "lora-groups")]
 ]
 

@@ -20,9 +20,10 @@ from graphc.buckets.selection import all_buckets
 from graphc.compiler.capture import capture_bucket, model_weights
 from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
 from graphc.config import GraphcConfig
-from graphc.models.checkpoint import load_expert_shard
+from graphc.models.checkpoint import load_expert_shard, load_model_args
 from graphc.models.deepseek_v3 import Parallelism
 from graphc.models.moe_forms import moe_exchange, step_moe_form
+from graphc.models.v4_args import HASH_MOE, V4Args
 from graphc.passes.collective_schedule import check_collective_schedule, program_collectives
 from graphc.passes.graph import step_placeholders
 from graphc.passes.manager import PassContext, PassManager, op_counts
@@ -135,12 +136,22 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
 
 
 def check_backend_topology(backend: str, config: GraphcConfig, static_enabled: bool) -> None:
-    """Refuse what a backend cannot compile yet: the neuron backend samples in the leader's
-    program alone and lowers no all-to-all (no data-parallel attention there yet)."""
-    if backend != "neuron":
-        return
+    """Refuse what a backend cannot compile yet: the neuron backend lowers DeepSeek-V3 / V3.2
+    alone, samples in the leader's program alone and lowers no all-to-all (no data-parallel
+    attention there yet); DeepSeek-V4's hash-routed layers route by token id at the source, which
+    the ag_rs exchange (routing the gathered tokens) cannot."""
     topology = config.topology.topology()
     exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated, static_enabled)
+    args = load_model_args(config.model.checkpoint)
+    if isinstance(args, V4Args) and HASH_MOE in args.mlp_layer_types and exchange == "ag_rs":
+        raise GraphcError("model.moe_lowering: ag_rs routes the tokens it gathers, but DeepSeek-V4's hash-routed "
+                          "layers choose experts by token id at the source: use a2a_even or a2a_v (or keep the "
+                          "static MoE)")
+    if backend != "neuron":
+        return
+    if isinstance(args, V4Args):
+        raise GraphcError(f"model.checkpoint: {args.architecture} has no neuron lowering yet; the neuron backend "
+                          "compiles DeepSeek-V3 and V3.2: use the export or inductor backend")
     if topology.dp > 1:
         raise GraphcError(f"topology.dp: {topology.dp}; the neuron backend serves one attention replica "
                           "(dp = 1): use the export or inductor backend for data-parallel attention")
