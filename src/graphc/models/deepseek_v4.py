@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from graphc.models.deepseek_v3 import MLP, MoE, Parallelism, RotaryEmbedding, RoutedExperts, StepInputs
 from graphc.models.moe_forms import MOE_FORMS
 from graphc.models.v4_args import CSA, HASH_MOE, SLIDING, V4Args
-from graphc.ops import collectives, paged_attention, sparse
+from graphc.ops import collectives, hyper_connections, paged_attention, sparse
 
 FP32_SUFFIXES = ("norm.weight", "hc.fn", "hc.base", "hc.scale", "hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale",
                  "sinks", "position_bias", "e_score_correction_bias", "mlp.gate.weight")
@@ -62,23 +62,33 @@ class FP32RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * normed).to(x.dtype)
+        normed = fp32(x) * torch.rsqrt(fp32(x).pow(2).mean(-1, keepdim=True) + self.eps)
+        return cast(fp32(self.weight) * normed, x.dtype)
+
+
+def cast(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x in `dtype`, with no op at all when it already is (a traced `.float()` of an fp32 tensor
+    is a conversion node and a metadata assertion: V4's fp32 islands had hundreds)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def fp32(x: Tensor) -> Tensor:
+    return cast(x, torch.float32)
 
 
 def unweighted_rms_norm(x: Tensor, eps: float) -> Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return x * cast(torch.rsqrt(fp32(x).square().mean(-1, keepdim=True) + eps), x.dtype)
 
 
 def rotate_trailing(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Interleaved RoPE of x's trailing 2 * cos.shape[-1] dims, in place in the layout (K = V,
     so the value dims keep their order), in fp32; cos/sin broadcast against x[..., P/2]."""
     rope = 2 * cos.shape[-1]
-    nope, roped = x[..., :-rope], x[..., -rope:].float()
+    nope, roped = x[..., :-rope], fp32(x[..., -rope:])
     evens, odds = roped[..., 0::2], roped[..., 1::2]
-    cos, sin = cos.float(), sin.float()
+    cos, sin = fp32(cos), fp32(sin)
     rotated = torch.stack([evens * cos - odds * sin, odds * cos + evens * sin], dim=-1).flatten(-2)
-    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+    return torch.cat([nope, cast(rotated, x.dtype)], dim=-1)
 
 
 class CacheView:
@@ -166,8 +176,8 @@ class Compressor(nn.Module):
         span = (2 if self.overlap else 1) * self.rate
         window = positions[..., None] - span + 1 + torch.arange(span, device=positions.device)  # [B, Q, span]
         state, here = cache.read(layer, window, slice(dims_start, dims_start + self.state_dim))
-        kv, gate = state.float().chunk(2, dim=-1)  # [B, Q, span, series * w] each
-        bias = self.position_bias.float()  # [m, series * w]
+        kv, gate = fp32(state).chunk(2, dim=-1)  # [B, Q, span, series * w] each
+        bias = fp32(self.position_bias)  # [m, series * w]
         if self.overlap:  # the older window's first series, then this window's second
             w, m = self.width, self.rate
             kv = torch.cat([kv[..., :m, :w], kv[..., m:, w:]], dim=-2)  # [B, Q, 2m, w]
@@ -179,7 +189,7 @@ class Compressor(nn.Module):
 
     def finish(self, pooled: Tensor, positions: Tensor, rotary: RotaryEmbedding, dtype: torch.dtype) -> Tensor:
         """The whole window's pool [B, Q, width] -> the entry: normed, roped at the window's start."""
-        entry = self.kv_norm(pooled.to(dtype))
+        entry = self.kv_norm(cast(pooled, dtype))
         return rotate_trailing(entry, *rotary(positions + 1 - self.rate, dtype))
 
 
@@ -256,7 +266,7 @@ class Attention(nn.Module):
                 key_sets.append((entries, here[:, None, :] & (entry_positions <= step.positions[..., None])))
         out, lse = self._partial_attention(q, key_sets, cache.shard)  # [B, Q, H, d], [B, Q, H]
         out = collectives.attention_combine(out, lse, "cp")  # the CP group's shards, combined
-        out = rotate_trailing(out.to(x.dtype), cos[:, :, None], -sin[:, :, None])  # undo the values' rotation
+        out = rotate_trailing(cast(out, x.dtype), cos[:, :, None], -sin[:, :, None])  # undo the values' rotation
         groups = out.reshape(rows, width, self.o_groups, -1)  # [B, Q, g, H*d/g]
         weight = self.o_a_proj.weight.view(self.o_groups, -1, groups.shape[-1])  # [g, o_lora, H*d/g]
         return self.o_b_proj(torch.einsum("bqgi,goi->bqgo", groups, weight).flatten(2))
@@ -295,11 +305,11 @@ class Attention(nn.Module):
         indexer = self.compressor.indexer
         rows, width = x.shape[:2]
         q = indexer.q_b_proj(q_latent).view(rows, width, indexer.heads, indexer.width)
-        q = rotate_trailing(q, cos[:, :, None], sin[:, :, None]).float()  # [B, Q, G, J]
+        q = fp32(rotate_trailing(q, cos[:, :, None], sin[:, :, None]))  # [B, Q, G, J]
         keys, here = cache.read(entry_layer, entry_positions[None].expand(rows, -1),
                                 slice(self.head_dim, self.head_dim + indexer.width))  # [B, E, J]
-        scores = torch.einsum("bqgj,bej->bqge", q, keys.float()).relu() * indexer.width**-0.5
-        head_weights = indexer.scorer.weights_proj(x).float() * indexer.heads**-0.5  # [B, Q, G]
+        scores = torch.einsum("bqgj,bej->bqge", q, fp32(keys)).relu() * indexer.width**-0.5
+        head_weights = fp32(indexer.scorer.weights_proj(x)) * indexer.heads**-0.5  # [B, Q, G]
         visible = here[:, None, :] & (entry_positions <= cache.positions[..., None])  # closed, on this shard
         scores = (scores * head_weights[..., None]).sum(dim=2).masked_fill(~visible, float("-inf"))  # [B, Q, E]
         candidates = entry_positions.expand(rows, width, -1)  # ascending, as the combine needs
@@ -320,20 +330,20 @@ class Attention(nn.Module):
         Returns:
             out: [B, Q, H, d] fp32 and lse: [B, Q, H] fp32, to combine over the CP group.
         """
-        q = q.float() * self.head_dim**-0.5
+        q = fp32(q) * self.head_dim**-0.5
         scores = []
         for keys, visible in key_sets:
             pattern = "bqhd,bkd->bqhk" if keys.dim() == 3 else "bqhd,bqkd->bqhk"
-            score = torch.einsum(pattern, q, keys.float())
+            score = torch.einsum(pattern, q, fp32(keys))
             scores.append(score.masked_fill(~visible[:, :, None, :], float("-inf")))
-        sink = self.sinks.float().masked_fill(torch.as_tensor(shard) != 0, float("-inf"))
+        sink = fp32(self.sinks).masked_fill(torch.as_tensor(shard) != 0, float("-inf"))
         weights, lse = partial_softmax(torch.cat([*scores, sink.view(1, 1, -1, 1).expand(*q.shape[:3], 1)], dim=-1),
                                        dim=-1)  # [B, Q, H, K' + 1]
         out, start = 0, 0
         for keys, _ in key_sets:
             share, start = weights[..., start:start + keys.shape[-2]], start + keys.shape[-2]
             pattern = "bqhk,bkd->bqhd" if keys.dim() == 3 else "bqhk,bqkd->bqhd"
-            out = out + torch.einsum(pattern, share, keys.float())
+            out = out + torch.einsum(pattern, share, fp32(keys))
         return out, lse
 
 
@@ -354,19 +364,16 @@ class HyperConnection(nn.Module):
     def forward(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """streams [B, Q, n, D] -> post [B, Q, n], comb [B, Q, n, n] (fp32), collapsed [B, Q, D]."""
         n = self.streams
-        flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
-        mixes = F.linear(flat, self.fn.float())  # [B, Q, (2 + n) n]
+        flat = unweighted_rms_norm(fp32(streams.flatten(2)), self.norm_eps)
+        mixes = F.linear(flat, fp32(self.fn))  # [B, Q, (2 + n) n]
         pre, post, comb = mixes.split([n, n, n * n], dim=-1)
-        pre_base, post_base, comb_base = self.base.float().split([n, n, n * n])
-        pre_scale, post_scale, comb_scale = self.scale.float().unbind(0)
+        pre_base, post_base, comb_base = fp32(self.base).split([n, n, n * n])
+        pre_scale, post_scale, comb_scale = fp32(self.scale).unbind(0)
         pre = torch.sigmoid(pre * pre_scale + pre_base) + self.eps
         post = 2 * torch.sigmoid(post * post_scale + post_base)
         comb = torch.softmax(comb.unflatten(-1, (n, n)) * comb_scale + comb_base.view(n, n), dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iterations - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        collapsed = (pre[..., None] * streams).sum(dim=2).to(streams.dtype)
+        comb = hyper_connections.hc_sinkhorn(comb, self.iterations, self.eps)
+        collapsed = cast((pre[..., None] * streams).sum(dim=2), streams.dtype)
         return post, comb, collapsed
 
 
@@ -374,7 +381,7 @@ def mix_streams(streams: Tensor, output: Tensor, post: Tensor, comb: Tensor) -> 
     """The streams after a sublayer: post-weighted output plus comb-mixed residual (comb read
     transposed: stream k receives sum_j comb[j, k] * stream j)."""
     dtype = streams.dtype
-    return post.to(dtype)[..., None] * output[..., None, :] + comb.to(dtype).transpose(-1, -2) @ streams
+    return cast(post, dtype)[..., None] * output[..., None, :] + cast(comb, dtype).transpose(-1, -2) @ streams
 
 
 class Router(nn.Module):
@@ -388,12 +395,12 @@ class Router(nn.Module):
         self.top_k, self.scaling = args.num_experts_per_tok, args.routed_scaling_factor
 
     def scores(self, x: Tensor) -> Tensor:
-        return F.softplus(F.linear(x.float(), self.weight.float())).sqrt()  # [T, E]
+        return F.softplus(F.linear(fp32(x), fp32(self.weight))).sqrt()  # [T, E]
 
     def forward(self, x: Tensor, token_ids: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, D], token_ids [T] -> weights [T, K] fp32, ids [T, K]."""
         scores = self.scores(x)
-        ids = (scores + self.e_score_correction_bias.float()).topk(self.top_k, dim=-1, sorted=False).indices
+        ids = (scores + fp32(self.e_score_correction_bias)).topk(self.top_k, dim=-1, sorted=False).indices
         return self.weigh(scores, ids), ids
 
     def weigh(self, scores: Tensor, ids: Tensor) -> Tensor:
@@ -460,9 +467,9 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.empty(1))
 
     def forward(self, streams: Tensor) -> Tensor:
-        flat = unweighted_rms_norm(streams.flatten(-2).float(), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()) + self.eps
-        return (pre[..., None] * streams).sum(dim=-2).to(streams.dtype)
+        flat = unweighted_rms_norm(fp32(streams.flatten(-2)), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, fp32(self.hc_fn)) * fp32(self.hc_scale) + fp32(self.hc_base)) + self.eps
+        return cast((pre[..., None] * streams).sum(dim=-2), streams.dtype)
 
 
 class Backbone(nn.Module):

@@ -8,7 +8,9 @@ names them, so the runtime imports it before loading a graph).
     sampler.py          the in-graph sampler
     sparse.py           DeepSeek Sparse Attention's indexer and sparse MLA
     moe.py              the routed experts' sparse forms (expert routes, grouped GEMM)
+    hyper_connections.py  DeepSeek-V4's Sinkhorn normalisation of the stream mixes
     distributed.py      semantic group names to process groups
 """
 
-from graphc.ops import all_to_all, collectives, moe, paged_attention, sampler, sparse  # noqa: F401  (registration)
+from graphc.ops import (all_to_all, collectives, hyper_connections, moe, paged_attention, sampler,  # noqa: F401
+                        sparse)  # (registration)
