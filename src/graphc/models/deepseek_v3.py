@@ -533,6 +533,14 @@ class DeepseekV3(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """[B, Q] token ids -> the first layer's input [B, Q, D]."""
+        return self.model.embed_tokens(input_ids)
+
+    def layer_rope(self, layer: int, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin [B, Q, P/2] of `positions` as layer `layer` takes them (every layer alike)."""
+        return self.model.rotary_emb(positions, dtype)
+
     def new_kv_pool(self, num_blocks: int, block_size: int) -> Tensor:
         """A zeroed pool [L, N, S, C] in the model dtype."""
         args = self.args
@@ -567,7 +575,7 @@ class DeepseekV3(nn.Module):
         if moe_form is not None and moe_form not in MOE_FORMS:
             raise ValueError(f"moe_form {moe_form!r}; expected one of {MOE_FORMS}")
         step = StepInputs(positions, block_table, slot_mapping, kv_pool, parallel, moe_form)
-        x = self.model.embed_tokens(input_ids)  # [B, Q, D]
+        x = self.embed(input_ids)  # [B, Q, D]
         cos, sin = self.model.rotary_emb(positions, x.dtype)  # [B, Q, P/2]
         for layer in self.model.layers:
             x = layer(x, cos, sin, step)

@@ -503,6 +503,15 @@ class DeepseekV4(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """[B, Q] token ids -> the first layer's input: the embedding in every stream [B, Q, n, D]."""
+        x = self.model.embed_tokens(input_ids)
+        return x[:, :, None, :].expand(-1, -1, self.args.hc_mult, -1).contiguous()
+
+    def layer_rope(self, layer: int, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin [B, Q, P/2] of `positions` as layer `layer` takes them (main or compress RoPE)."""
+        return self.model.layers[layer].self_attn.rotary(positions, dtype)
+
     def new_kv_pool(self, num_blocks: int, block_size: int) -> Tensor:
         """A zeroed pool [2L, N, S, C] in the model dtype."""
         shape = (self.args.cache_layers, num_blocks, block_size, self.args.kv_cache_dim)
@@ -515,9 +524,8 @@ class DeepseekV4(nn.Module):
         if moe_form is not None and moe_form not in MOE_FORMS:
             raise ValueError(f"moe_form {moe_form!r}; expected one of {MOE_FORMS}")
         step = StepInputs(positions, block_table, slot_mapping, kv_pool, parallel, moe_form, input_ids)
-        x = self.model.embed_tokens(input_ids)  # [B, Q, D]
-        streams = x[:, :, None, :].expand(-1, -1, self.args.hc_mult, -1).contiguous()  # [B, Q, n, D]
-        ropes = {rotary: rotary(positions, x.dtype) for rotary in (self.model.main_rotary, self.model.compress_rotary)}
+        streams = self.embed(input_ids)  # [B, Q, n, D]
+        ropes = {rotary: rotary(positions, self.dtype) for rotary in (self.model.main_rotary, self.model.compress_rotary)}
         for layer in self.model.layers:
             cos, sin = ropes[layer.self_attn.rotary]
             streams = layer(streams, cos, sin, step)

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from graphc.buckets.selection import Bucket
 from graphc.models.deepseek_v3 import DeepseekV3, Parallelism, RoutedExperts, StepInputs
+from graphc.models.deepseek_v4 import DeepseekV4
 from graphc.passes.graph import graphc_op, op_argument
 from graphc.backends import EVERY_RANK
 from graphc.passes.manager import PassContext, PassManager
@@ -49,13 +50,13 @@ DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 4
 class LayerStep(torch.nn.Module):
     """One decoder layer of one prefill step, its weights as an input (as `capture.StepGraph`)."""
 
-    def __init__(self, model: DeepseekV3, layer: int):
+    def __init__(self, model: DeepseekV3 | DeepseekV4, layer: int):
         super().__init__()
         self._layer = [model.model.layers[layer]]  # a list: not registered, so weights stay inputs
         self.weight_names = [n for n, _ in self._layer[0].named_parameters()]
 
-    def forward(self, weights: list[Tensor], x, cos, sin, positions, block_table, slot_mapping, kv_pool):
-        step = StepInputs(positions, block_table, slot_mapping, kv_pool, parallel=Parallelism())
+    def forward(self, weights: list[Tensor], x, cos, sin, positions, block_table, slot_mapping, kv_pool, input_ids):
+        step = StepInputs(positions, block_table, slot_mapping, kv_pool, Parallelism(), input_ids=input_ids)
         return torch.func.functional_call(self._layer[0], dict(zip(self.weight_names, weights)), (x, cos, sin, step))
 
 
@@ -110,7 +111,7 @@ class ProbeReport:
         return out
 
 
-def capture_layer(model: DeepseekV3, layer: int, tokens: list[int], block_size: int) -> tuple:
+def capture_layer(model: DeepseekV3 | DeepseekV4, layer: int, tokens: list[int], block_size: int) -> tuple:
     """Export layer `layer` for a prefill of `tokens` from position 0, and the inputs it sees.
 
     Returns:
@@ -125,15 +126,16 @@ def capture_layer(model: DeepseekV3, layer: int, tokens: list[int], block_size: 
     slot_mapping = torch.arange(width)[None]
     kv_pool = model.new_kv_pool(blocks + 1, block_size)  # one spare block: the pool's size is symbolic
     with torch.no_grad():
-        x = model.model.embed_tokens(ids)
-        cos, sin = model.model.rotary_emb(positions, x.dtype)
-        step = StepInputs(positions, block_table, slot_mapping, kv_pool, parallel=Parallelism())
-        for earlier in model.model.layers[:layer]:
-            x = earlier(x, cos, sin, step)
+        x = model.embed(ids)
+        step = StepInputs(positions, block_table, slot_mapping, kv_pool, Parallelism(), input_ids=ids)
+        for index, earlier in enumerate(model.model.layers[:layer]):
+            x = earlier(x, *model.layer_rope(index, positions, x.dtype), step)
+        cos, sin = model.layer_rope(layer, positions, x.dtype)
         wrapper = LayerStep(model, layer)
         weights = [dict(model.model.layers[layer].named_parameters())[n] for n in wrapper.weight_names]
-        inputs = (weights, x, cos, sin, positions, block_table, slot_mapping, kv_pool.clone())
-        dynamic = [[None] * len(weights), None, None, None, None, None, None, {POOL_BLOCKS_DIM: torch.export.Dim("n", min=2)}]
+        inputs = (weights, x, cos, sin, positions, block_table, slot_mapping, kv_pool.clone(), ids)
+        dynamic = [[None] * len(weights), None, None, None, None, None, None, {POOL_BLOCKS_DIM: torch.export.Dim("n", min=2)},
+                   None]
         program = torch.export.export(wrapper, inputs, dynamic_shapes=dynamic)
     return program, [*weights, *inputs[1:]]
 
