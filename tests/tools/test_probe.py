@@ -62,7 +62,7 @@ def test_a_perturbed_aten_op_is_named(tiny_checkpoints):
     assert report.first is not None and report.first.node == silu.name
     assert report.first.rounding_point is None
     assert report.first.relative == pytest.approx(1e-3, rel=0.05)
-    assert "F.silu" in report.first.source and "deepseek_v3.py" in report.first.source
+    assert "swiglu(gate, up" in report.first.source and "deepseek_v3.py" in report.first.source
 
 
 def test_a_wrongly_lowered_graphc_op_is_named_and_fails(tmp_path, tiny_checkpoints, monkeypatch):
@@ -89,3 +89,22 @@ def test_a_layer_out_of_range_is_refused(tmp_path, tiny_checkpoints):
     result = _probe(_yaml(tmp_path, tiny_checkpoints["lora-groups"]), "--layer", "3")
     assert result.exit_code == 2
     assert result.output.strip().endswith("error: --layer 3: the model has 3 decoder layers; choose 0..2")
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])  # CSA (hash-routed), HCA (hash-routed), sliding only
+def test_v4_layers_at_reference_numerics_differ_nowhere(layer, tmp_path, tiny_checkpoints):
+    result = _probe(_yaml(tmp_path, tiny_checkpoints["v4"]), "--layer", str(layer))
+    assert result.exit_code == 0, result.output
+    assert "no op differs beyond the tolerance" in result.output
+
+
+def test_a_perturbed_v4_window_pool_is_named(tiny_checkpoints):
+    model = load_model(tiny_checkpoints["v4"])
+    program, inputs = capture_layer(model, 0, probe_prompt(24, model.args.vocab_size), 8)
+    compiled = compile_layer(program, layer_passes("export"), Bucket("prefill", 24), 3)
+    pool_lse = next(n for n in compiled.graph.nodes if n.target is torch.ops.aten.logsumexp.default)
+    pool_lse.target = lambda *args: torch.ops.aten.logsumexp.default(*args) + 1e-3
+    report = compare(compiled, program, run_reference(program, inputs), inputs, ProbeReport(0, torch.float32, 1e-5, 24))
+    assert report.first is not None and report.first.node == pool_lse.name
+    # export records `forward` frames only: the line of the attention that pools the windows
+    assert "deepseek_v4.py" in report.first.source and "self._entries(" in report.first.source
