@@ -6,7 +6,8 @@ Each stage compiles once (through the compile cache) and serves every case in on
 are chosen from the bucket table so that every bucket runs: each prefill bucket hit exactly and
 between sizes, a chunked prompt, a prompt-as-decode tail, every [B, P] graph (short prompts
 joining a running decode), and every decode batch size filled and padded. Greedy fp32 tokens must equal the 1x1 stage's, and
-transformers' (`DeepseekV3ForCausalLM` / `DeepseekV32ForCausalLM`, when installed and the model is
+transformers' (the checkpoint's own architecture: `DeepseekV3ForCausalLM`, `DeepseekV32ForCausalLM` or
+`DeepseekV4ForCausalLM`, when installed and the model is
 fp32 at reference numerics) per prompt.
 
 Reports: JUnit XML (a test suite per backend and topology, a test case per case, failures naming
