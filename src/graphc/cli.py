@@ -388,7 +388,8 @@ def inspect(artifacts: Path, lint: bool) -> None:
     click.echo(f"graphc {m.graphc_version}, torch {m.torch_version}, backend {m.backend}, "
                f"format {m.format_version}")
     sparse = f", sparse attention P {m.model.sparse_probabilities}" if m.model.sparse_probabilities else ""
-    click.echo(f"model {m.model_fingerprint[:16]} ({m.model.dtype}{sparse}); topology {dataclasses.asdict(m.topology)}")
+    click.echo(f"model {m.model_fingerprint[:16]} ({m.model.architecture}, {m.model.dtype}{sparse}); "
+               f"topology {dataclasses.asdict(m.topology)}")
     click.echo(f"buckets {dataclasses.asdict(m.buckets)}; kv_cache {dataclasses.asdict(m.kv_cache)}")
     for rank in m.ranks:
         size = (artifacts / rank.weights).stat().st_size

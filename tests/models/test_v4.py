@@ -182,3 +182,25 @@ def test_released_config_fields_fold_like_transformers():
     assert list(ours.layer_types) == theirs.layer_types
     assert list(ours.mlp_layer_types) == theirs.mlp_layer_types
     assert ours.rope_head_dim == theirs.qk_rope_head_dim
+
+
+def test_fp8_released_weights_load_dequantised(tmp_path):
+    """DeepSeek's FP8 layout for V4: the attention projections and experts as float8_e4m3fn with
+    block scales (dequantised exactly on load), the compressors' and indexer's in full precision."""
+    from graphc.models.fp8 import SCALE_SUFFIX, dequantize
+    from graphc.models.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "fp8", preset="v4", fp8_block=16)
+    stored = load_file(path / "model.safetensors")
+    quantised = {n for n, t in stored.items() if t.dtype == torch.float8_e4m3fn}
+    assert "layers.0.attn.wq_b.weight" in quantised and "layers.1.ffn.experts.3.w2.weight" in quantised
+    assert "layers.0.ffn.shared_experts.w1.weight" in quantised
+    assert not [n for n in quantised if "compressor" in n or "indexer" in n]
+    state = load_model(path).state_dict()
+    wq_b = dequantize(stored["layers.0.attn.wq_b.weight"], stored["layers.0.attn.wq_b.weight" + SCALE_SUFFIX], (16, 16))
+    torch.testing.assert_close(state["model.layers.0.self_attn.q_b_proj.weight"], wq_b, rtol=0, atol=0)
+    down = dequantize(stored["layers.1.ffn.experts.3.w2.weight"], stored["layers.1.ffn.experts.3.w2.weight" + SCALE_SUFFIX],
+                      (16, 16))
+    torch.testing.assert_close(state["model.layers.1.mlp.experts.down_proj"][3], down, rtol=0, atol=0)
+    torch.testing.assert_close(state["model.layers.0.self_attn.compressor.kv_proj.weight"],
+                               stored["layers.0.attn.compressor.wkv.weight"], rtol=0, atol=0)
