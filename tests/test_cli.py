@@ -260,7 +260,7 @@ def test_make_tiny_unknown_preset_lists_presets(tmp_path):
 
 def test_make_tiny_index_topk_only_for_presets_with_an_indexer(tmp_path):
     line = error_line(invoke("checkpoint", "make-tiny", tmp_path / "x", "--index-topk", "8"))
-    assert line == "error: --index-topk: preset 'lora-groups' has no sparse-attention indexer; presets with one: v32"
+    assert line == "error: --index-topk: preset 'lora-groups' has no sparse-attention indexer; presets with one: v32, v4"
     assert not (tmp_path / "x").exists()
 
 

@@ -204,3 +204,25 @@ def test_fp8_released_weights_load_dequantised(tmp_path):
     torch.testing.assert_close(state["model.layers.1.mlp.experts.down_proj"][3], down, rtol=0, atol=0)
     torch.testing.assert_close(state["model.layers.0.self_attn.compressor.kv_proj.weight"],
                                stored["layers.0.attn.compressor.wkv.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend, topology, options, says", [
+    ("neuron", {"cp": 1, "ep": 1}, [], r"^model\.checkpoint: DeepseekV4ForCausalLM has no neuron lowering yet"),
+    ("export", {"dp": 2, "cp": 1, "ep": 2}, [], r"^topology\.dp: 2; DeepseekV4ForCausalLM is served with dp = 1"),
+    ("export", {"cp": 2, "ep": 2}, ["--disable-pass", "static_moe"],
+     r"^model\.moe_lowering: ag_rs routes the tokens it gathers, but DeepSeek-V4's hash-routed layers"),
+])
+def test_what_v4_cannot_compile_yet_is_refused_before_any_work(backend, topology, options, says, tmp_path,
+                                                               tiny_checkpoints):
+    import yaml
+    from click.testing import CliRunner
+
+    from graphc.cli import cli
+    from support import TEST_BUCKETS, model_yaml
+
+    config = {**model_yaml(tiny_checkpoints["v4"], TEST_BUCKETS["small"], backend), "topology": topology}
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(config))
+    result = CliRunner().invoke(cli, ["compile", str(tmp_path / "model.yaml"), "-o", str(tmp_path / "out"), *options])
+    assert result.exit_code == 2, result.output
+    assert re.search(says, result.stderr.removeprefix("error: ")) and result.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()

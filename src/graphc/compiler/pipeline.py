@@ -138,11 +138,15 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
 def check_backend_topology(backend: str, config: GraphcConfig, static_enabled: bool) -> None:
     """Refuse what a backend cannot compile yet: the neuron backend lowers DeepSeek-V3 / V3.2
     alone, samples in the leader's program alone and lowers no all-to-all (no data-parallel
-    attention there yet); DeepSeek-V4's hash-routed layers route by token id at the source, which
-    the ag_rs exchange (routing the gathered tokens) cannot."""
+    attention there yet); DeepSeek-V4 runs without data-parallel attention so far, and its
+    hash-routed layers route by token id at the source, which the ag_rs exchange (routing the
+    gathered tokens) cannot."""
     topology = config.topology.topology()
     exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated, static_enabled)
     args = load_model_args(config.model.checkpoint)
+    if isinstance(args, V4Args) and topology.dp > 1:
+        raise GraphcError(f"topology.dp: {topology.dp}; {args.architecture} is served with dp = 1 so far (context "
+                          "and expert parallelism only)")
     if isinstance(args, V4Args) and HASH_MOE in args.mlp_layer_types and exchange == "ag_rs":
         raise GraphcError("model.moe_lowering: ag_rs routes the tokens it gathers, but DeepSeek-V4's hash-routed "
                           "layers choose experts by token id at the source: use a2a_even or a2a_v (or keep the "
