@@ -5,6 +5,7 @@ test_model_vs_hf.py, test_bf16.py.)"""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
@@ -33,7 +34,7 @@ def _logits(model: DeepseekV4, tokens: list[int], splits: list[int], block_size:
     bounds = [0, *splits, len(tokens)]
     pieces = []
     with torch.no_grad():
-        for start, end in zip(bounds, bounds[1:]):
+        for start, end in itertools.pairwise(bounds):
             ids, positions, table, slots, _ = step_metadata([(seq, tokens[start:end], start)], end - start, blocks)
             pieces.append(model(ids, positions, table, slots, pool)[0])
     return torch.cat(pieces)

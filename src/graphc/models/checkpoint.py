@@ -115,9 +115,7 @@ def expected_tensors(args: Args) -> dict[str, tuple[int, ...]]:
     for name in _parameter_shapes(args):
         stacked = STACKED_EXPERT.match(name)
         if stacked:
-            prefix = v4_layout.released_name(stacked.group(1) + ".x").removesuffix(".x")
-            weights = v4_layout.RELEASED_EXPERT_WEIGHTS[stacked.group(2)]
-            sources[name] = [[f"{prefix}.{e}.{w}.weight" for w in weights] for e in range(args.n_routed_experts)]
+            sources[name] = v4_layout.released_expert_weights(*stacked.groups(), args.n_routed_experts)
         else:
             sources[name] = [[v4_layout.released_name(name)]]
     return _expected_shapes(args, sources)
@@ -232,8 +230,8 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
             target = (torch.int64 if name.endswith(v4_layout.INDEX_TENSORS) else
                       torch.float32 if name.endswith(fp32_suffixes(args)) else dtype)
 
-            def read(stored: str) -> Tensor:
-                return _read_tensor(handles, files, stored, expected[stored], block).to(device=device, dtype=target)
+            def read(stored: str, dtype: torch.dtype = target) -> Tensor:
+                return _read_tensor(handles, files, stored, expected[stored], block).to(device=device, dtype=dtype)
 
             groups = sources[name]
             if _stored_per_expert(name, groups):

@@ -27,7 +27,6 @@ from collections.abc import Iterable
 
 from graphc.errors import CheckpointError
 
-STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 RELEASED_EXPERT_WEIGHTS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
 """Each stacked expert parameter's released per-expert weights, concatenated along rows in order."""
 
@@ -115,6 +114,13 @@ def released_name(name: str) -> str:
     for pattern, replacement in _RENAMES:
         name = re.sub(pattern, replacement, name)
     return name
+
+
+def released_expert_weights(experts_prefix: str, fused: str, experts: int) -> list[list[str]]:
+    """The released per-expert weights of graphc's stacked `{experts_prefix}.{fused}`, one list per
+    expert in stacking order (`experts_prefix`: `model.layers.N.mlp.experts`)."""
+    prefix = released_name(experts_prefix + ".").removesuffix(".")
+    return [[f"{prefix}.{e}.{w}.weight" for w in RELEASED_EXPERT_WEIGHTS[fused]] for e in range(experts)]
 
 
 def graphc_name(stored: str) -> str:
