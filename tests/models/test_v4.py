@@ -125,34 +125,29 @@ def test_compressed_entries_change_the_output(tiny_checkpoints):
     assert (ours[closes:] - theirs[closes:]).abs().amax(-1).min() > 1e-3
 
 
-def _copy(path, tmp_path):
-    return shutil.copytree(path, tmp_path / "ckpt")
-
-
-def test_a_missing_expert_is_named(tiny_checkpoints, tmp_path):
-    path = _copy(tiny_checkpoints["v4"], tmp_path)
-    tensors = load_file(path / "model.safetensors")
+def _drop_an_expert(tensors):
     del tensors["layers.2.ffn.experts.5.w3.weight"]
-    save_file(tensors, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) layers\.2\.ffn\.experts\.5\.w3\.weight"):
-        check_checkpoint(path)
 
 
-def test_a_float_token_table_is_refused(tiny_checkpoints, tmp_path):
-    path = _copy(tiny_checkpoints["v4"], tmp_path)
-    tensors = load_file(path / "model.safetensors")
+def _float_token_table(tensors):
     tensors["layers.0.ffn.gate.tid2eid"] = tensors["layers.0.ffn.gate.tid2eid"].float()
-    save_file(tensors, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"tid2eid has dtype torch.float32; supported: int64, int32"):
-        check_checkpoint(path)
 
 
-def test_a_parameter_stored_twice_is_refused(tiny_checkpoints, tmp_path):
-    path = _copy(tiny_checkpoints["v4"], tmp_path)
+def _kv_norm_twice(tensors):  # the released and the save_pretrained names of one parameter
+    tensors["model.layers.0.attn.norm.weight"] = tensors["layers.0.attn.kv_norm.weight"].clone()
+
+
+@pytest.mark.parametrize("break_it, says", [
+    (_drop_an_expert, r"missing tensor\(s\) layers\.2\.ffn\.experts\.5\.w3\.weight"),
+    (_float_token_table, r"tid2eid has dtype torch.float32; supported: int64, int32"),
+    (_kv_norm_twice, r"are both model\.layers\.0\.self_attn\.kv_norm\.weight"),
+])
+def test_a_broken_checkpoint_is_refused_by_name(break_it, says, tiny_checkpoints, tmp_path):
+    path = shutil.copytree(tiny_checkpoints["v4"], tmp_path / "ckpt")
     tensors = load_file(path / "model.safetensors")
-    tensors["model.layers.0.attn.norm.weight"] = tensors["layers.0.attn.kv_norm.weight"].clone()  # both are kv_norm
+    break_it(tensors)
     save_file(tensors, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"are both model\.layers\.0\.self_attn\.kv_norm\.weight"):
+    with pytest.raises(CheckpointError, match=says):
         check_checkpoint(path)
 
 
