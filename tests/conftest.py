@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphc.models.tiny import PRESETS, make_tiny_checkpoint, preset_config
+from graphc.models.tiny import PRESETS, TRANSFORMERS_PRESETS, make_tiny_checkpoint, preset_config
 from support import (SKEWED, SPARSE_TOPK, SPARSE_V32, TEST_BUCKETS, model_yaml, randomise_v4_zero_inits, rewrite_config,
                      skew_routes_to_first_experts)
 
@@ -53,12 +53,12 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """For every preset, a model initialised *by transformers* and written by its `save_pretrained`."""
+    """For every preset transformers implements, a model initialised *by transformers* and written by its `save_pretrained`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("hf")
     out = {}
-    for name in PRESETS:
+    for name in TRANSFORMERS_PRESETS:
         config = preset_config(name)
         model_type = config["model_type"]
         # A wider init than transformers' default 0.02 keeps tiny-model logits decisive.

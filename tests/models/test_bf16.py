@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from graphc.models.checkpoint import load_model
-from graphc.models.tiny import PRESETS
+from graphc.models.tiny import TRANSFORMERS_PRESETS
 from graphc.tools.generate import PagedKV, generate
 from support import SPARSE_V32, hf_greedy, load_hf
 
@@ -41,7 +41,7 @@ def _perturbed(model, seed: int):
     return copy
 
 
-@pytest.mark.parametrize("preset", [*PRESETS, SPARSE_V32])  # V3.2 sparse: FlashMLA's bf16 P (the default in bf16)
+@pytest.mark.parametrize("preset", [*TRANSFORMERS_PRESETS, SPARSE_V32])  # V3.2 sparse: FlashMLA's bf16 P (the default in bf16)
 def test_bf16_disagreements_are_inside_the_reference_noise_floor(preset, tiny_checkpoints, report):
     path = tiny_checkpoints[preset]
     ours = load_model(path, dtype=torch.bfloat16)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from graphc.models.checkpoint import load_model
-from graphc.models.tiny import PRESETS
+from graphc.models.tiny import TRANSFORMERS_PRESETS
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
 from graphc.tools.generate import PagedKV, generate
 from support import hf_greedy, load_hf
@@ -43,7 +43,7 @@ def _assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, rtol: flo
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", list(TRANSFORMERS_PRESETS))
 def test_logits_match_transformers(preset, source, checkpoint_sources, report):
     path = checkpoint_sources[source][preset]
     ours, theirs = load_model(path), load_hf(path)
@@ -57,7 +57,7 @@ def test_logits_match_transformers(preset, source, checkpoint_sources, report):
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", list(TRANSFORMERS_PRESETS))
 def test_greedy_tokens_match_transformers_generate(preset, source, checkpoint_sources):
     path = checkpoint_sources[source][preset]
     ours, theirs = load_model(path), load_hf(path)
@@ -67,7 +67,7 @@ def test_greedy_tokens_match_transformers_generate(preset, source, checkpoint_so
     assert actual == expected
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", list(TRANSFORMERS_PRESETS))
 def test_prefill_then_cached_decode_equals_full_forward(preset, tiny_checkpoints):
     """Teacher-forced: prefill 13 tokens, then feed the rest one by one through the cache."""
     model = load_model(tiny_checkpoints[preset])

@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING, Any
 from graphc.errors import CheckpointError
 
 if TYPE_CHECKING:
+    from graphc.models.v41_args import V41Args
     from graphc.models.v4_args import V4Args
 
-SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM",
+                           "DeepseekV41ForCausalLM")
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
 SPARSE_MODEL_TYPE = "deepseek_v32"
 INDEXER_DEFAULTS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
@@ -250,13 +252,17 @@ def check_field_types(config: dict[str, Any]) -> None:
                               f"in 0..{vocab - 1}")
 
 
-def model_args_from_hf_config(config: dict[str, Any]) -> "ModelArgs | V4Args":
-    """Translate an HF DeepSeek `config.json` into `ModelArgs` (V3 / V3.2) or `V4Args` (V4),
-    refusing other architectures.
+def model_args_from_hf_config(config: dict[str, Any]) -> "ModelArgs | V4Args | V41Args":
+    """Translate an HF DeepSeek `config.json` into `ModelArgs` (V3 / V3.2), `V4Args` (V4) or
+    `V41Args` (V4.1), refusing other architectures.
 
     One function on purpose: a field-by-field translation that reads top to bottom."""
-    from graphc.models.v4_args import is_v4_config, v4_args_from_hf_config  # V4's builds on this module
+    # V4's and V4.1's build on this module
+    from graphc.models.v41_args import is_v41_config, v41_args_from_hf_config
+    from graphc.models.v4_args import is_v4_config, v4_args_from_hf_config
 
+    if is_v41_config(config):
+        return v41_args_from_hf_config(config)
     if is_v4_config(config):
         return v4_args_from_hf_config(config)
     architectures = config.get("architectures") or []

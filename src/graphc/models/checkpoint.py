@@ -1,5 +1,6 @@
-"""Load HF-layout DeepSeek-V3 checkpoints (`config.json` + safetensors) into `DeepseekV3`, and
-DeepSeek-V4 ones (released or transformers layout, `v4_layout`) into `DeepseekV4`.
+"""Load HF-layout DeepSeek-V3 checkpoints (`config.json` + safetensors) into `DeepseekV3`,
+DeepSeek-V4 ones (released or transformers layout, `v4_layout`) into `DeepseekV4`, and DeepSeek-V4.1
+ones (released layout: the reference's own names) into `DeepseekV41Reference`.
 
 The on-disk names are the HF / DeepSeek ones. graphc's module uses the same names except the routed
 experts, which it stacks in the layout the compiled graphs read: `model.layers.{i}.mlp.experts.{e}.
@@ -27,9 +28,12 @@ from torch import Tensor
 from graphc.errors import CheckpointError
 from graphc.models.args import ModelArgs, model_args_from_hf_config, read_hf_config
 from graphc.models import deepseek_v4, v4_layout
-from graphc.models.deepseek_v3 import FP32_SUFFIXES, DeepseekV3
+from graphc.models.deepseek_v3 import FP32_SUFFIXES, DeepseekV3, RotaryEmbedding
+from graphc.models.deepseek_v41_reference import DeepseekV41Reference
 from graphc.models.deepseek_v4 import DeepseekV4
+from graphc.models.engram import NgramHash
 from graphc.models.fp8 import FP8, SCALE_SUFFIX, dequantize
+from graphc.models.v41_args import V41Args
 from graphc.models.v4_args import V4Args
 from graphc.topology import Topology
 
@@ -38,8 +42,14 @@ EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("d
 """Each stacked expert parameter's checkpoint projections, concatenated along rows in this order."""
 LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-Args = ModelArgs | V4Args
-Model = DeepseekV3 | DeepseekV4
+Args = ModelArgs | V4Args | V41Args
+Model = DeepseekV3 | DeepseekV4 | DeepseekV41Reference
+V41_FP32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|attn_sink|norm\.weight|gate\.bias(_vl)?|^head\.weight|"
+                      r"compressor\.wgate\.weight)$")
+"""DeepSeek-V4.1 parameters held in fp32 whatever the model dtype, as its inference code holds them
+(and the compressor projections of layers pooling 2 or more tokens: `_keeps_fp32`)."""
+OUTSIDE_TEXT_MODEL = re.compile(r"^(vision|aligner)\.|^image_(start|end|newline)$")
+"""DeepSeek-V4.1's vision tower and image markers: a text-only loader skips them."""
 Sources = dict[str, list[list[str]]]
 """Per graphc parameter, the stored tensors that make it: one list per routed expert (its
 projections, concatenated along rows) for a stacked parameter stored per expert, else one list of
@@ -53,6 +63,10 @@ def load_model_args(checkpoint_dir: Path) -> Args:
 
 def build_model(args: Args, local_experts: int | None = None, sparse_probabilities: str = "fp32") -> Model:
     """The module of `args`'s architecture (weights uninitialised; build it under a meta device)."""
+    if isinstance(args, V41Args):
+        if local_experts not in (None, args.n_routed_experts):
+            raise CheckpointError("DeepSeek-V4.1 loads whole (its eager reference); expert shards are not supported")
+        return DeepseekV41Reference(args)
     if isinstance(args, V4Args):
         return DeepseekV4(args, local_experts)
     return DeepseekV3(args, local_experts, sparse_probabilities)
@@ -108,9 +122,11 @@ def _expected_shapes(args: Args, sources: Sources) -> dict[str, tuple[int, ...]]
 
 def expected_tensors(args: Args) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of `args` holds for the main layers, with its shape: DeepSeek-V3's
-    HF layout, DeepSeek-V4's released one (what graphc's tiny checkpoints are written in)."""
+    HF layout, DeepSeek-V4's and V4.1's released ones (what graphc's tiny checkpoints are written in)."""
     if isinstance(args, ModelArgs):
         return _expected_shapes(args, _v3_sources(args))
+    if isinstance(args, V41Args):
+        return _parameter_shapes(args)
     sources = {}
     for name in _parameter_shapes(args):
         stacked = STACKED_EXPERT.match(name)
@@ -124,7 +140,7 @@ def expected_tensors(args: Args) -> dict[str, tuple[int, ...]]:
 def is_multi_token_prediction(name: str, args: Args) -> bool:
     """MTP modules are stored as layers num_hidden_layers .. num_hidden_layers + n - 1 (V3), or
     under `mtp.` (V4)."""
-    if isinstance(args, V4Args):
+    if isinstance(args, (V4Args, V41Args)):
         return bool(v4_layout.MULTI_TOKEN_PREDICTION.search(name))
     layer = LAYER_INDEX.match(name)
     return bool(layer) and args.num_hidden_layers <= int(layer.group(1)) < (
@@ -132,9 +148,13 @@ def is_multi_token_prediction(name: str, args: Args) -> bool:
     )
 
 
-def fp32_suffixes(args: Args) -> tuple[str, ...]:
-    """Parameters that stay fp32 whatever the model dtype."""
-    return deepseek_v4.FP32_SUFFIXES if isinstance(args, V4Args) else FP32_SUFFIXES
+def keeps_fp32(name: str, args: Args) -> bool:
+    """Whether parameter `name` stays fp32 whatever the model dtype."""
+    if isinstance(args, V41Args):
+        layer = LAYER_INDEX.match("model." + name)
+        pools = bool(layer) and args.compress_ratios[int(layer.group(1))] > 1
+        return bool(V41_FP32.search(name)) or (pools and name.endswith("compressor.wkv.weight"))
+    return name.endswith(deepseek_v4.FP32_SUFFIXES if isinstance(args, V4Args) else FP32_SUFFIXES)
 
 
 def _stored_names(path: Path) -> list[str]:
@@ -228,7 +248,7 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
             if name == "lm_head.weight" and args.tie_word_embeddings:
                 continue
             target = (torch.int64 if name.endswith(v4_layout.INDEX_TENSORS) else
-                      torch.float32 if name.endswith(fp32_suffixes(args)) else dtype)
+                      torch.float32 if keeps_fp32(name, args) else dtype)
 
             def read(stored: str, dtype: torch.dtype = target) -> Tensor:
                 return _read_tensor(handles, files, stored, expected[stored], block).to(device=device, dtype=dtype)
@@ -243,9 +263,9 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     if args.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
-    for rotary in ("rotary_emb", "main_rotary", "compress_rotary"):
-        if hasattr(model.model, rotary):
-            getattr(model.model, rotary).to(device)
+    for module in model.modules():  # buffers built from the config on the CPU, not in the state dict
+        if isinstance(module, (RotaryEmbedding, NgramHash)):
+            module.to(device)
     _check_device(model, torch.device(device))
     return model.requires_grad_(False).eval()  # inference only: no autograd bookkeeping
 
@@ -290,7 +310,11 @@ def check_checkpoint(checkpoint_dir: Path) -> CheckedCheckpoint:
     stored -= scales
     if args.tie_word_embeddings:  # a tied head may be stored too; the embedding is what counts
         stored -= {"lm_head.weight", "head.weight"}
-    if isinstance(args, V4Args):
+    if isinstance(args, V41Args):
+        stored = {n for n in stored if not OUTSIDE_TEXT_MODEL.search(n)}
+        sources = {name: [[name]] for name in _parameter_shapes(args)}
+        missing, unexpected = sorted(set(sources) - stored), sorted(stored - set(sources))
+    elif isinstance(args, V4Args):
         sources, missing = v4_layout.parameter_sources(stored, args.n_routed_experts)
         params = _parameter_shapes(args)
         missing += [v4_layout.released_name(n) for n in params if n not in sources]

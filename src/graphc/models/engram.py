@@ -117,11 +117,11 @@ class NgramHash(nn.Module):
         primes = prime_moduli(args)[layer]
         offsets = [0, *np.cumsum(primes[:-1]).tolist()]
         self.heads = args.heads
-        # Derived from the config, never stored: non-persistent buffers.
-        self.register_buffer("multipliers", torch.tensor(hash_multipliers(layer, args.max_ngram,
-                                                                          args.compressed_vocab)), persistent=False)
-        self.register_buffer("primes", torch.tensor(primes), persistent=False)
-        self.register_buffer("offsets", torch.tensor(offsets), persistent=False)
+        # Derived from the config, never stored: non-persistent buffers, built on the CPU even under
+        # a meta-device context (the loader moves them with the module).
+        multipliers = hash_multipliers(layer, args.max_ngram, args.compressed_vocab)
+        for name, values in (("multipliers", multipliers), ("primes", primes), ("offsets", offsets)):
+            self.register_buffer(name, torch.tensor(values, device="cpu"), persistent=False)
 
     def forward(self, context: Tensor) -> Tensor:
         products = context * self.multipliers  # [..., N] int64, no overflow (see the module docstring)

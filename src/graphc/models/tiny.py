@@ -13,6 +13,11 @@ many windows and slide past the window, an indexer keeping fewer entries than a 
 hash-routed layers, 4 residual streams, clamped SwiGLU, YaRN on the compress RoPE, and an MTP
 module stored under `mtp.` that loaders skip. The parameters transformers initialises to zero
 (sinks, position biases, HC bases, correction biases, `tid2eid`) are random, non-zero and distinct.
+
+The `v41` preset is DeepSeek-V4.1 in the released layout (config under `text_config`): every layer
+role (sliding, a KV + index source at rate 2 and one at rate 1, a layer reusing entries and
+selection, a re-indexing layer choosing among the candidate layer's blocks), Engram at two layers
+(4-grams, 2 hash heads, tables of ~6 k rows), rms_norm_eps 1e-20 as released, and an MTP layer.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from graphc.models import v4_layout
 from graphc.models.args import ModelArgs, model_args_from_hf_config
 from graphc.models.checkpoint import expected_tensors
 from graphc.models.fp8 import SCALE_SUFFIX, quantize
+from graphc.models.v41_args import V41Args, is_v41_config
 from graphc.models.v4_args import V4Args, is_v4_config
 
 BASE_CONFIG: dict[str, Any] = {
@@ -164,9 +170,78 @@ PRESETS["v4"] = {
     "eos_token_id": 1,
     "dtype": "float32",
 }
+PRESETS["v41"] = {
+    "architectures": ["DeepseekV41ForCausalLM"],
+    "model_type": "deepseek_v41",
+    "text_config": {
+        "model_type": "deepseek_v41_text",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "qk_rope_head_dim": 8,
+        "q_lora_rank": 32,
+        "o_lora_rank": 16,
+        "o_groups": 2,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "swiglu_limit": 3.0,
+        "rms_norm_eps": 1e-20,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                         "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": 256,
+        "sliding_window": 8,
+        # Layer roles: 0 sliding; 1 sliding + Engram; 2 KV and index source (rate 2); 3 reuses
+        # layer 2's entries and selection; 4 KV and index source (rate 1), the candidate layer,
+        # + Engram; 5 re-indexes layer 4's keys among its candidate blocks. The last entry is the
+        # draft layer's (the release lists its draft layers' ratios too).
+        "compress_ratios": [0, 0, 2, 2, 1, 1, 0],
+        "kv_source_layer_ids": [2, 4],
+        "index_source_layer_ids": [2, 4, 5],
+        "candidate_source_layer_id": 4,
+        # 3 blocks of 4 candidates >= index_topk + a block: a candidate-masked layer always has
+        # index_topk entries to choose from once it sees that many (no ambiguous -inf picks).
+        "candidate_topk_blocks": 3,
+        "candidate_block_size": 4,
+        "index_n_heads": 16,
+        "index_head_dim": 16,
+        "index_topk": 6,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "engram_layer_ids": [1, 4],
+        "engram_max_ngram_size": 4,
+        "engram_n_heads": 2,
+        "engram_head_dim": 16,
+        "engram_vocab_size": 1000,
+        "engram_num_embeddings": [6126, 6332],
+        "engram_pad_token_id": 2,
+        "engram_compressed_vocab_size": 256,
+        "num_nextn_predict_layers": 1,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    },
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": 2,
+    "dtype": "float32",
+}
 DEFAULT_PRESET = "lora-groups"
-MLA_PRESETS = tuple(name for name, preset in PRESETS.items() if not is_v4_config(preset))
+MLA_PRESETS = tuple(name for name, preset in PRESETS.items() if not (is_v4_config(preset) or is_v41_config(preset)))
 """The DeepSeek-V3 / V3.2 presets (multi-head latent attention)."""
+TRANSFORMERS_PRESETS = tuple(name for name, preset in PRESETS.items() if not is_v41_config(preset))
+"""The presets whose architecture transformers implements (every one but DeepSeek-V4.1)."""
 
 FP8_QUANTISED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(?!weights_proj)(\w+_proj|wq_b|wk)\.weight$")
 """The weights DeepSeek's FP8 releases quantise: the decoder layers' linear projections (the
@@ -178,7 +253,8 @@ MTP_EXTRA_TENSORS = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_
 def preset_config(preset: str) -> dict[str, Any]:
     if preset not in PRESETS:
         raise GraphcError(f"preset {preset!r} is unknown; available: {', '.join(PRESETS)}")
-    base = {} if is_v4_config(PRESETS[preset]) else BASE_CONFIG  # V4's preset is whole
+    whole = is_v4_config(PRESETS[preset]) or is_v41_config(PRESETS[preset])
+    base = {} if whole else BASE_CONFIG
     return copy.deepcopy({**base, **PRESETS[preset]})
 
 
@@ -191,7 +267,7 @@ def _random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator
     # decoding is decisive and reference comparisons are meaningful.
     if name.endswith("norm.weight"):
         return 1.0 + 0.1 * torch.randn(shape, generator=generator)
-    if name.endswith(("e_score_correction_bias", "gate.bias")):
+    if name.endswith(("e_score_correction_bias", "gate.bias", "gate.bias_vl")):
         return 0.05 * torch.randn(shape, generator=generator)
     if name.endswith(("embed_tokens.weight", "embed.weight")):
         return torch.randn(shape, generator=generator)
@@ -199,6 +275,8 @@ def _random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator
         return 0.5 * torch.randn(shape, generator=generator)
     if name.endswith("_scale"):  # the HC mixes' scales
         return 1.0 + 0.2 * torch.randn(shape, generator=generator)
+    if name.endswith(("q_weight", "k_weight")):  # Engram's gate norms: near 1, so gates spread
+        return 1.0 + 0.3 * torch.randn(shape, generator=generator)
     return torch.randn(shape, generator=generator) / math.sqrt(shape[-1])
 
 
@@ -206,8 +284,8 @@ def tiny_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """Random fp32 tensors for every name the checkpoint holds, MTP layers included."""
     args = model_args_from_hf_config(config)
     shapes = expected_tensors(args)
-    if isinstance(args, V4Args):
-        # DeepSeek-V4 keeps its MTP module under `mtp.`: one more decoder layer's tensors here.
+    if isinstance(args, (V4Args, V41Args)):
+        # DeepSeek-V4 and V4.1 keep their MTP modules under `mtp.`: one more decoder layer's tensors here.
         shapes.update({f"mtp.{mtp}." + n.removeprefix("layers.0."): shape
                        for mtp in range(args.num_nextn_predict_layers)
                        for n, shape in list(shapes.items()) if n.startswith("layers.0.")})
@@ -313,7 +391,7 @@ def write_random_checkpoint(out: Path, config: dict[str, Any], seed: int) -> Pat
     try:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
-        if config["vocab_size"] == 256:
+        if model_args_from_hf_config(config).vocab_size == 256:
             byte_level_tokenizer().save(str(staging / "tokenizer.json"))
             (staging / "tokenizer_config.json").write_text(json.dumps(TINY_TOKENIZER_CONFIG, indent=2) + "\n")
         if out.exists():

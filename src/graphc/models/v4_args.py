@@ -189,7 +189,7 @@ def v4_args_from_hf_config(config: dict[str, Any]) -> V4Args:
     if fraction is None:
         legacy = config.get("qk_rope_head_dim")
         fraction = legacy / config["head_dim"] if legacy is not None else DEFAULT_ROPE_HEAD_DIM_FRACTION
-    main_rope, compress_rope = _ropes(config)
+    main_rope, compress_rope = rope_args_from_config(config)
     eos = config.get("eos_token_id")
     return V4Args(
         vocab_size=config["vocab_size"],
@@ -228,7 +228,7 @@ def v4_args_from_hf_config(config: dict[str, Any]) -> V4Args:
     )
 
 
-def _ropes(config: dict[str, Any]) -> tuple[RopeArgs, RopeArgs]:
+def rope_args_from_config(config: dict[str, Any]) -> tuple[RopeArgs, RopeArgs]:
     """The main and compress RoPE. transformers nests them as `rope_parameters: {main, compress}`;
     a flat `rope_parameters` / `rope_scaling` (the released form) is the compress one's YaRN, with
     `rope_theta` and `compress_rope_theta` the two bases. Whatever the YaRN settings say, the

@@ -1,0 +1,235 @@
+"""`V41Args`: the DeepSeek-V4.1 (text) hyper-parameters graphc needs, read from the released
+`config.json` (the text model's fields nested under `text_config`, beside a `vision_config`).
+
+What V4.1 changes from V4 in its configuration: `compress_ratios` per layer in {0, 1, 2, ...}
+(0: sliding window only; r > 0: the layer attends to entries of r tokens each), but only the
+`kv_source_layer_ids` own a compressor and the other compressed layers read the entries of the
+latest source of their ratio; only the `index_source_layer_ids` run an indexer (a source of both
+computes the index keys, later index layers of its ratio reuse them), and every other compressed
+layer attends to the selection the latest index layer published; the `candidate_source_layer_id`
+also picks `candidate_topk_blocks` blocks of `candidate_block_size` entries, and later index
+layers choose only among those (two-level top-k); no hash-routed layers; Engram tables at
+`engram_layer_ids`; `gate_temp` divides the router logits (1 when absent, as in the release).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from graphc.errors import CheckpointError
+from graphc.models.args import RopeArgs, check_field_types
+from graphc.models.engram import EngramArgs
+from graphc.models.v4_args import rope_args_from_config
+
+V41_ARCHITECTURE = "DeepseekV41ForCausalLM"
+V41_MODEL_TYPE = "deepseek_v41"
+
+REQUIRED = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "head_dim", "q_lora_rank", "qk_rope_head_dim", "n_routed_experts", "num_experts_per_tok", "o_groups",
+            "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk", "compress_ratios", "kv_source_layer_ids",
+            "index_source_layer_ids")
+ENGRAM_FIELDS = ("engram_max_ngram_size", "engram_n_heads", "engram_head_dim", "engram_vocab_size")
+
+
+@dataclass(frozen=True)
+class V41Args:
+    """DeepSeek-V4.1 text-model hyper-parameters (names follow `text_config`)."""
+
+    vocab_size: int
+    hidden_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    """Width of every query head and of the one shared K = V head."""
+    q_lora_rank: int
+    rope_head_dim: int
+    """Trailing dims of each head that are roped (interleaved pairs)."""
+    n_routed_experts: int
+    num_experts_per_tok: int
+    routed_scaling_factor: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    compress_ratios: tuple[int, ...]
+    """Tokens per compressed entry a layer attends to (0: sliding window only)."""
+    kv_source_layer_ids: tuple[int, ...]
+    index_source_layer_ids: tuple[int, ...]
+    candidate_source_layer_id: int
+    """The index layer that also picks candidate blocks for later index layers (-1: none)."""
+    candidate_topk_blocks: int
+    candidate_block_size: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    swiglu_limit: float
+    sliding_window: int
+    o_groups: int
+    o_lora_rank: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    main_rope: RopeArgs
+    """The sliding-only layers' RoPE."""
+    compress_rope: RopeArgs
+    """The compressed layers' RoPE (queries, keys, entries and the indexer's)."""
+    gate_temp: float
+    engram: EngramArgs | None
+    num_nextn_predict_layers: int = 0
+    tie_word_embeddings: bool = False
+    eos_token_id: tuple[int, ...] = ()
+
+    n_shared_experts = 1
+    first_k_dense_replace = 0
+    sparse_attention = False
+
+    def __post_init__(self) -> None:
+        layers, ratios = self.num_hidden_layers, self.compress_ratios
+        for name in ("kv_source_layer_ids", "index_source_layer_ids"):
+            stray = [i for i in getattr(self, name) if not 0 <= i < layers or not ratios[i]]
+            if stray:
+                raise CheckpointError(f"config.json: {name} {list(stray)} are not compressed layers of 0..{layers - 1}")
+        checks = [
+            (len(ratios) == layers, f"compress_ratios has {len(ratios)} entries for {layers} layers"),
+            (all(isinstance(r, int) and r >= 0 for r in ratios), f"compress_ratios {list(ratios)}: expected integers >= 0"),
+            (set(self.kv_source_layer_ids) <= set(self.index_source_layer_ids),
+             f"kv_source_layer_ids {list(self.kv_source_layer_ids)} must all be index sources "
+             f"({list(self.index_source_layer_ids)})"),
+            (self.candidate_source_layer_id in (-1, *self.kv_source_layer_ids),
+             f"candidate_source_layer_id {self.candidate_source_layer_id} must be -1 or a KV source layer"),
+            (self.num_experts_per_tok <= self.n_routed_experts,
+             f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= n_routed_experts ({self.n_routed_experts})"),
+            (self.rope_head_dim % 2 == 0 and 0 < self.rope_head_dim <= min(self.head_dim, self.index_head_dim),
+             f"qk_rope_head_dim ({self.rope_head_dim}) must be even and fit head_dim and index_head_dim"),
+            ((self.num_attention_heads * self.head_dim) % self.o_groups == 0,
+             f"o_groups ({self.o_groups}) must divide num_attention_heads * head_dim"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise CheckpointError(f"config.json: {message}")
+        for layer in range(layers):
+            if ratios[layer]:
+                self.kv_source(layer), self.index_source(layer)  # raise where a layer has none
+        if self.engram is not None and not set(self.engram.layer_ids) <= set(range(layers)):
+            raise CheckpointError(f"config.json: engram_layer_ids {list(self.engram.layer_ids)} are not all layers "
+                                  f"of 0..{layers - 1}")
+
+    @property
+    def architecture(self) -> str:
+        return V41_ARCHITECTURE
+
+    def _latest(self, layer: int, sources: tuple[int, ...], what: str) -> int:
+        found = [s for s in sources if s <= layer and self.compress_ratios[s] == self.compress_ratios[layer]]
+        if not found:
+            raise CheckpointError(f"config.json: layer {layer} (compress ratio {self.compress_ratios[layer]}) has no "
+                                  f"{what} of its ratio at or before it")
+        return max(found)
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose compressor makes the entries compressed layer `layer` attends to."""
+        return self._latest(layer, self.kv_source_layer_ids, "kv_source_layer_ids entry")
+
+    def index_source(self, layer: int) -> int:
+        """The index layer whose selection compressed layer `layer` attends to (itself if it is one)."""
+        latest = max(s for s in (*self.index_source_layer_ids, -1) if s <= layer)
+        if latest < 0 or self.compress_ratios[latest] != self.compress_ratios[layer]:
+            raise CheckpointError(f"config.json: layer {layer} (compress ratio {self.compress_ratios[layer]}) would "
+                                  f"reuse the selection of layer {latest}, which is not an index layer of its ratio")
+        return latest
+
+    def uses_candidates(self, layer: int) -> bool:
+        """Whether index layer `layer` chooses only among the candidate layer's blocks."""
+        return 0 <= self.candidate_source_layer_id < layer and layer in self.index_source_layer_ids
+
+
+def is_v41_config(config: dict[str, Any]) -> bool:
+    architectures = config.get("architectures") or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    return V41_ARCHITECTURE in architectures or config.get("model_type") == V41_MODEL_TYPE
+
+
+def v41_args_from_hf_config(config: dict[str, Any]) -> V41Args:
+    """Translate a DeepSeek-V4.1 `config.json` into `V41Args` (the text model's fields)."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError("config.json: a DeepSeek-V4.1 config nests the text model under 'text_config'; "
+                              "it is missing or not an object")
+    missing = [k for k in REQUIRED if text.get(k) is None]
+    if missing:
+        raise CheckpointError(f"config.json: text_config lacks required field(s) {', '.join(missing)}")
+    check_field_types(text)
+    scoring = text.get("scoring_func", "sqrtsoftplus")
+    if scoring != "sqrtsoftplus":
+        raise CheckpointError(f"config.json: text_config.scoring_func {scoring!r} is not supported; DeepSeek-V4.1 "
+                              "uses 'sqrtsoftplus'")
+    if text.get("num_key_value_heads", 1) != 1:
+        raise CheckpointError(f"config.json: text_config.num_key_value_heads is {text['num_key_value_heads']}; "
+                              "DeepSeek-V4.1 attention has one shared K = V head")
+    if text.get("n_shared_experts", 1) != 1:
+        raise CheckpointError(f"config.json: text_config.n_shared_experts is {text['n_shared_experts']}; "
+                              "DeepSeek-V4.1 has 1")
+    layers = text["num_hidden_layers"]
+    main_rope, compress_rope = rope_args_from_config(text)
+    eos = text.get("eos_token_id", config.get("eos_token_id"))
+    return V41Args(
+        vocab_size=text["vocab_size"],
+        hidden_size=text["hidden_size"],
+        moe_intermediate_size=text["moe_intermediate_size"],
+        num_hidden_layers=layers,
+        num_attention_heads=text["num_attention_heads"],
+        head_dim=text["head_dim"],
+        q_lora_rank=text["q_lora_rank"],
+        rope_head_dim=text["qk_rope_head_dim"],
+        n_routed_experts=text["n_routed_experts"],
+        num_experts_per_tok=text["num_experts_per_tok"],
+        routed_scaling_factor=float(text.get("routed_scaling_factor", 1.5)),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-20)),
+        max_position_embeddings=text.get("max_position_embeddings", 1048576),
+        compress_ratios=tuple(text["compress_ratios"][:layers]),  # the release lists its draft layers' too
+        kv_source_layer_ids=tuple(text["kv_source_layer_ids"]),
+        index_source_layer_ids=tuple(text["index_source_layer_ids"]),
+        candidate_source_layer_id=text.get("candidate_source_layer_id", -1),
+        candidate_topk_blocks=text.get("candidate_topk_blocks", 2048),
+        candidate_block_size=text.get("candidate_block_size", 8),
+        hc_mult=text.get("hc_mult", 4),
+        hc_sinkhorn_iters=text.get("hc_sinkhorn_iters", 20),
+        hc_eps=float(text.get("hc_eps", 1e-6)),
+        swiglu_limit=float(text.get("swiglu_limit", 10.0)),
+        sliding_window=text.get("sliding_window", 128),
+        o_groups=text["o_groups"],
+        o_lora_rank=text["o_lora_rank"],
+        index_n_heads=text["index_n_heads"],
+        index_head_dim=text["index_head_dim"],
+        index_topk=text["index_topk"],
+        main_rope=main_rope,
+        compress_rope=compress_rope,
+        gate_temp=float(text.get("gate_temp", 1.0)),
+        engram=_engram_args(text),
+        num_nextn_predict_layers=text.get("num_nextn_predict_layers") or 0,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        eos_token_id=() if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),),
+    )
+
+
+def _engram_args(text: dict[str, Any]) -> EngramArgs | None:
+    layer_ids = tuple(text.get("engram_layer_ids") or ())
+    if not layer_ids:
+        return None
+    missing = [k for k in ENGRAM_FIELDS if text.get(k) is None]
+    if missing:
+        raise CheckpointError(f"config.json: engram_layer_ids is set but text_config lacks {', '.join(missing)}")
+    compressed = text.get("engram_compressed_vocab_size") or text["vocab_size"]
+    if compressed != text["vocab_size"]:
+        # The compressed vocabulary folds tokens by their normalised text: it needs the tokenizer.
+        raise CheckpointError(f"config.json: engram_compressed_vocab_size {compressed} differs from vocab_size "
+                              f"{text['vocab_size']}; graphc supports the identity token map only (equal sizes)")
+    args = EngramArgs(layer_ids=layer_ids, max_ngram=text["engram_max_ngram_size"], heads=text["engram_n_heads"],
+                      head_dim=text["engram_head_dim"], vocab_base=text["engram_vocab_size"],
+                      compressed_vocab=compressed, pad_id=text.get("engram_pad_token_id", 2))
+    stated = text.get("engram_num_embeddings")
+    if stated is not None and list(stated) != [args.table_rows()[layer] for layer in layer_ids]:
+        raise CheckpointError(f"config.json: engram_num_embeddings {list(stated)} are not the hash tables' sizes "
+                              f"{[args.table_rows()[layer] for layer in layer_ids]} (the sums of each layer's primes "
+                              f"above engram_vocab_size {args.vocab_base})")
+    return args
