@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from graphc.errors import CheckpointError
 from graphc.models import deepseek_v41_reference as reference
 from graphc.models.args import model_args_from_hf_config
-from graphc.models.checkpoint import load_model
+from graphc.models.checkpoint import load_model, load_reference
 from graphc.models.tiny import PRESETS
 
 PROMPT = torch.tensor([[(37 * i + 11) % 250 + 3 for i in range(45)]])
@@ -23,7 +23,7 @@ PROMPT = torch.tensor([[(37 * i + 11) % 250 + 3 for i in range(45)]])
 
 @pytest.fixture(scope="module")
 def model(tiny_checkpoints):
-    return load_model(tiny_checkpoints["v41"])
+    return load_reference(tiny_checkpoints["v41"])
 
 
 def args_with(**text_changes):
@@ -215,7 +215,7 @@ def test_loader_names_missing_and_unknown_engram_tensors(tiny_checkpoints, tmp_p
         save_file(edited, broken / "model.safetensors")
         expected = "layers.4.engram.wkv.weight" if name == "missing" else "layers.2.engram.q_weight"
         with pytest.raises(CheckpointError, match=f"{name if name == 'missing' else 'unexpected'} tensor.*{expected}"):
-            load_model(broken)
+            load_reference(broken)
 
 
 def test_loader_skips_the_vision_tower_and_draft_layers(tiny_checkpoints, tmp_path):
@@ -225,6 +225,6 @@ def test_loader_skips_the_vision_tower_and_draft_layers(tiny_checkpoints, tmp_pa
     tensors |= {"vision.blocks.0.attn.weight": torch.ones(2, 2), "image_newline": torch.ones(64)}
     (tmp_path / "config.json").write_text(json.dumps(json.loads((source / "config.json").read_text())))
     save_file(tensors, tmp_path / "model.safetensors")
-    loaded = load_model(tmp_path)
+    loaded = load_reference(tmp_path)
     with torch.no_grad():
-        assert torch.equal(loaded(PROMPT[:, :9]), load_model(source)(PROMPT[:, :9]))
+        assert torch.equal(loaded(PROMPT[:, :9]), load_reference(source)(PROMPT[:, :9]))

@@ -27,8 +27,9 @@ from torch import Tensor
 
 from graphc.errors import CheckpointError
 from graphc.models.args import ModelArgs, model_args_from_hf_config, read_hf_config
-from graphc.models import deepseek_v4, v4_layout
+from graphc.models import deepseek_v4, v41_layout, v4_layout
 from graphc.models.deepseek_v3 import FP32_SUFFIXES, DeepseekV3, RotaryEmbedding
+from graphc.models.deepseek_v41 import DeepseekV41
 from graphc.models.deepseek_v41_reference import DeepseekV41Reference
 from graphc.models.deepseek_v4 import DeepseekV4
 from graphc.models.engram import NgramHash
@@ -43,13 +44,14 @@ EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("d
 LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 Args = ModelArgs | V4Args | V41Args
-Model = DeepseekV3 | DeepseekV4 | DeepseekV41Reference
-V41_FP32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|attn_sink|norm\.weight|gate\.bias(_vl)?|^head\.weight|"
+Model = DeepseekV3 | DeepseekV4 | DeepseekV41
+V41_FP32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|attn_sink|norm\.weight|gate\.bias|^head\.weight|"
                       r"compressor\.wgate\.weight)$")
 """DeepSeek-V4.1 parameters held in fp32 whatever the model dtype, as its inference code holds them
 (and the compressor projections of layers pooling 2 or more tokens: `_keeps_fp32`)."""
-OUTSIDE_TEXT_MODEL = re.compile(r"^(vision|aligner)\.|^image_(start|end|newline)$")
-"""DeepSeek-V4.1's vision tower and image markers: a text-only loader skips them."""
+OUTSIDE_TEXT_MODEL = re.compile(r"^(vision|aligner)\.|^image_(start|end|newline)$|\.ffn\.gate\.bias_vl$")
+"""DeepSeek-V4.1's vision path (its tower, image markers, the routers' image-token biases): a
+text-only loader skips them."""
 Sources = dict[str, list[list[str]]]
 """Per graphc parameter, the stored tensors that make it: one list per routed expert (its
 projections, concatenated along rows) for a stacked parameter stored per expert, else one list of
@@ -64,9 +66,7 @@ def load_model_args(checkpoint_dir: Path) -> Args:
 def build_model(args: Args, local_experts: int | None = None, sparse_probabilities: str = "fp32") -> Model:
     """The module of `args`'s architecture (weights uninitialised; build it under a meta device)."""
     if isinstance(args, V41Args):
-        if local_experts not in (None, args.n_routed_experts):
-            raise CheckpointError("DeepSeek-V4.1 loads whole (its eager reference); expert shards are not supported")
-        return DeepseekV41Reference(args)
+        return DeepseekV41(args, local_experts)
     if isinstance(args, V4Args):
         return DeepseekV4(args, local_experts)
     return DeepseekV3(args, local_experts, sparse_probabilities)
@@ -126,7 +126,7 @@ def expected_tensors(args: Args) -> dict[str, tuple[int, ...]]:
     if isinstance(args, ModelArgs):
         return _expected_shapes(args, _v3_sources(args))
     if isinstance(args, V41Args):
-        return _parameter_shapes(args)
+        return _expected_shapes(args, v41_layout.sources(list(_parameter_shapes(args)), args.n_routed_experts))
     sources = {}
     for name in _parameter_shapes(args):
         stacked = STACKED_EXPERT.match(name)
@@ -150,7 +150,8 @@ def is_multi_token_prediction(name: str, args: Args) -> bool:
 
 def keeps_fp32(name: str, args: Args) -> bool:
     """Whether parameter `name` stays fp32 whatever the model dtype."""
-    if isinstance(args, V41Args):
+    if isinstance(args, V41Args):  # by the released name: the reference's, or the paged model's mapped back
+        name = v41_layout.released_name(name)
         layer = LAYER_INDEX.match("model." + name)
         pools = bool(layer) and args.compress_ratios[int(layer.group(1))] > 1
         return bool(V41_FP32.search(name)) or (pools and name.endswith("compressor.wkv.weight"))
@@ -210,7 +211,7 @@ def load_expert_shard(checkpoint_dir: Path, topology: Topology, rank: int, dtype
 
 def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                experts: range | None = None, sparse_probabilities: str | None = None) -> Model:
-    """Build `DeepseekV3` (or `DeepseekV4`) from a checkpoint.
+    """Build `DeepseekV3` (or `DeepseekV4`, or the paged `DeepseekV41`) from a checkpoint.
 
     Args:
         checkpoint_dir: directory with config.json and model.safetensors (or a sharded index).
@@ -254,7 +255,9 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
                 return _read_tensor(handles, files, stored, expected[stored], block).to(device=device, dtype=dtype)
 
             groups = sources[name]
-            if _stored_per_expert(name, groups):
+            if name.endswith("engram.embed.weight") and len(experts) < args.n_routed_experts:
+                state[name] = _table_rows(handles, files, groups[0][0], experts, args).to(device=device, dtype=target)
+            elif _stored_per_expert(name, groups):
                 state[name] = torch.stack([torch.cat([read(n) for n in groups[e]]) for e in experts])
             elif STACKED_EXPERT.match(name):  # stored stacked: this rank's rows
                 state[name] = read(groups[0][0])[experts.start:experts.stop]
@@ -268,6 +271,42 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
             module.to(device)
     _check_device(model, torch.device(device))
     return model.requires_grad_(False).eval()  # inference only: no autograd bookkeeping
+
+
+def _table_rows(handles: dict, files: dict[str, Path], name: str, experts: range, args: V41Args) -> Tensor:
+    """An Engram table's rows that this expert shard holds (read alone: tables are the largest
+    tensors of V4.1): shard s of ep holds rows [s R, (s + 1) R), R = ceil(rows / ep), zero past
+    the table's end (`engram`)."""
+    shards = args.n_routed_experts // len(experts)  # experts are a contiguous, even share
+    shard = experts.start // len(experts)
+    table = handles[files[name]].get_slice(name)
+    rows, width = table.get_shape()
+    held = -(-rows // shards)
+    if table.get_dtype() not in ("F32", "BF16", "F16"):
+        raise CheckpointError(f"{files[name].name}: tensor {name} is {table.get_dtype()}; a sharded Engram table "
+                              "must be stored as float32, bfloat16 or float16")
+    part = table[shard * held:min((shard + 1) * held, rows)]
+    return torch.nn.functional.pad(part, (0, 0, 0, held - part.shape[0]))
+
+
+def load_reference(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -> DeepseekV41Reference:
+    """DeepSeek-V4.1's eager reference (`deepseek_v41_reference`) from a checkpoint, on the CPU,
+    checked as `load_model` checks it."""
+    checked = check_checkpoint(Path(checkpoint_dir))
+    if not isinstance(checked.args, V41Args):
+        raise CheckpointError(f"{checkpoint_dir}: {checked.args.architecture} has no graphc reference model; "
+                              "transformers implements it")
+    with torch.device("meta"):
+        model = DeepseekV41Reference(checked.args)
+    state = {}
+    with contextlib.ExitStack() as stack:
+        handles = {path: stack.enter_context(safe_open(path, "pt", backend="pread"))
+                   for path in sorted(set(checked.files.values()))}
+        for name, parameter in model.state_dict().items():
+            tensor = _read_tensor(handles, checked.files, name, tuple(parameter.shape), checked.fp8_block)
+            state[name] = tensor.to(torch.float32 if keeps_fp32(name, checked.args) else dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.requires_grad_(False).eval()
 
 
 @dataclass(frozen=True)
@@ -312,8 +351,9 @@ def check_checkpoint(checkpoint_dir: Path) -> CheckedCheckpoint:
         stored -= {"lm_head.weight", "head.weight"}
     if isinstance(args, V41Args):
         stored = {n for n in stored if not OUTSIDE_TEXT_MODEL.search(n)}
-        sources = {name: [[name]] for name in _parameter_shapes(args)}
-        missing, unexpected = sorted(set(sources) - stored), sorted(stored - set(sources))
+        sources = v41_layout.sources(list(_parameter_shapes(args)), args.n_routed_experts)
+        named = {n for groups in sources.values() for parts in groups for n in parts}
+        missing, unexpected = sorted(named - stored), sorted(stored - named)
     elif isinstance(args, V4Args):
         sources, missing = v4_layout.parameter_sources(stored, args.n_routed_experts)
         params = _parameter_shapes(args)

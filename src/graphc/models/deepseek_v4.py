@@ -136,6 +136,50 @@ def partial_softmax(logits: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     return weights, lse.squeeze(dim)
 
 
+def window_keys(cache: CacheView, layer: int, positions: Tensor, window: int, head_dim: int) -> tuple[Tensor, Tensor]:
+    """Each row's keys [B, K, d] from `window` - 1 before its first token to its last, and which
+    each query sees [B, Q, K] (the last `window` positions up to its own, on this shard)."""
+    width = positions.shape[1]
+    span = torch.arange(window + width - 1, device=positions.device)
+    key_positions = positions[:, :1] - window + 1 + span  # [B, K]
+    keys, here = cache.read(layer, key_positions, slice(0, head_dim))  # [B, K, d]
+    query, key = positions[..., None], key_positions[:, None, :]  # [B, Q, 1], [B, 1, K]
+    return keys, here[:, None, :] & (key <= query) & (key > query - window)
+
+
+def partial_attention(q: Tensor, key_sets: list[tuple[Tensor, Tensor]], sinks: Tensor,
+                      shard: Tensor) -> tuple[Tensor, Tensor]:
+    """This shard's share of the softmax of q . k / sqrt(d) over every visible key and each head's
+    sink (counted on shard 0 alone: it takes its share of the probability and adds nothing), in
+    fp32 (K = V: keys are the values).
+
+    Args:
+        q: [B, Q, H, d].
+        key_sets: (keys, visible) pairs: keys [B, K, d] shared by a row's queries or
+            [B, Q, K, d] per query, visible [B, Q, K].
+        sinks: [H] the heads' sink logits.
+        shard: this rank's place in the CP group.
+
+    Returns:
+        out: [B, Q, H, d] fp32 and lse: [B, Q, H] fp32, to combine over the CP group.
+    """
+    q = fp32(q) * q.shape[-1]**-0.5
+    scores = []
+    for keys, visible in key_sets:
+        pattern = "bqhd,bkd->bqhk" if keys.dim() == 3 else "bqhd,bqkd->bqhk"
+        score = torch.einsum(pattern, q, fp32(keys))
+        scores.append(score.masked_fill(~visible[:, :, None, :], float("-inf")))
+    sink = fp32(sinks).masked_fill(torch.as_tensor(shard) != 0, float("-inf"))
+    weights, lse = partial_softmax(torch.cat([*scores, sink.view(1, 1, -1, 1).expand(*q.shape[:3], 1)], dim=-1),
+                                   dim=-1)  # [B, Q, H, K' + 1]
+    out, start = 0, 0
+    for keys, _ in key_sets:
+        share, start = weights[..., start:start + keys.shape[-2]], start + keys.shape[-2]
+        pattern = "bqhk,bkd->bqhd" if keys.dim() == 3 else "bqhk,bqkd->bqhd"
+        out = out + torch.einsum(pattern, share, fp32(keys))
+    return out, lse
+
+
 class Compressor(nn.Module):
     """Pools windows of tokens into entries: entry w = norm(sum_j softmax_j(gate_j + bias_j) kv_j)
     per channel, roped at its window's first position. With `overlap` (CSA), each token projects
@@ -252,7 +296,7 @@ class Attention(nn.Module):
 
         # Key sets, each [B, K, d] shared by a row's queries or [B, Q, K, d] per query, with
         # which keys each query sees [B, Q, K] (those on this shard).
-        key_sets = [self._window(cache, token_layer, step.positions)]
+        key_sets = [window_keys(cache, token_layer, step.positions, self.window, self.head_dim)]
         if self.kind != SLIDING:
             self._write(step, entry_layer, self._entries(cache, token_layer, step.positions, x.dtype))
             entry_positions = (torch.arange(cache.capacity // self.rate, device=x.device) + 1) * self.rate - 1  # [E]
@@ -264,7 +308,7 @@ class Attention(nn.Module):
                 entries, here = cache.read(entry_layer, entry_positions[None].expand(rows, -1),
                                            slice(0, self.head_dim))  # [B, E, d]
                 key_sets.append((entries, here[:, None, :] & (entry_positions <= step.positions[..., None])))
-        out, lse = self._partial_attention(q, key_sets, cache.shard)  # [B, Q, H, d], [B, Q, H]
+        out, lse = partial_attention(q, key_sets, self.sinks, cache.shard)  # [B, Q, H, d], [B, Q, H]
         out = collectives.attention_combine(out, lse, "cp")  # the CP group's shards, combined
         out = rotate_trailing(cast(out, x.dtype), cos[:, :, None], -sin[:, :, None])  # undo the values' rotation
         groups = out.reshape(rows, width, self.o_groups, -1)  # [B, Q, g, H*d/g]
@@ -274,15 +318,6 @@ class Attention(nn.Module):
     def _write(self, step: StepInputs, layer: int, state: Tensor) -> None:
         width = step.kv_pool.shape[-1]
         paged_attention.kv_write(step.kv_pool, layer, F.pad(state, (0, width - state.shape[-1])), step.slot_mapping)
-
-    def _window(self, cache: CacheView, layer: int, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """Each row's keys from W - 1 before its first token to its last, and which each query sees."""
-        width = positions.shape[1]
-        span = torch.arange(self.window + width - 1, device=positions.device)
-        key_positions = positions[:, :1] - self.window + 1 + span  # [B, K]
-        keys, here = cache.read(layer, key_positions, slice(0, self.head_dim))  # [B, K, d]
-        query, key = positions[..., None], key_positions[:, None, :]  # [B, Q, 1], [B, 1, K]
-        return keys, here[:, None, :] & (key <= query) & (key > query - self.window)
 
     def _entries(self, cache: CacheView, layer: int, positions: Tensor, dtype: torch.dtype) -> Tensor:
         """[B, Q, d (+ J)] the entries (and CSA's indexer keys) of the windows the step's tokens
@@ -315,37 +350,6 @@ class Attention(nn.Module):
         candidates = entry_positions.expand(rows, width, -1)  # ascending, as the combine needs
         positions, best = sparse.top_by_score(candidates, scores, min(indexer.topk, scores.shape[-1]))
         return sparse.index_topk_combine(positions, best, "cp")
-
-    def _partial_attention(self, q: Tensor, key_sets: list[tuple[Tensor, Tensor]], shard: Tensor) -> tuple[Tensor, Tensor]:
-        """This shard's share of the softmax of q . k / sqrt(d) over every visible key and the
-        head's sink (counted on shard 0 alone: it takes its share of the probability and adds
-        nothing), in fp32 (K = V: keys are the values).
-
-        Args:
-            q: [B, Q, H, d].
-            key_sets: (keys, visible) pairs: keys [B, K, d] shared by a row's queries or
-                [B, Q, K, d] per query, visible [B, Q, K].
-            shard: this rank's place in the CP group.
-
-        Returns:
-            out: [B, Q, H, d] fp32 and lse: [B, Q, H] fp32, to combine over the CP group.
-        """
-        q = fp32(q) * self.head_dim**-0.5
-        scores = []
-        for keys, visible in key_sets:
-            pattern = "bqhd,bkd->bqhk" if keys.dim() == 3 else "bqhd,bqkd->bqhk"
-            score = torch.einsum(pattern, q, fp32(keys))
-            scores.append(score.masked_fill(~visible[:, :, None, :], float("-inf")))
-        sink = fp32(self.sinks).masked_fill(torch.as_tensor(shard) != 0, float("-inf"))
-        weights, lse = partial_softmax(torch.cat([*scores, sink.view(1, 1, -1, 1).expand(*q.shape[:3], 1)], dim=-1),
-                                       dim=-1)  # [B, Q, H, K' + 1]
-        out, start = 0, 0
-        for keys, _ in key_sets:
-            share, start = weights[..., start:start + keys.shape[-2]], start + keys.shape[-2]
-            pattern = "bqhk,bkd->bqhd" if keys.dim() == 3 else "bqhk,bqkd->bqhd"
-            out = out + torch.einsum(pattern, share, fp32(keys))
-        return out, lse
-
 
 class HyperConnection(nn.Module):
     """mHC: from the RMS-normalised streams, `pre` weights collapse the n streams into the

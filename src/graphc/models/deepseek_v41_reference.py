@@ -208,8 +208,7 @@ class Gate(nn.Module):
         self.args = args
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size))
         self.bias = nn.Parameter(torch.empty(args.n_routed_experts))
-        self.bias_vl = nn.Parameter(torch.empty(args.n_routed_experts))
-        """The bias of image tokens (the vision model's): text-only graphc never uses it."""
+        # (`bias_vl`, the image tokens' bias, belongs to the vision path: the loader skips it.)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, D] -> weights [T, K] fp32, expert ids [T, K]."""
@@ -269,16 +268,8 @@ class Block(nn.Module):
             setattr(self, f"hc_{sublayer}_scale", nn.Parameter(torch.empty(3)))
 
     def mixes(self, streams: Tensor, sublayer: str) -> tuple[Tensor, Tensor, Tensor]:
-        """From the streams [B, T, n, D]: pre [B, T, n], post [B, T, n], comb [B, T, n, n] (fp32)."""
-        n, eps = self.args.hc_mult, self.args.hc_eps
-        fn, base, scale = (getattr(self, f"hc_{sublayer}_{part}").float() for part in ("fn", "base", "scale"))
-        flat = streams.flatten(2).float()
-        mixes = F.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.args.rms_norm_eps)
-        pre, post, comb = mixes.split([n, n, n * n], dim=-1)
-        pre = torch.sigmoid(pre * scale[0] + base[:n]) + eps
-        post = 2 * torch.sigmoid(post * scale[1] + base[n:2 * n])
-        comb = torch.softmax(comb.unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n), dim=-1) + eps
-        return pre, post, hc_sinkhorn_reference(comb, self.args.hc_sinkhorn_iters, eps)
+        return stream_mixes(streams, *(getattr(self, f"hc_{sublayer}_{part}") for part in ("fn", "base", "scale")),
+                            self.args, hc_sinkhorn_reference)
 
     def forward(self, streams: Tensor, pre: Tensor, published: Published) -> tuple[Tensor, Tensor]:
         """streams [B, T, n, D], the previous sublayer's pre -> streams, the last sublayer's pre."""
@@ -288,6 +279,22 @@ class Block(nn.Module):
         ffn_pre, post, comb = self.mixes(streams, "ffn")
         out = self.ffn(self.ffn_norm(collapse(streams, attn_pre)))
         return expand(out, streams, post, comb), ffn_pre
+
+
+def stream_mixes(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, args: V41Args,
+                 sinkhorn) -> tuple[Tensor, Tensor, Tensor]:
+    """From the streams [B, T, n, D]: pre [B, T, n], post [B, T, n], comb [B, T, n, n] (fp32): the
+    RMS-scaled projection of the flattened streams (one statistic over all n D), through
+    sigmoid / 2 sigmoid / softmax, comb made doubly stochastic by `sinkhorn`."""
+    n, eps = args.hc_mult, args.hc_eps
+    fn, base, scale = fn.float(), base.float(), scale.float()
+    flat = streams.flatten(2).float()
+    mixes = F.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + args.rms_norm_eps)
+    pre, post, comb = mixes.split([n, n, n * n], dim=-1)
+    pre = torch.sigmoid(pre * scale[0] + base[:n]) + eps
+    post = 2 * torch.sigmoid(post * scale[1] + base[n:2 * n])
+    comb = torch.softmax(comb.unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n), dim=-1) + eps
+    return pre, post, sinkhorn(comb, args.hc_sinkhorn_iters, eps)
 
 
 def collapse(streams: Tensor, pre: Tensor) -> Tensor:

@@ -289,6 +289,8 @@ def tiny_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         shapes.update({f"mtp.{mtp}." + n.removeprefix("layers.0."): shape
                        for mtp in range(args.num_nextn_predict_layers)
                        for n, shape in list(shapes.items()) if n.startswith("layers.0.")})
+    if isinstance(args, V41Args):  # the image tokens' router bias, which text-only loaders skip
+        shapes.update({f"layers.{i}.ffn.gate.bias_vl": (args.n_routed_experts,) for i in range(args.num_hidden_layers)})
     last = args.num_hidden_layers - 1
     for mtp in range(args.num_nextn_predict_layers if isinstance(args, ModelArgs) else 0):
         # An MTP module is a full (MoE) decoder layer plus its own projections and head.

@@ -29,6 +29,8 @@ REQUIRED = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_la
             "head_dim", "q_lora_rank", "qk_rope_head_dim", "n_routed_experts", "num_experts_per_tok", "o_groups",
             "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk", "compress_ratios", "kv_source_layer_ids",
             "index_source_layer_ids")
+TOKEN_ID_DIGITS = 3
+"""A token id is cached as 3 base-256 digits (exact in bf16, ids below 2^24) for Engram's hash."""
 ENGRAM_FIELDS = ("engram_max_ngram_size", "engram_n_heads", "engram_head_dim", "engram_vocab_size")
 
 
@@ -110,6 +112,8 @@ class V41Args:
         for layer in range(layers):
             if ratios[layer]:
                 self.kv_source(layer), self.index_source(layer)  # raise where a layer has none
+        if self.tie_word_embeddings:
+            raise CheckpointError("config.json: tie_word_embeddings is true; DeepSeek-V4.1 has a separate head")
         if self.engram is not None and not set(self.engram.layer_ids) <= set(range(layers)):
             raise CheckpointError(f"config.json: engram_layer_ids {list(self.engram.layer_ids)} are not all layers "
                                   f"of 0..{layers - 1}")
@@ -136,6 +140,27 @@ class V41Args:
             raise CheckpointError(f"config.json: layer {layer} (compress ratio {self.compress_ratios[layer]}) would "
                                   f"reuse the selection of layer {latest}, which is not an index layer of its ratio")
         return latest
+
+    def token_state_dim(self, layer: int) -> int:
+        """Width of what one token leaves in its layer's token cache (see `deepseek_v41`): its
+        K = V; a pooling KV source's raw kv and gate projections."""
+        pools = layer in self.kv_source_layer_ids and self.compress_ratios[layer] > 1
+        return self.head_dim * (3 if pools else 1)
+
+    def entry_dim(self, layer: int) -> int:
+        """Width of a KV source's entry (then its index key) in its entry cache; 0 elsewhere."""
+        return self.head_dim + self.index_head_dim if layer in self.kv_source_layer_ids else 0
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """C: the cached width, the widest of any layer's token or entry state."""
+        return max(max(self.token_state_dim(i), self.entry_dim(i)) for i in range(self.num_hidden_layers))
+
+    @property
+    def cache_layers(self) -> int:
+        """Pool layers: each model layer's token cache (2i) and entry cache (2i + 1), then with
+        Engram the token ids (2L)."""
+        return 2 * self.num_hidden_layers + (self.engram is not None)
 
     def uses_candidates(self, layer: int) -> bool:
         """Whether index layer `layer` chooses only among the candidate layer's blocks."""

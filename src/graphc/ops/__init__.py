@@ -3,7 +3,7 @@ names them, so the runtime imports it before loading a graph).
 
     library.py          how an op is defined (schema, kernel, fake)
     paged_attention.py  KV write and MLA attention over the paged pool
-    collectives.py      attention combine, MoE all-gather / reduce-scatter, all-reduce
+    collectives.py      attention combine, MoE all-gather / reduce-scatter, all-reduce (sum, max)
     all_to_all.py       the all-to-all MoE's dispatch and combine (even and variable lowerings)
     sampler.py          the in-graph sampler
     sparse.py           DeepSeek Sparse Attention's indexer and sparse MLA

@@ -107,3 +107,17 @@ def _all_reduce(partial: Tensor, group: str) -> Tensor:
 
 all_reduce = define_op("all_reduce(Tensor partial, str group) -> Tensor", _all_reduce,
                      lambda partial, group: partial.new_empty(partial.shape))
+
+
+def _all_reduce_max(partial: Tensor, group: str) -> Tensor:
+    """The elementwise maximum of `partial` over the `group` (DeepSeek-V4.1's candidate blocks: a
+    block's score is its best entry, wherever in the context-parallel group that entry lives)."""
+    out = partial.clone(memory_format=torch.contiguous_format)
+    pg = process_group(group)
+    if pg is not None:
+        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=pg)
+    return out
+
+
+all_reduce_max = define_op("all_reduce_max(Tensor partial, str group) -> Tensor", _all_reduce_max,
+                           lambda partial, group: partial.new_empty(partial.shape))
