@@ -14,8 +14,9 @@ from graphc.tools.plan import step_collectives
 from graphc.topology import Topology
 from support import SPARSE_V32, TEST_BUCKETS, model_yaml
 
-OPS = {name: f"graphc::{name}" for name in ("attention_combine", "all_reduce", "moe_dispatch", "moe_combine",
-                                             "index_topk_combine", "moe_a2a_dispatch", "moe_a2a_combine")}
+OPS = {name: f"graphc::{name}" for name in ("attention_combine", "all_reduce", "all_reduce_max", "moe_dispatch",
+                                             "moe_combine", "index_topk_combine", "moe_a2a_dispatch",
+                                             "moe_a2a_combine")}
 
 
 @pytest.mark.parametrize("preset, dp, cp, ep, exchange", [
@@ -24,6 +25,7 @@ OPS = {name: f"graphc::{name}" for name in ("attention_combine", "all_reduce", "
     (SPARSE_V32, 1, 2, 2, "static"),  # sparse attention: a top-k combine per layer too
     ("lora-groups", 2, 1, 2, "a2a_even"), ("lora-groups", 2, 2, 4, "a2a_v"),  # data-parallel attention
     ("v4", 1, 2, 2, "static"),  # DeepSeek-V4: window pools and CSA's top-k combined too
+    ("v41", 1, 2, 2, "static"), ("v41", 1, 2, 2, "ag_rs"),  # V4.1: candidate blocks, Engram lookups
 ])
 def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, dp, cp, ep, exchange, compiled,
                                                               tiny_checkpoints):

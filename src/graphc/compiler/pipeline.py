@@ -23,6 +23,7 @@ from graphc.config import GraphcConfig
 from graphc.models.checkpoint import load_expert_shard, load_model_args
 from graphc.models.deepseek_v3 import Parallelism
 from graphc.models.moe_forms import moe_exchange, step_moe_form
+from graphc.models.v41_args import V41Args
 from graphc.models.v4_args import HASH_MOE, V4Args
 from graphc.passes.collective_schedule import check_collective_schedule, program_collectives
 from graphc.passes.graph import step_placeholders
@@ -138,13 +139,13 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
 def check_backend_topology(backend: str, config: GraphcConfig, static_enabled: bool) -> None:
     """Refuse what a backend cannot compile yet: the neuron backend lowers DeepSeek-V3 / V3.2
     alone, samples in the leader's program alone and lowers no all-to-all (no data-parallel
-    attention there yet); DeepSeek-V4 runs without data-parallel attention so far, and its
+    attention there yet); DeepSeek-V4 and V4.1 run without data-parallel attention so far, and its
     hash-routed layers route by token id at the source, which the ag_rs exchange (routing the
     gathered tokens) cannot."""
     topology = config.topology.topology()
     exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated, static_enabled)
     args = load_model_args(config.model.checkpoint)
-    if isinstance(args, V4Args) and topology.dp > 1:
+    if isinstance(args, (V4Args, V41Args)) and topology.dp > 1:
         raise GraphcError(f"topology.dp: {topology.dp}; {args.architecture} is served with dp = 1 so far (context "
                           "and expert parallelism only)")
     if isinstance(args, V4Args) and HASH_MOE in args.mlp_layer_types and exchange == "ag_rs":
@@ -153,7 +154,7 @@ def check_backend_topology(backend: str, config: GraphcConfig, static_enabled: b
                           "static MoE)")
     if backend != "neuron":
         return
-    if isinstance(args, V4Args):
+    if isinstance(args, (V4Args, V41Args)):
         raise GraphcError(f"model.checkpoint: {args.architecture} has no neuron lowering yet; the neuron backend "
                           "compiles DeepSeek-V3 and V3.2: use the export or inductor backend")
     if topology.dp > 1:

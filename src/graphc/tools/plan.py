@@ -20,6 +20,7 @@ from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
 from graphc.models.args import ModelArgs
 from graphc.models.moe_forms import moe_exchange, step_moe_form
+from graphc.models.v41_args import TOKEN_ID_DIGITS, V41Args
 from graphc.models.v4_args import CSA, HCA, V4Args
 from graphc.step import blocks_per_row
 from graphc.topology import GROUPS, Topology
@@ -37,7 +38,7 @@ class Collective:
     bytes_in: int
 
 
-def step_collectives(args: ModelArgs | V4Args, topology: Topology, bucket: Bucket, dtype: str, exchange: str,
+def step_collectives(args: ModelArgs | V4Args | V41Args, topology: Topology, bucket: Bucket, dtype: str, exchange: str,
                      context_slots: int | None = None) -> list[Collective]:
     """The collectives of one step in `bucket` on any rank (every rank issues the same ones, each
     over its own group of the name).
@@ -51,14 +52,17 @@ def step_collectives(args: ModelArgs | V4Args, topology: Topology, bucket: Bucke
     all-to-alls send [ep, T] blocks of rows [D] and fp32 routes [2K] and take back [ep, T, D]
     (`a2a_v` sends only the rows routed, so these are its upper bounds, plus an all-gather of its
     int64 split counts [ep]). A group of one rank issues nothing (the pass lowers it away).
-    DeepSeek-V4's attention collectives: `_v4_attention_collectives`.
+    DeepSeek-V4's attention collectives: `_v4_attention_collectives`; V4.1's,
+    `_v41_attention_collectives`, and its Engram lookups over ep, `_engram_collectives`.
     """
     tokens = bucket.rows * bucket.width
     moe_layers = args.num_hidden_layers - args.first_k_dense_replace
     width = DTYPE_BYTES[dtype]
     hidden = tokens * args.hidden_size * width
     out: list[Collective] = []
-    if topology.cp > 1 and isinstance(args, V4Args):
+    if topology.cp > 1 and isinstance(args, V41Args):
+        out += _v41_attention_collectives(args, tokens, context_slots, width)
+    elif topology.cp > 1 and isinstance(args, V4Args):
         out += _v4_attention_collectives(args, tokens, context_slots)
     elif topology.cp > 1:
         heads = args.num_attention_heads
@@ -69,6 +73,8 @@ def step_collectives(args: ModelArgs | V4Args, topology: Topology, bucket: Bucke
     ep = topology.ep
     if ep == 1 or not moe_layers:
         return out
+    if isinstance(args, V41Args) and args.engram is not None:
+        out += _engram_collectives(args, tokens, width, exchange, ep)
     if exchange == "static":
         out.append(Collective("all_reduce", "ep", moe_layers, hidden))
     elif exchange == "ag_rs":
@@ -100,6 +106,44 @@ def _v4_attention_collectives(args: V4Args, tokens: int, context_slots: int | No
     heads = args.num_attention_heads
     out.append(Collective("attention_combine", "cp", len(kinds), tokens * heads * (args.head_dim + 1) * 4))
     return out
+
+
+def _v41_attention_collectives(args: V41Args, tokens: int, context_slots: int | None,
+                               width: int) -> list[Collective]:
+    """DeepSeek-V4.1's attention over cp (`models/deepseek_v41.py`): each pooling KV source
+    combines its partial window pools, fp32 [T, head_dim] and their log-sum-exp; the candidate
+    layer takes the max of its blocks' scores, fp32 [T, blocks]; each index layer combines its
+    top-k candidates, [T, k] int64 and fp32 (k = min(index_topk, its ratio's entries in the block
+    table)); every layer combines its attention partials; with Engram, one all-reduce per step of
+    the n-gram contexts' cached token-id digits [T, N, 3] (the left halo)."""
+    def entries(layer: int) -> int:
+        return (context_slots or args.index_topk * args.compress_ratios[layer]) // args.compress_ratios[layer]
+
+    out = []
+    pooling = [i for i in args.kv_source_layer_ids if args.compress_ratios[i] > 1]
+    if pooling:
+        out.append(Collective("attention_combine", "cp", len(pooling), tokens * args.head_dim * 2 * 4))
+    if args.candidate_source_layer_id >= 0:
+        blocks = -(-entries(args.candidate_source_layer_id) // args.candidate_block_size)
+        out.append(Collective("all_reduce_max", "cp", 1, tokens * blocks * 4))
+    for layer in args.index_source_layer_ids:
+        out.append(Collective("index_topk_combine", "cp", 1, tokens * min(args.index_topk, entries(layer)) * 12))
+    out.append(Collective("attention_combine", "cp", args.num_hidden_layers,
+                          tokens * args.num_attention_heads * (args.head_dim + 1) * 4))
+    if args.engram is not None:
+        out.append(Collective("all_reduce", "cp", 1, tokens * args.engram.max_ngram * TOKEN_ID_DIGITS * width))
+    return out
+
+
+def _engram_collectives(args: V41Args, tokens: int, width: int, exchange: str, ep: int) -> list[Collective]:
+    """Each Engram layer's table lookup over ep (`models/engram.py`): the rows read [T, K d]
+    all-reduced when the group shares its tokens (`static`), else the int64 row ids [T, K]
+    all-gathered and the rows [T * ep, K d] reduce-scattered."""
+    layers, columns = len(args.engram.layer_ids), args.engram.columns
+    rows = tokens * columns * args.engram.head_dim * width
+    if exchange == "static":
+        return [Collective("all_reduce", "ep", layers, rows)]
+    return [Collective("moe_dispatch", "ep", layers, tokens * columns * 8), Collective("moe_combine", "ep", layers, rows * ep)]
 
 
 def _bytes(n: float) -> str:
