@@ -472,6 +472,41 @@ def probe(model_yaml, layer, tokens, tolerance) -> None:
 
 @cli.command()
 @click.argument("model_yaml", type=click.Path(path_type=Path))
+@click.argument("artifacts", type=click.Path(path_type=Path))
+@click.option("--prompt-ids", "prompt_ids", multiple=True,
+              help="Comma-separated token ids; repeatable (default: three built-in prompts).")
+@click.option("--new-tokens", type=click.IntRange(min=1), default=27, show_default=True,
+              help="Golden tokens per prompt.")
+@click.option("--seeds", type=click.IntRange(min=0), default=8, show_default=True,
+              help="Perturbed reference runs measuring its noise floor.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the report as JSON.")
+def compare(model_yaml, artifacts, prompt_ids, new_tokens, seeds, json_path) -> None:
+    """Golden greedy tokens from the model's reference (graphc's eager DeepSeek-V4.1, or
+    transformers), the compiled ARTIFACTS teacher-forced on them, per prompt: tokens matched,
+    logits cosine and relative error per step, the worst step, the reference's noise floor.
+    Exits 1 when a mismatch lies outside the floor."""
+    from graphc.config import load_config
+    from graphc.models.checkpoint import load_model_args
+    from graphc.tools import compare as comparing
+
+    config = load_config(model_yaml)
+    vocab = load_model_args(config.model.checkpoint).vocab_size
+    prompts = [_parse_ids(text) for text in prompt_ids] or comparing.DEFAULT_PROMPTS
+    for ids in prompts:
+        if not all(0 <= i < vocab for i in ids):
+            raise GraphcError(f"--prompt-ids: token ids must be in 0..{vocab - 1}; got {ids}")
+    reports = comparing.compare(config.model.checkpoint, artifacts, prompts, new_tokens, seeds)
+    for line in comparing.summary_lines(reports):
+        click.echo(line)
+    if json_path is not None:
+        json_path.write_text(json.dumps(comparing.as_json(reports), indent=2) + "\n")
+        click.echo(f"wrote {json_path}")
+    if any(not m.inside_floor for r in reports for m in r.mismatches):
+        raise SystemExit(1)
+
+
+@cli.command()
+@click.argument("model_yaml", type=click.Path(path_type=Path))
 @click.option("--topologies", default="1x1,2x2", show_default=True,
               help="CPxEP (or DPxCPxEP: data-parallel replicas) stages, comma-separated; 1x1 always runs first "
                    "(the reference).")

@@ -87,10 +87,14 @@ class Engine:
         m = self.manifest
         return {"buckets": dataclasses.asdict(m.buckets), "kv_blocks": self.loaded.num_blocks, "block_size": m.kv_cache.block_size}
 
+    def run_bucket(self, bucket: Bucket, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of `bucket`'s graph on this rank's pool: its sampled tokens [B] and logits [B, V]
+        (`graphc compare` reads the logits; serving, the tokens)."""
+        return self.loaded.runners[bucket](self.loaded.weights, {"kv_pool": self.kv_pool,
+                                                                 "coordinates": self.coordinates, **inputs})
+
     def _run(self, bucket: Bucket, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        tokens, _ = self.loaded.runners[bucket](self.loaded.weights, {"kv_pool": self.kv_pool,
-                                                                      "coordinates": self.coordinates, **inputs})
-        return tokens
+        return self.run_bucket(bucket, inputs)[0]
 
     def generate(self, requests: list[Request]) -> list[Result]:
         """Leader (or single rank): run every request to completion; results in request order."""
