@@ -477,7 +477,7 @@ def probe(model_yaml, layer, tokens, tolerance) -> None:
               help="Comma-separated token ids; repeatable (default: three built-in prompts).")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=27, show_default=True,
               help="Golden tokens per prompt.")
-@click.option("--seeds", type=click.IntRange(min=0), default=8, show_default=True,
+@click.option("--seeds", type=click.IntRange(min=1), default=8, show_default=True,
               help="Perturbed reference runs measuring its noise floor.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the report as JSON.")
 def compare(model_yaml, artifacts, prompt_ids, new_tokens, seeds, json_path) -> None:

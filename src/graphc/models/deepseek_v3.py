@@ -167,15 +167,20 @@ def swiglu(gate: Tensor, up: Tensor, limit: float | None) -> Tensor:
 class MLP(nn.Module):
     """SwiGLU MLP: the dense layers' MLP and the shared experts."""
 
-    def __init__(self, dim: int, hidden: int, swiglu_limit: float | None = None):
+    def __init__(self, dim: int, hidden: int, swiglu_limit: float | None = None, fp32_activation: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
         self.swiglu_limit = swiglu_limit
+        self.fp32_activation = fp32_activation
+        """SwiGLU in fp32, rounded once (DeepSeek-V4.1's order); else in the model dtype."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.fp32_activation:
+            return self.down_proj(swiglu(gate.float(), up.float(), self.swiglu_limit).to(x.dtype))
+        return self.down_proj(swiglu(gate, up, self.swiglu_limit))
 
 
 class Router(nn.Module):
@@ -235,10 +240,15 @@ class RoutedExperts(nn.Module):
     contiguous last dim, and the grouped form reads them through transposed views.
     """
 
-    def __init__(self, args: ModelArgs, local_experts: int | None = None, swiglu_limit: float | None = None):
+    def __init__(self, args: ModelArgs, local_experts: int | None = None, swiglu_limit: float | None = None,
+                 weigh_before_down: bool = False):
         super().__init__()
         self.n_routed_experts = args.n_routed_experts
         self.swiglu_limit = swiglu_limit
+        self.weigh_before_down = weigh_before_down
+        """DeepSeek-V4.1's expert arithmetic: SwiGLU in fp32 times the route's weight, rounded once
+        before the down projection (whose outputs then only sum); else the down projection's
+        outputs are weighed."""
         experts, dim, hidden = local_experts or args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * hidden, dim))  # [E', F, D]: gate rows, then up
         self.down_proj = nn.Parameter(torch.empty(experts, dim, hidden))  # [E', D, I]
@@ -260,6 +270,9 @@ class RoutedExperts(nn.Module):
             combine = torch.zeros(x.shape[0], self.local_experts + 1, dtype=weights.dtype, device=x.device)
             combine = combine.scatter(1, ids, weights)[:, :-1]  # [T, E']
             gate, up = torch.einsum("td,efd->etf", x, self.gate_up_proj).split(width, dim=-1)  # [E', T, I] each
+            if self.weigh_before_down:
+                out = torch.einsum("eti,edi->etd", self._weighed(gate, up, combine.t()), self.down_proj)  # [E', T, D]
+                return out.float().sum(dim=0).to(x.dtype)
             out = torch.einsum("eti,edi->etd", swiglu(gate, up, self.swiglu_limit), self.down_proj)  # [E', T, D]
             # Weigh and sum the experts in fp32 (the weights are fp32): one rounding, not E of them.
             return torch.einsum("etd,te->td", out.float(), combine).to(x.dtype)  # [T, D]
@@ -270,7 +283,8 @@ class RoutedExperts(nn.Module):
             experts = ids.clamp(max=self.local_experts - 1)  # [T, K]
             gate_up = (x.float()[:, None, None, :] * self.gate_up_proj[experts].float()).sum(-1)  # [T, K, F]
             gate, up = gate_up.to(x.dtype).split(width, dim=-1)  # [T, K, I] each
-            hidden = swiglu(gate, up, self.swiglu_limit).float()  # [T, K, I]
+            hidden = (self._weighed(gate, up, weights) if self.weigh_before_down
+                      else swiglu(gate, up, self.swiglu_limit)).float()  # [T, K, I]
             routed = (hidden[:, :, None, :] * self.down_proj[experts].float()).sum(-1).to(x.dtype)  # [T, K, D]
         else:
             tokens, per_token = ids.shape
@@ -281,11 +295,19 @@ class RoutedExperts(nn.Module):
             offsets = counts.cumsum(0).to(torch.int32)  # [E']
             rows = x[order // per_token]  # [M, D] each route's token
             gate, up = moe.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offsets).split(width, dim=-1)  # [M, I]
-            out = moe.grouped_mm(swiglu(gate, up, self.swiglu_limit), self.down_proj.transpose(1, 2), offsets)  # [M, D]; 0 off-shard
+            hidden = (self._weighed(gate, up, weights.reshape(-1)[order]) if self.weigh_before_down
+                      else swiglu(gate, up, self.swiglu_limit))
+            out = moe.grouped_mm(hidden, self.down_proj.transpose(1, 2), offsets)  # [M, D]; 0 off-shard
             unsort = torch.zeros_like(order).scatter(0, order, torch.arange(order.shape[0], device=x.device))  # [M]
             routed = out[unsort].view(tokens, per_token, -1)  # [T, K, D]
+        if self.weigh_before_down:
+            return routed.float().sum(dim=1).to(x.dtype)
         # Weigh and sum the routes in fp32 (the weights are fp32): one rounding, not K of them.
         return torch.einsum("tkd,tk->td", routed.float(), weights).to(x.dtype)  # [T, D]
+
+    def _weighed(self, gate: Tensor, up: Tensor, weights: Tensor) -> Tensor:
+        """fp32 SwiGLU times each route's weight (broadcast over the last dim), rounded once."""
+        return (swiglu(gate.float(), up.float(), self.swiglu_limit) * weights[..., None]).to(gate.dtype)
 
 
 class MoE(nn.Module):

@@ -18,9 +18,9 @@ to layer as the reference publishes them; under context parallelism each shard s
 it holds, the candidate blocks' scores meet in an all-reduce(max), and the top-k in
 `index_topk_combine` (as V4's CSA).
 
-Routed experts, shared expert and router are V3's / V4's modules (`v41_layout` maps the names);
-the experts weigh their output after the down projection where V4.1's code weighs before it
-(equal in fp32 up to rounding). Engram tables shard over the expert-parallel group with the
+Routed experts, shared expert and router are V3's / V4's modules (`v41_layout` maps the names),
+in V4.1's arithmetic order (SwiGLU in fp32, the route weight before the down projection; the
+routed sum is rounded once before the shared expert's output adds, where V4.1 adds both in fp32). Engram tables shard over the expert-parallel group with the
 experts (`engram`).
 
 Shape letters as in `deepseek_v4`; r a layer's compress ratio, k = index_topk.
@@ -197,8 +197,9 @@ class V41MoE(MoE):
     def __init__(self, args: V41Args, local_experts: int | None = None):
         nn.Module.__init__(self)
         self.gate = V41Router(args)
-        self.experts = RoutedExperts(args, local_experts, swiglu_limit=args.swiglu_limit)
-        self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size, swiglu_limit=args.swiglu_limit)
+        self.experts = RoutedExperts(args, local_experts, swiglu_limit=args.swiglu_limit, weigh_before_down=True)
+        self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size, swiglu_limit=args.swiglu_limit,
+                                  fp32_activation=True)
 
     def route(self, tokens: Tensor, step: StepInputs) -> tuple[Tensor, Tensor]:
         return self.gate(tokens, None)
@@ -298,7 +299,7 @@ class DeepseekV41(nn.Module):
             streams = streams.gather(1, index[..., None, None].expand(-1, 1, *streams.shape[2:]))
             pre = pre.gather(1, index[..., None].expand(-1, 1, pre.shape[-1]))
         logits = F.linear(fp32(self.model.norm(collapse(streams, pre))), fp32(self.lm_head.weight))
-        return cast(logits[:, 0] if logits_index is not None else logits, self.dtype)
+        return logits[:, 0] if logits_index is not None else logits
 
     def _ngram_context(self, step: StepInputs) -> Tensor:
         """[B, Q, N] each token's n-gram context (the token, then the N - 1 before it; the pad id

@@ -147,6 +147,8 @@ def golden(reference: Logits, prompt: list[int], new_tokens: int) -> tuple[list[
 
 def compare(checkpoint: Path, artifacts: Path, prompts: list[list[int]], new_tokens: int,
             seeds: int) -> list[PromptReport]:
+    """Per prompt, the compiled artifacts against `checkpoint`'s reference (`seeds` >= 1
+    perturbed runs measure its floor)."""
     forced = TeacherForced(artifacts)
     dtype = forced.engine.kv_pool.dtype
     reference = reference_logits(checkpoint, dtype)
@@ -157,7 +159,7 @@ def compare(checkpoint: Path, artifacts: Path, prompts: list[list[int]], new_tok
         compiled = forced.logits(prompt, tokens)
         sequence = prompt + tokens[:-1]
         floor = torch.stack([(neighbour(sequence)[len(prompt) - 1:] - expected).abs().amax(-1)
-                             for neighbour in neighbours]).amax(0) if neighbours else torch.zeros(new_tokens)
+                             for neighbour in neighbours]).amax(0)  # [new_tokens]
         cosine = torch.nn.functional.cosine_similarity(compiled, expected, dim=-1)
         error = (compiled - expected).norm(dim=-1) / expected.norm(dim=-1)
         choices = compiled.argmax(-1).tolist()

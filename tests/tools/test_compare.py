@@ -1,0 +1,59 @@
+"""`graphc compare`: golden tokens from the reference, the compiled artifacts teacher-forced on
+them, judged against the reference's noise floor (the V4.1 reference here: transformers has no V4.1)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from graphc.cli import cli
+from graphc.models.tiny import make_tiny_checkpoint
+from support import TEST_BUCKETS, model_yaml
+
+pytestmark = pytest.mark.compiles
+PROMPTS = ["5,17,42,99,3,250,7", "9,8,7,6,5,4,3,2"]
+
+
+def _yaml(tmp_path, checkpoint) -> str:
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(model_yaml(checkpoint, TEST_BUCKETS["small"])))
+    return str(path)
+
+
+def _compare(tmp_path, checkpoint, artifacts, *extra):
+    args = ["compare", _yaml(tmp_path, checkpoint), str(artifacts), "--new-tokens", "20", "--seeds", "2",
+            "--json", str(tmp_path / "report.json"), *extra]
+    for prompt in PROMPTS:
+        args += ["--prompt-ids", prompt]
+    return CliRunner().invoke(cli, args)
+
+
+def test_fp32_artifacts_match_every_golden_token(tmp_path, compiled, tiny_checkpoints):
+    result = _compare(tmp_path, tiny_checkpoints["v41"], compiled("v41", "export", "small"))
+    assert result.exit_code == 0, result.output
+    reports = json.loads((tmp_path / "report.json").read_text())
+    assert [r["matched"] for r in reports] == [20, 20] and all(not r["mismatches"] for r in reports)
+    for r in reports:  # fp32: the same function up to rounding, far inside the floor
+        assert min(r["cosine"]) > 0.999999 and max(r["relative_error"]) < 1e-5
+        assert len(r["floor"]) == 20 and min(r["floor"]) > 0
+        assert r["cosine"][r["worst_step"]] == min(r["cosine"])
+    assert "greedy tokens matched 20/20" in result.output and "noise floor" in result.output
+
+
+def test_artifacts_of_other_weights_fail_outside_the_floor(tmp_path, compiled, tiny_checkpoints):
+    """The golden tokens of other weights: every step compared, mismatches flagged, exit 1."""
+    other = make_tiny_checkpoint(tmp_path / "other", preset="v41", seed=1)
+    result = _compare(tmp_path, other, compiled("v41", "export", "small"))
+    assert result.exit_code == 1, result.output
+    reports = json.loads((tmp_path / "report.json").read_text())
+    outside = [m for r in reports for m in r["mismatches"] if not m["inside_floor"]]
+    assert outside and all(m["margin"] > 2 * m["floor"] for m in outside)
+    assert "OUTSIDE" in result.output
+
+
+def test_multi_rank_artifacts_are_refused(tmp_path, compiled, tiny_checkpoints):
+    result = _compare(tmp_path, tiny_checkpoints["v41"], compiled("v41", "export", "small", 2, 2))
+    assert result.exit_code == 2 and "serve it with `graphc run`" in result.output
