@@ -54,7 +54,7 @@ def test_sweep_passes_and_every_bucket_ran_at_every_topology(clean_run):
     assert all(s.get("failures") == "0" and int(s.get("tests")) >= 8 for s in suites)
     markdown = (out / "sweep.md").read_text()
     assert "| decode-4x4 | ✓" in markdown and "All cases matched." in markdown
-    assert "transformers reference: yes" in result.stderr
+    assert "external reference: transformers" in result.stderr
 
 
 def test_a_wrong_bucket_fails_the_sweep_and_is_named(model_path, tmp_path, monkeypatch):
@@ -134,4 +134,4 @@ def test_data_parallel_sweep_stages_at_world_8_and_16(tmp_path, tiny_checkpoints
     for stage in report:
         assert {bucket for case in stage["cases"] for bucket in case["buckets"]} == expected, stage["topology"]
         assert all(case["failures"] == [] for case in stage["cases"])
-    assert "transformers reference: yes" in result.stderr
+    assert "external reference: transformers" in result.stderr

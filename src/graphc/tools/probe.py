@@ -315,6 +315,14 @@ def probe(config, layer: int, tokens: int | None = None, tolerance: float | None
     from graphc.models.checkpoint import fp8_tensors, load_model
     from graphc.passes.registry import layer_passes
 
+    from graphc.models.checkpoint import load_model_args
+    from graphc.models.v41_args import V41Args
+
+    if isinstance(load_model_args(config.model.checkpoint), V41Args):
+        # A V4.1 layer also takes the previous sublayer's pre-mix and the selections earlier
+        # layers published: a layer alone is not a step. `graphc compare` checks the whole model.
+        raise GraphcError("graphc probe does not take DeepSeek-V4.1 layers yet (each depends on state earlier "
+                          "layers publish); use `graphc compare` against its reference")
     dtype = getattr(torch, config.model.dtype)
     model = load_model(config.model.checkpoint, dtype=dtype, sparse_probabilities=config.model.sparse_probabilities)
     layers = model.args.num_hidden_layers

@@ -6,9 +6,10 @@ Each stage compiles once (through the compile cache) and serves every case in on
 are chosen from the bucket table so that every bucket runs: each prefill bucket hit exactly and
 between sizes, a chunked prompt, a prompt-as-decode tail, every [B, P] graph (short prompts
 joining a running decode), and every decode batch size filled and padded. Greedy fp32 tokens must equal the 1x1 stage's, and
-transformers' (the checkpoint's own architecture: `DeepseekV3ForCausalLM`, `DeepseekV32ForCausalLM` or
-`DeepseekV4ForCausalLM`, when installed and the model is
-fp32 at reference numerics) per prompt.
+the external reference's per prompt: transformers' (the checkpoint's own architecture:
+`DeepseekV3ForCausalLM`, `DeepseekV32ForCausalLM` or `DeepseekV4ForCausalLM`, when installed), or
+for DeepSeek-V4.1, which transformers lacks, graphc's eager reference; when the model is fp32 at
+reference numerics.
 
 Reports: JUnit XML (a test suite per backend and topology, a test case per case, failures naming
 the buckets the case ran in), a Markdown table (bucket x topology: tokens matched, padding, step
@@ -170,12 +171,43 @@ def compare(results: list[CaseResult], reference: list[list[list[int]]], what: s
                                        f"(got {got[first:first + 4]}, expected {want[first:first + 4]})")
 
 
-def transformers_reference(config: GraphcConfig, cases: list[Case]) -> list[list[list[int]]] | None:
-    """transformers' greedy tokens per prompt, or None where it cannot be the reference."""
+def external_reference(config: GraphcConfig, cases: list[Case]) -> tuple[str, list[list[list[int]]] | None]:
+    """The external reference's name and greedy tokens per prompt (None where there is none)."""
+    from graphc.models.checkpoint import load_model_args
+    from graphc.models.v41_args import V41Args
+
     if config.model.dtype != "float32":
-        return None  # bf16 is judged against a noise floor (tests/test_bf16.py), not token for token
+        return "none (not fp32)", None  # bf16 is judged against a noise floor (`graphc compare`), not token for token
     if config.model.sparse_probabilities == "bf16":
-        return None  # FlashMLA's rounded P is not the reference's numerics
+        return "none (bf16 P)", None  # FlashMLA's rounded P is not the reference's numerics
+    if isinstance(load_model_args(config.model.checkpoint), V41Args):
+        return "graphc's DeepSeek-V4.1 reference", v41_reference(config, cases)
+    tokens = transformers_reference(config, cases)
+    return ("transformers", tokens) if tokens is not None else ("none (transformers not installed)", None)
+
+
+def v41_reference(config: GraphcConfig, cases: list[Case]) -> list[list[list[int]]]:
+    """The eager V4.1 reference's greedy tokens per prompt (whole sequences, no cache)."""
+    import torch
+
+    from graphc.models.checkpoint import load_reference
+
+    model = load_reference(config.model.checkpoint)
+    out = []
+    with torch.no_grad():
+        for case in cases:
+            rows = []
+            for prompt in case.prompts:
+                sequence = list(prompt)
+                for _ in range(case.new_tokens):
+                    sequence.append(int(model(torch.tensor([sequence]))[0, -1].argmax()))
+                rows.append(sequence[len(prompt):])
+            out.append(rows)
+    return out
+
+
+def transformers_reference(config: GraphcConfig, cases: list[Case]) -> list[list[list[int]]] | None:
+    """transformers' greedy tokens per prompt, or None when it is not installed."""
     try:
         import torch
         from transformers import AutoModelForCausalLM, GenerationConfig
@@ -213,8 +245,8 @@ def sweep(config: GraphcConfig, workdir: Path, topologies: list[Topology], backe
     args = load_model_args(config.model.checkpoint)
     cases = sweep_cases(config, args.vocab_size, new_tokens)
     log(f"{len(cases)} cases: " + "; ".join(c.name for c in cases))
-    external = transformers_reference(config, cases)
-    log("transformers reference: " + ("yes" if external is not None else "no (not installed, or not fp32)"))
+    external_name, external = external_reference(config, cases)
+    log(f"external reference: {external_name}")
     stages = []
     for backend in backends:
         reference = None
@@ -233,7 +265,7 @@ def sweep(config: GraphcConfig, workdir: Path, topologies: list[Topology], backe
             else:
                 compare(results, reference, f"{backend} 1x1")
             if external is not None:
-                compare(results, external, "transformers")
+                compare(results, external, external_name)
             failed = sum(bool(r.failures) for r in results)
             log(f"[{backend} {name}] {len(results) - failed}/{len(results)} cases matched")
             ran = {bucket for r in results for bucket in r.buckets}
