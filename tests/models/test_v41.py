@@ -228,3 +228,41 @@ def test_loader_skips_the_vision_tower_and_draft_layers(tiny_checkpoints, tmp_pa
     loaded = load_reference(tmp_path)
     with torch.no_grad():
         assert torch.equal(loaded(PROMPT[:, :9]), load_reference(source)(PROMPT[:, :9]))
+
+
+def test_fp8_ue8m0_checkpoint_loads_exactly(tmp_path):
+    """`--fp8-block 32`: V4.1's release format, power-of-two scales in `X.scale` (float8_e8m0fnu),
+    the Engram tables scaled per row; dequantised exactly, the same weights in both models."""
+    from safetensors import safe_open
+
+    from graphc.models.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "fp8", preset="v41", fp8_block=32)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        weight, scale = f.get_tensor("layers.2.attn.wq_a.weight"), f.get_tensor("layers.2.attn.wq_a.scale")
+        table_scale = f.get_tensor("layers.1.engram.embed.scale")
+    assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float8_e8m0fnu
+    assert tuple(scale.shape) == (1, 2) and tuple(table_scale.shape) == (6126, 1)  # [32, 64] in 32 x 32; rows x 16
+    reference, paged = load_reference(path), load_model(path)
+    expected = weight.float() * scale.float().repeat_interleave(32, dim=1)[:, :64]
+    assert torch.equal(reference.layers[2].attn.wq_a.weight, expected)
+    assert torch.equal(paged.model.layers[2].attn.wq_a.weight, expected)
+    with torch.no_grad():
+        torch.testing.assert_close(paged(*_one_step(paged, PROMPT[0, :20].tolist()))[0], reference(PROMPT[:, :20])[0, -1],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def _one_step(model, prompt):
+    from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
+
+    sequence = SequenceBlocks(8)
+    sequence.reserve(len(prompt), BlockAllocator(8))
+    ids, positions, table, slots, last = step_metadata([(sequence, prompt, 0)], len(prompt), 4)
+    return ids, positions, table, slots, model.new_kv_pool(8, 8), last
+
+
+def test_an_expert_shard_loads_only_its_engram_rows(tiny_checkpoints):
+    """ep = 2: shard 1 holds rows [R, 2R) of each table, R = ceil(rows / 2), and no others."""
+    whole = load_model(tiny_checkpoints["v41"]).model.layers[1].engram.embed.weight  # [6126, 16]
+    half = load_model(tiny_checkpoints["v41"], experts=range(4, 8)).model.layers[1].engram.embed.weight
+    assert tuple(half.shape) == (3063, 16) and torch.equal(half, whole[3063:])

@@ -33,7 +33,7 @@ from graphc.models.deepseek_v41 import DeepseekV41
 from graphc.models.deepseek_v41_reference import DeepseekV41Reference
 from graphc.models.deepseek_v4 import DeepseekV4
 from graphc.models.engram import NgramHash
-from graphc.models.fp8 import FP8, SCALE_SUFFIX, dequantize
+from graphc.models.fp8 import FP8, dequantize, scale_name, scaled_weight
 from graphc.models.v41_args import V41Args
 from graphc.models.v4_args import V4Args
 from graphc.topology import Topology
@@ -49,6 +49,7 @@ V41_FP32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|attn_sink|norm\.weight|ga
                       r"compressor\.wgate\.weight)$")
 """DeepSeek-V4.1 parameters held in fp32 whatever the model dtype, as its inference code holds them
 (and the compressor projections of layers pooling 2 or more tokens: `_keeps_fp32`)."""
+ENGRAM_TABLE = "engram.embed.weight"
 OUTSIDE_TEXT_MODEL = re.compile(r"^(vision|aligner)\.|^image_(start|end|newline)$|\.ffn\.gate\.bias_vl$")
 """DeepSeek-V4.1's vision path (its tower, image markers, the routers' image-token biases): a
 text-only loader skips them."""
@@ -252,11 +253,12 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
                       torch.float32 if keeps_fp32(name, args) else dtype)
 
             def read(stored: str, dtype: torch.dtype = target) -> Tensor:
-                return _read_tensor(handles, files, stored, expected[stored], block).to(device=device, dtype=dtype)
+                return _read_tensor(handles, files, stored, expected[stored], block, checked.ue8m0).to(device=device,
+                                                                                                      dtype=dtype)
 
             groups = sources[name]
-            if name.endswith("engram.embed.weight") and len(experts) < args.n_routed_experts:
-                state[name] = _table_rows(handles, files, groups[0][0], experts, args).to(device=device, dtype=target)
+            if name.endswith(ENGRAM_TABLE) and len(experts) < args.n_routed_experts:
+                state[name] = _table_rows(handles, checked, groups[0][0], experts).to(device=device, dtype=target)
             elif _stored_per_expert(name, groups):
                 state[name] = torch.stack([torch.cat([read(n) for n in groups[e]]) for e in experts])
             elif STACKED_EXPERT.match(name):  # stored stacked: this rank's rows
@@ -273,19 +275,16 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     return model.requires_grad_(False).eval()  # inference only: no autograd bookkeeping
 
 
-def _table_rows(handles: dict, files: dict[str, Path], name: str, experts: range, args: V41Args) -> Tensor:
+def _table_rows(handles: dict, checked: "CheckedCheckpoint", name: str, experts: range) -> Tensor:
     """An Engram table's rows that this expert shard holds (read alone: tables are the largest
     tensors of V4.1): shard s of ep holds rows [s R, (s + 1) R), R = ceil(rows / ep), zero past
     the table's end (`engram`)."""
-    shards = args.n_routed_experts // len(experts)  # experts are a contiguous, even share
+    shards = checked.args.n_routed_experts // len(experts)  # experts are a contiguous, even share
     shard = experts.start // len(experts)
-    table = handles[files[name]].get_slice(name)
-    rows, width = table.get_shape()
-    held = -(-rows // shards)
-    if table.get_dtype() not in ("F32", "BF16", "F16"):
-        raise CheckpointError(f"{files[name].name}: tensor {name} is {table.get_dtype()}; a sharded Engram table "
-                              "must be stored as float32, bfloat16 or float16")
-    part = table[shard * held:min((shard + 1) * held, rows)]
+    shape = checked.expected[name]
+    held = -(-shape[0] // shards)
+    part = _read_tensor(handles, checked.files, name, shape, checked.fp8_block, checked.ue8m0,
+                        slice(shard * held, min((shard + 1) * held, shape[0])))
     return torch.nn.functional.pad(part, (0, 0, 0, held - part.shape[0]))
 
 
@@ -303,7 +302,8 @@ def load_reference(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float3
         handles = {path: stack.enter_context(safe_open(path, "pt", backend="pread"))
                    for path in sorted(set(checked.files.values()))}
         for name, parameter in model.state_dict().items():
-            tensor = _read_tensor(handles, checked.files, name, tuple(parameter.shape), checked.fp8_block)
+            tensor = _read_tensor(handles, checked.files, name, tuple(parameter.shape), checked.fp8_block,
+                                  checked.ue8m0)
             state[name] = tensor.to(torch.float32 if keeps_fp32(name, checked.args) else dtype)
     model.load_state_dict(state, strict=True, assign=True)
     return model.requires_grad_(False).eval()
@@ -319,6 +319,8 @@ class CheckedCheckpoint:
     """Each tensor of the main layers with its shape."""
     sources: Sources
     """The stored tensors of each graphc parameter."""
+    ue8m0: bool = False
+    """FP8 scales named and stored as DeepSeek-V4.1's (`fp8.UE8M0_SUFFIX`)."""
 
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -343,9 +345,10 @@ def check_checkpoint(checkpoint_dir: Path) -> CheckedCheckpoint:
     """
     args = load_model_args(checkpoint_dir)
     files = _tensor_files(checkpoint_dir)
-    block = _fp8_block(checkpoint_dir, files)
+    ue8m0 = isinstance(args, V41Args)  # V4.1's scale names
+    block = _fp8_block(checkpoint_dir, files, ue8m0)
     stored = {n for n in files if not is_multi_token_prediction(n, args)}
-    scales = {n for n in stored if n.endswith(SCALE_SUFFIX)}
+    scales = {n for n in stored if scaled_weight(n, ue8m0) is not None}
     stored -= scales
     if args.tie_word_embeddings:  # a tied head may be stored too; the embedding is what counts
         stored -= {"lm_head.weight", "head.weight"}
@@ -366,7 +369,7 @@ def check_checkpoint(checkpoint_dir: Path) -> CheckedCheckpoint:
         named = {n for groups in sources.values() for parts in groups for n in parts}
         missing, unexpected = sorted(named - stored), sorted(stored - named)
     weights = {n for groups in sources.values() for parts in groups for n in parts}
-    stray_scales = sorted(n for n in scales if n.removesuffix(SCALE_SUFFIX) not in weights)
+    stray_scales = sorted(n for n in scales if scaled_weight(n, ue8m0) not in weights)
     if stray_scales:
         raise CheckpointError(f"{checkpoint_dir}: scale tensor(s) of no expected weight: {_summarise(stray_scales)}")
     if missing:
@@ -387,7 +390,7 @@ def check_checkpoint(checkpoint_dir: Path) -> CheckedCheckpoint:
         if tuple(stored_shape) != shape:
             raise CheckpointError(f"{files[name].name}: tensor {name} has shape {stored_shape}, expected {list(shape)} "
                                   "from config.json")
-    return CheckedCheckpoint(args, files, block, expected, sources)
+    return CheckedCheckpoint(args, files, block, expected, sources, ue8m0)
 
 
 def _header(path: Path) -> dict[str, tuple[str, list[int]]]:
@@ -434,38 +437,40 @@ def default_sparse_probabilities(dtype: torch.dtype) -> str:
     return "bf16" if dtype == torch.bfloat16 else "fp32"
 
 
-def _fp8_block(checkpoint_dir: Path, files: dict[str, Path]) -> tuple[int, int] | None:
+def _fp8_block(checkpoint_dir: Path, files: dict[str, Path], ue8m0: bool) -> tuple[int, int] | None:
     """The FP8 scale block shape from config.json, if the checkpoint holds scales."""
-    if not any(n.endswith(SCALE_SUFFIX) for n in files):
+    if not any(scaled_weight(n, ue8m0) is not None for n in files):
         return None
     quantization = read_hf_config(checkpoint_dir).get("quantization_config") or {}
     block = quantization.get("weight_block_size")
     if quantization.get("quant_method") != "fp8" or not (
             isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise CheckpointError(
-            f"{checkpoint_dir}/config.json: the checkpoint holds FP8 scales ({SCALE_SUFFIX}) but quantization_config "
+            f"{checkpoint_dir}/config.json: the checkpoint holds FP8 scales ({scale_name('X.weight', ue8m0)}) but quantization_config "
             f"is {quantization or 'missing'}; expected quant_method 'fp8' and weight_block_size [rows, cols]")
     return block[0], block[1]
 
 
 def _read_tensor(handles: dict, files: dict[str, Path], name: str, shape: tuple[int, ...],
-                 fp8_block: tuple[int, int] | None) -> Tensor:
-    path = files[name]
-    tensor = handles[path].get_tensor(name)
-    if tuple(tensor.shape) != shape:
+                 fp8_block: tuple[int, int] | None, ue8m0: bool = False, rows: slice = slice(None)) -> Tensor:
+    """A stored tensor (its `rows` only: a sharded Engram table), FP8 dequantised with its scales."""
+    path, scale = files[name], scale_name(name, ue8m0)
+    stored = handles[path].get_slice(name)
+    if tuple(stored.get_shape()) != shape:
         raise CheckpointError(
-            f"{path.name}: tensor {name} has shape {list(tensor.shape)}, expected {list(shape)} from config.json"
+            f"{path.name}: tensor {name} has shape {list(stored.get_shape())}, expected {list(shape)} from config.json"
         )
+    tensor = stored[rows]
     if tensor.dtype == FP8:
-        scale_name = name + SCALE_SUFFIX
-        if scale_name not in files or fp8_block is None:
-            raise CheckpointError(f"{path.name}: tensor {name} is float8_e4m3fn but {scale_name} is missing")
+        if scale not in files or fp8_block is None:
+            raise CheckpointError(f"{path.name}: tensor {name} is float8_e4m3fn but {scale} is missing")
+        block = (1, fp8_block[1]) if name.endswith(ENGRAM_TABLE) else fp8_block  # a table's rows scale alone
         try:
-            return dequantize(tensor, handles[files[scale_name]].get_tensor(scale_name), fp8_block)
+            return dequantize(tensor, handles[files[scale]].get_slice(scale)[rows], block)
         except ValueError as e:
-            raise CheckpointError(f"{files[scale_name].name}: {scale_name}: {e}") from None
-    if name + SCALE_SUFFIX in files:
-        raise CheckpointError(f"{path.name}: {name}{SCALE_SUFFIX} scales {name}, which is stored as {tensor.dtype}, "
+            raise CheckpointError(f"{files[scale].name}: {scale}: {e}") from None
+    if scale in files:
+        raise CheckpointError(f"{path.name}: {scale} scales {name}, which is stored as {tensor.dtype}, "
                               "not float8_e4m3fn")
     if tensor.dtype not in SUPPORTED_DTYPES and not name.endswith(v4_layout.INDEX_TENSORS):
         raise CheckpointError(f"{path.name}: tensor {name} has dtype {tensor.dtype}; supported: float32, bfloat16, "

@@ -54,3 +54,32 @@ def quantize(weight: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
     expanded = scale_inv.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
     quantized = (weight.float() / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return quantized, scale_inv
+
+
+UE8M0_SUFFIX = ".scale"
+"""DeepSeek-V4.1's release names the scales of `X.weight` `X.scale`: powers of two stored as
+float8_e8m0fnu (an exponent byte), over 32 x 32 blocks (an Engram table's over 1 x 32)."""
+UE8M0 = torch.float8_e8m0fnu
+
+
+def scale_name(weight: str, ue8m0: bool) -> str:
+    """The scale tensor of `weight` in DeepSeek-V3/V4's naming or (ue8m0) V4.1's."""
+    return weight.removesuffix(".weight") + UE8M0_SUFFIX if ue8m0 else weight + SCALE_SUFFIX
+
+
+def scaled_weight(scale: str, ue8m0: bool) -> str | None:
+    """The weight a scale tensor named `scale` belongs to; None if the name is not a scale's."""
+    suffix = UE8M0_SUFFIX if ue8m0 else SCALE_SUFFIX
+    if not scale.endswith(suffix):
+        return None
+    return scale.removesuffix(suffix) + (".weight" if ue8m0 else "")
+
+
+def quantize_ue8m0(weight: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """(W_q, scale) with power-of-two scales (float8_e8m0fnu): each block's the least power of
+    two that maps its largest magnitude inside float8_e4m3fn's range."""
+    quantized, scale_inv = quantize(weight, block)
+    scale = torch.exp2(torch.ceil(torch.log2(scale_inv)))
+    rows, cols = weight.shape
+    expanded = scale.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    return (weight.float() / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.to(UE8M0)

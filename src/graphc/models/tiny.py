@@ -38,7 +38,7 @@ from graphc.errors import GraphcError
 from graphc.models import v4_layout
 from graphc.models.args import ModelArgs, model_args_from_hf_config
 from graphc.models.checkpoint import expected_tensors
-from graphc.models.fp8 import SCALE_SUFFIX, quantize
+from graphc.models.fp8 import quantize, quantize_ue8m0, scale_name
 from graphc.models.v41_args import V41Args, is_v41_config
 from graphc.models.v4_args import V4Args, is_v4_config
 
@@ -246,6 +246,10 @@ TRANSFORMERS_PRESETS = tuple(name for name, preset in PRESETS.items() if not is_
 FP8_QUANTISED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(?!weights_proj)(\w+_proj|wq_b|wk)\.weight$")
 """The weights DeepSeek's FP8 releases quantise: the decoder layers' linear projections (the
 indexer's too, but not its per-head weights, which stay in full precision)."""
+V41_FP8 = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.(experts\.\d+|shared_experts)"
+                     r"\.w[123]|engram\.(wkv|embed))\.weight$")
+"""The weights DeepSeek-V4.1's release stores as FP8 (its routed experts are FP4 there; graphc's
+tiny checkpoints store them as FP8 too), the Engram tables with a scale per row and 32 columns."""
 MTP_EXTRA_TENSORS = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",
                      "shared_head.norm.weight", "shared_head.head.weight")
 
@@ -337,14 +341,17 @@ def byte_level_tokenizer():
 
 
 def quantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int],
-                 quantised: re.Pattern = FP8_QUANTISED) -> dict[str, torch.Tensor]:
+                 quantised: re.Pattern = FP8_QUANTISED, ue8m0: bool = False) -> dict[str, torch.Tensor]:
     """DeepSeek's FP8 release layout: every projection weight of the decoder layers (attention,
-    dense and expert MLPs; `quantised` names them) as float8_e4m3fn with block scales;
-    embeddings, norms, the router and the head stay as they are."""
+    dense and expert MLPs; `quantised` names them) as float8_e4m3fn with block scales (`ue8m0`:
+    V4.1's power-of-two scales, and its Engram tables' per row); embeddings, norms, the router and
+    the head stay as they are."""
     out = {}
     for name, tensor in tensors.items():
         if quantised.match(name):
-            out[name], out[name + SCALE_SUFFIX] = quantize(tensor, block)
+            per_row = ue8m0 and name.endswith("engram.embed.weight")
+            quantizer = quantize_ue8m0 if ue8m0 else quantize
+            out[name], out[scale_name(name, ue8m0)] = quantizer(tensor, (1, block[1]) if per_row else block)
         else:
             out[name] = tensor
     return out
@@ -377,6 +384,8 @@ def make_tiny_checkpoint(out: str | Path, preset: str = DEFAULT_PRESET, seed: in
     if fp8_block is not None:
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": [fp8_block, fp8_block]}
+        if is_v41_config(config):
+            config["quantization_config"]["scale_fmt"] = "ue8m0"
     return write_random_checkpoint(out, config, seed)
 
 
@@ -386,8 +395,9 @@ def write_random_checkpoint(out: Path, config: dict[str, Any], seed: int) -> Pat
     `make_tiny_checkpoint` writes the presets through it; `bench/bench_scale.py` its larger shapes."""
     tensors = tiny_tensors(config, seed)
     if "quantization_config" in config:
-        quantised = v4_layout.FP8_RELEASED if is_v4_config(config) else FP8_QUANTISED
-        tensors = quantize_fp8(tensors, tuple(config["quantization_config"]["weight_block_size"]), quantised)
+        v41 = is_v41_config(config)
+        quantised = V41_FP8 if v41 else v4_layout.FP8_RELEASED if is_v4_config(config) else FP8_QUANTISED
+        tensors = quantize_fp8(tensors, tuple(config["quantization_config"]["weight_block_size"]), quantised, v41)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
