@@ -136,6 +136,12 @@ def partial_softmax(logits: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     return weights, lse.squeeze(dim)
 
 
+def write(step: StepInputs, layer: int, state: Tensor) -> None:
+    """The step's tokens' `state` [B, Q, c] into pool layer `layer` at their slots (zero-padded to C)."""
+    width = step.kv_pool.shape[-1]
+    paged_attention.kv_write(step.kv_pool, layer, F.pad(state, (0, width - state.shape[-1])), step.slot_mapping)
+
+
 def window_keys(cache: CacheView, layer: int, positions: Tensor, window: int, head_dim: int) -> tuple[Tensor, Tensor]:
     """Each row's keys [B, K, d] from `window` - 1 before its first token to its last, and which
     each query sees [B, Q, K] (the last `window` positions up to its own, on this shard)."""
@@ -292,13 +298,13 @@ class Attention(nn.Module):
             states.append(self.compressor.token_state(x))
             if self.kind == CSA:
                 states.append(self.compressor.indexer.token_state(x))
-        self._write(step, token_layer, torch.cat(states, dim=-1))
+        write(step, token_layer, torch.cat(states, dim=-1))
 
         # Key sets, each [B, K, d] shared by a row's queries or [B, Q, K, d] per query, with
         # which keys each query sees [B, Q, K] (those on this shard).
         key_sets = [window_keys(cache, token_layer, step.positions, self.window, self.head_dim)]
         if self.kind != SLIDING:
-            self._write(step, entry_layer, self._entries(cache, token_layer, step.positions, x.dtype))
+            write(step, entry_layer, self._entries(cache, token_layer, step.positions, x.dtype))
             entry_positions = (torch.arange(cache.capacity // self.rate, device=x.device) + 1) * self.rate - 1  # [E]
             if self.kind == CSA:
                 chosen = self._select(x, q_latent, cos, sin, cache, entry_layer, entry_positions)  # [B, Q, k]
@@ -314,10 +320,6 @@ class Attention(nn.Module):
         groups = out.reshape(rows, width, self.o_groups, -1)  # [B, Q, g, H*d/g]
         weight = self.o_a_proj.weight.view(self.o_groups, -1, groups.shape[-1])  # [g, o_lora, H*d/g]
         return self.o_b_proj(torch.einsum("bqgi,goi->bqgo", groups, weight).flatten(2))
-
-    def _write(self, step: StepInputs, layer: int, state: Tensor) -> None:
-        width = step.kv_pool.shape[-1]
-        paged_attention.kv_write(step.kv_pool, layer, F.pad(state, (0, width - state.shape[-1])), step.slot_mapping)
 
     def _entries(self, cache: CacheView, layer: int, positions: Tensor, dtype: torch.dtype) -> Tensor:
         """[B, Q, d (+ J)] the entries (and CSA's indexer keys) of the windows the step's tokens

@@ -34,18 +34,12 @@ from torch import Tensor, nn
 
 from graphc.models.deepseek_v3 import MLP, MoE, Parallelism, RotaryEmbedding, RoutedExperts, StepInputs
 from graphc.models.deepseek_v4 import (CacheView, FP32RMSNorm, Router, cast, fp32, partial_attention, partial_softmax,
-                                       rotate_trailing, window_keys)
+                                       rotate_trailing, window_keys, write)
 from graphc.models.deepseek_v41_reference import Published, collapse, expand, stream_mixes
 from graphc.models.engram import Engram
 from graphc.models.moe_forms import MOE_FORMS
 from graphc.models.v41_args import TOKEN_ID_DIGITS, V41Args
-from graphc.ops import collectives, hyper_connections, paged_attention, sparse
-
-
-def write(step: StepInputs, layer: int, state: Tensor) -> None:
-    """The step's tokens' `state` [B, Q, c] into pool layer `layer` at their slots."""
-    width = step.kv_pool.shape[-1]
-    paged_attention.kv_write(step.kv_pool, layer, F.pad(state, (0, width - state.shape[-1])), step.slot_mapping)
+from graphc.ops import collectives, hyper_connections, sparse
 
 
 class Compressor(nn.Module):
