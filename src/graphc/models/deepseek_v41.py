@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from graphc.models.deepseek_v3 import MLP, MoE, Parallelism, RotaryEmbedding, RoutedExperts, StepInputs
-from graphc.models.deepseek_v4 import (CacheView, FP32RMSNorm, Router, cast, fp32, partial_attention, partial_softmax,
-                                       rotate_trailing, window_keys, write)
+from graphc.models import deepseek_v41_reference as reference
+from graphc.models.deepseek_v4 import (CacheView, DeepseekV4, FP32RMSNorm, Router, cast, fp32, partial_attention,
+                                       partial_softmax, rotate_trailing, window_keys, write)
 from graphc.models.deepseek_v41_reference import Published, collapse, expand, stream_mixes
 from graphc.models.engram import Engram
 from graphc.models.moe_forms import MOE_FORMS
@@ -42,14 +43,8 @@ from graphc.models.v41_args import TOKEN_ID_DIGITS, V41Args
 from graphc.ops import collectives, hyper_connections, sparse
 
 
-class Compressor(nn.Module):
-    def __init__(self, args: V41Args, ratio: int):
-        super().__init__()
-        self.ratio = ratio
-        self.wkv = nn.Linear(args.hidden_size, args.head_dim, bias=False)
-        if ratio > 1:
-            self.wgate = nn.Linear(args.hidden_size, args.head_dim, bias=False)
-        self.norm = FP32RMSNorm(args.head_dim, args.rms_norm_eps)
+class Compressor(reference.Compressor):
+    """The reference's compressor, pooling over the paged cache."""
 
     def token_state(self, x: Tensor) -> Tensor:
         """[B, Q, 2 d]: each token's fp32 kv and gate projections (pooling sources only)."""
@@ -70,40 +65,14 @@ class Compressor(nn.Module):
         return self.norm(cast(pooled, x.dtype))
 
 
-class Indexer(nn.Module):
-    def __init__(self, args: V41Args, owns_keys: bool):
-        super().__init__()
-        self.heads, self.width, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
-        self.wq_b = nn.Linear(args.q_lora_rank, self.heads * self.width, bias=False)
-        self.weights_proj = nn.Linear(args.hidden_size, self.heads, bias=False)
-        if owns_keys:
-            self.wk = nn.Linear(args.head_dim, self.width, bias=False)
-            self.k_norm = FP32RMSNorm(self.width, args.rms_norm_eps)
-
-
-class Attention(nn.Module):
+class Attention(reference.Attention):
     """Shared-KV multi-query attention over the sliding window and, in compressed layers, the
-    entries the layer's index source selected, with a per-head sink."""
+    entries the layer's index source selected, with a per-head sink (the reference's parameters;
+    its RoPE module ropes the entries)."""
 
-    def __init__(self, args: V41Args, layer: int):
-        super().__init__()
-        self.args, self.layer, self.ratio = args, layer, args.compress_ratios[layer]
-        self.heads, self.head_dim, self.groups = args.num_attention_heads, args.head_dim, args.o_groups
-        self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
-        self.q_norm = FP32RMSNorm(args.q_lora_rank, args.rms_norm_eps)
-        self.wq_b = nn.Linear(args.q_lora_rank, self.heads * self.head_dim, bias=False)
-        self.wkv = nn.Linear(args.hidden_size, self.head_dim, bias=False)
-        self.kv_norm = FP32RMSNorm(self.head_dim, args.rms_norm_eps)
-        self.wo_a = nn.Linear(self.heads * self.head_dim // self.groups, self.groups * args.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(self.groups * args.o_lora_rank, args.hidden_size, bias=False)
-        self.attn_sink = nn.Parameter(torch.empty(self.heads))
-        if layer in args.kv_source_layer_ids:
-            self.compressor = Compressor(args, self.ratio)
-        if layer in args.index_source_layer_ids:
-            self.indexer = Indexer(args, owns_keys=layer in args.kv_source_layer_ids)
+    compressor_type = Compressor
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, rotary: RotaryEmbedding, step: StepInputs,
-                published: Published) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: StepInputs, published: Published) -> Tensor:
         """x [B, Q, D] -> [B, Q, D]; writes the step's token (and entry) states first."""
         rows, width = x.shape[:2]
         q_latent = self.q_norm(F.linear(x, self.wq_a.weight))
@@ -116,7 +85,7 @@ class Attention(nn.Module):
         key_sets = [window_keys(cache, 2 * self.layer, step.positions, self.args.sliding_window, self.head_dim)]
         if self.ratio:
             if hasattr(self, "compressor"):
-                write(step, 2 * self.layer + 1, self._entries(x, cache, step.positions, rotary))
+                write(step, 2 * self.layer + 1, self._entries(x, cache, step.positions))
             entry_layer = 2 * self.args.kv_source(self.layer) + 1
             if hasattr(self, "indexer"):
                 published.selection[self.ratio] = self._select(x, q_latent, cos, sin, cache, entry_layer, published)
@@ -130,12 +99,12 @@ class Attention(nn.Module):
         weight = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, H d / g]
         return F.linear(torch.einsum("bqgi,goi->bqgo", grouped, weight).flatten(2), self.wo_b.weight)
 
-    def _entries(self, x: Tensor, cache: CacheView, positions: Tensor, rotary: RotaryEmbedding) -> Tensor:
+    def _entries(self, x: Tensor, cache: CacheView, positions: Tensor) -> Tensor:
         """[B, Q, d + J] the entry each token closes and its index key, roped at the entry's first
         position."""
         latent = self.compressor.latent(x, cache, 2 * self.layer, positions)
-        cos, sin = rotary(positions + 1 - self.ratio, torch.float32)
-        keys = self.indexer.k_norm(F.linear(latent, self.indexer.wk.weight))
+        cos, sin = self.rotary(positions + 1 - self.ratio, torch.float32)
+        keys = self.indexer.keys(latent)
         return torch.cat([rotate_trailing(latent, cos, sin), rotate_trailing(keys, cos, sin)], dim=-1)
 
     def _select(self, x: Tensor, q_latent: Tensor, cos: Tensor, sin: Tensor, cache: CacheView, entry_layer: int,
@@ -144,12 +113,9 @@ class Attention(nn.Module):
         group (`sparse.NO_KEY` where fewer are visible); the candidate layer publishes its blocks."""
         indexer, rows, width = self.indexer, x.shape[0], x.shape[1]
         entry_positions = (torch.arange(cache.capacity // self.ratio, device=x.device) + 1) * self.ratio - 1  # [E]
-        q = F.linear(q_latent, indexer.wq_b.weight).view(rows, width, indexer.heads, indexer.width)
-        q = fp32(rotate_trailing(q, cos[:, :, None], sin[:, :, None]))  # [B, Q, G, J]
         keys, here = cache.read(entry_layer, entry_positions[None].expand(rows, -1),
                                 slice(self.head_dim, self.head_dim + indexer.width))  # [B, E, J]
-        head_weights = fp32(F.linear(x, indexer.weights_proj.weight)) * (indexer.width * indexer.heads) ** -0.5
-        scores = (torch.einsum("bqgj,bej->bqge", q, fp32(keys)).relu() * head_weights[..., None]).sum(dim=2)
+        scores = indexer.scores(x, q_latent, keys, cos, sin)  # [B, Q, E]
         visible = here[:, None, :] & (entry_positions <= cache.positions[..., None])  # closed, on this shard
         scores = scores.masked_fill(~visible, float("-inf"))  # [B, Q, E]
         if self.layer == self.args.candidate_source_layer_id:
@@ -203,29 +169,25 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: V41Args, layer: int, local_experts: int | None = None):
         super().__init__()
         self.args = args
-        n, mixes = args.hc_mult, (2 + args.hc_mult) * args.hc_mult
         if args.engram is not None and layer in args.engram.layer_ids:
             shards = args.n_routed_experts // (local_experts or args.n_routed_experts)
-            self.engram = Engram(args.engram, layer, args.hidden_size, n, args.rms_norm_eps, shards)
+            self.engram = Engram(args.engram, layer, args.hidden_size, args.hc_mult, args.rms_norm_eps, shards)
         self.attn_norm = FP32RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.attn = Attention(args, layer)
         self.ffn_norm = FP32RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = V41MoE(args, local_experts)
-        for sublayer in ("attn", "ffn"):
-            setattr(self, f"hc_{sublayer}_fn", nn.Parameter(torch.empty(mixes, n * args.hidden_size)))
-            setattr(self, f"hc_{sublayer}_base", nn.Parameter(torch.empty(mixes)))
-            setattr(self, f"hc_{sublayer}_scale", nn.Parameter(torch.empty(3)))
+        reference.add_stream_mix_parameters(self, args)
         self.rotary_kind = "compress" if args.compress_ratios[layer] else "main"
 
     def mixes(self, streams: Tensor, sublayer: str) -> tuple[Tensor, Tensor, Tensor]:
         return stream_mixes(streams, *(getattr(self, f"hc_{sublayer}_{part}") for part in ("fn", "base", "scale")),
                             self.args, hyper_connections.hc_sinkhorn)
 
-    def forward(self, streams: Tensor, pre: Tensor, cos: Tensor, sin: Tensor, rotary: RotaryEmbedding,
-                step: StepInputs, published: Published) -> tuple[Tensor, Tensor]:
+    def forward(self, streams: Tensor, pre: Tensor, cos: Tensor, sin: Tensor, step: StepInputs,
+                published: Published) -> tuple[Tensor, Tensor]:
         """streams [B, Q, n, D], the previous sublayer's pre -> streams, this layer's FFN's pre."""
         attn_pre, post, comb = self.mixes(streams, "attn")
-        out = self.attn(self.attn_norm(collapse(streams, pre)), cos, sin, rotary, step, published)
+        out = self.attn(self.attn_norm(collapse(streams, pre)), cos, sin, step, published)
         streams = expand(out, streams, post, comb)
         ffn_pre, post, comb = self.mixes(streams, "ffn")
         out = self.mlp(self.ffn_norm(collapse(streams, attn_pre)), step)
@@ -235,40 +197,26 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, args: V41Args, local_experts: int | None = None):
         super().__init__()
-        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.rotary = nn.ModuleDict({"main": RotaryEmbedding(args.main_rope, args.rope_head_dim),
                                      "compress": RotaryEmbedding(args.compress_rope, args.rope_head_dim)})
         self.layers = nn.ModuleList(DecoderLayer(args, i, local_experts) for i in range(args.num_hidden_layers))
         self.norm = FP32RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class DeepseekV41(nn.Module):
+class DeepseekV41(DeepseekV4):
     """DeepSeek-V4.1 causal LM over a paged pool; one call is one step (the signature of
-    `DeepseekV3.forward`)."""
+    `DeepseekV3.forward`); V4's embedding into streams and pool ([2L (+ 1), N, S, C])."""
 
     def __init__(self, args: V41Args, local_experts: int | None = None):
-        super().__init__()
+        nn.Module.__init__(self)
         self.args = args
         self.model = Backbone(args, local_experts)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed.weight.dtype
-
-    def embed(self, input_ids: Tensor) -> Tensor:
-        """[B, Q] token ids -> the first layer's input: the embedding in every stream [B, Q, n, D]."""
-        x = self.model.embed(input_ids)
-        return x[:, :, None, :].expand(-1, -1, self.args.hc_mult, -1).contiguous()
-
     def layer_rope(self, layer: int, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin [B, Q, P/2] of `positions` as layer `layer` takes them (fp32: V4.1 ropes in fp32)."""
         return self.model.rotary[self.model.layers[layer].rotary_kind](positions, torch.float32)
-
-    def new_kv_pool(self, num_blocks: int, block_size: int) -> Tensor:
-        """A zeroed pool [2L (+ 1), N, S, C] in the model dtype."""
-        shape = (self.args.cache_layers, num_blocks, block_size, self.args.kv_cache_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.model.embed.weight.device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, block_table: Tensor, slot_mapping: Tensor,
                 kv_pool: Tensor, logits_index: Tensor | None = None, parallel: Parallelism = Parallelism(),
@@ -286,8 +234,7 @@ class DeepseekV41(nn.Module):
             if hasattr(layer, "engram"):
                 streams = layer.engram(streams, context, None, parallel.expert_shard(), parallel.ep,
                                        parallel.moe_exchange)
-            kind = layer.rotary_kind
-            streams, pre = layer(streams, pre, *ropes[kind], self.model.rotary[kind], step, published)
+            streams, pre = layer(streams, pre, *ropes[layer.rotary_kind], step, published)
         if logits_index is not None:  # each row's one token: [B, 1, n, D] and [B, 1, n]
             index = logits_index.view(-1, 1)
             streams = streams.gather(1, index[..., None, None].expand(-1, 1, *streams.shape[2:]))

@@ -130,6 +130,9 @@ def candidate_blocks(scores: Tensor, visible: Tensor, blocks: int, block_size: i
 
 
 class Attention(nn.Module):
+    compressor_type = Compressor
+    """What a KV source's compressor is (the paged model's adds its cache path)."""
+
     def __init__(self, args: V41Args, layer: int):
         super().__init__()
         self.args, self.layer, self.ratio = args, layer, args.compress_ratios[layer]
@@ -143,7 +146,7 @@ class Attention(nn.Module):
         self.wo_b = nn.Linear(self.groups * args.o_lora_rank, args.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.empty(self.heads))
         if layer in args.kv_source_layer_ids:
-            self.compressor = Compressor(args, self.ratio)
+            self.compressor = self.compressor_type(args, self.ratio)
         if layer in args.index_source_layer_ids:
             self.indexer = Indexer(args, owns_keys=layer in args.kv_source_layer_ids)
         rope = args.compress_rope if self.ratio else args.main_rope
@@ -255,17 +258,13 @@ class Block(nn.Module):
     def __init__(self, args: V41Args, layer: int):
         super().__init__()
         self.args = args
-        n, mixes = args.hc_mult, (2 + args.hc_mult) * args.hc_mult
         if args.engram is not None and layer in args.engram.layer_ids:
-            self.engram = Engram(args.engram, layer, args.hidden_size, n, args.rms_norm_eps)
+            self.engram = Engram(args.engram, layer, args.hidden_size, args.hc_mult, args.rms_norm_eps)
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.attn = Attention(args, layer)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn = MoE(args)
-        for sublayer in ("attn", "ffn"):
-            setattr(self, f"hc_{sublayer}_fn", nn.Parameter(torch.empty(mixes, n * args.hidden_size)))
-            setattr(self, f"hc_{sublayer}_base", nn.Parameter(torch.empty(mixes)))
-            setattr(self, f"hc_{sublayer}_scale", nn.Parameter(torch.empty(3)))
+        add_stream_mix_parameters(self, args)
 
     def mixes(self, streams: Tensor, sublayer: str) -> tuple[Tensor, Tensor, Tensor]:
         return stream_mixes(streams, *(getattr(self, f"hc_{sublayer}_{part}") for part in ("fn", "base", "scale")),
@@ -279,6 +278,15 @@ class Block(nn.Module):
         ffn_pre, post, comb = self.mixes(streams, "ffn")
         out = self.ffn(self.ffn_norm(collapse(streams, attn_pre)))
         return expand(out, streams, post, comb), ffn_pre
+
+
+def add_stream_mix_parameters(block: nn.Module, args: V41Args) -> None:
+    """Each sublayer's mHC parameters (fp32): `hc_{attn,ffn}_fn` [(2 + n) n, n D], `_base`, `_scale` [3]."""
+    n = args.hc_mult
+    for sublayer in ("attn", "ffn"):
+        setattr(block, f"hc_{sublayer}_fn", nn.Parameter(torch.empty((2 + n) * n, n * args.hidden_size)))
+        setattr(block, f"hc_{sublayer}_base", nn.Parameter(torch.empty((2 + n) * n)))
+        setattr(block, f"hc_{sublayer}_scale", nn.Parameter(torch.empty(3)))
 
 
 def stream_mixes(streams: Tensor, fn: Tensor, base: Tensor, scale: Tensor, args: V41Args,

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphc.errors import CheckpointError
-from graphc.models.args import RopeArgs, check_field_types
+from graphc.models.args import check_field_types
 from graphc.models.engram import EngramArgs
-from graphc.models.v4_args import rope_args_from_config
+from graphc.models.v4_args import V4FamilyArgs, rope_args_from_config
 
 V41_ARCHITECTURE = "DeepseekV41ForCausalLM"
 V41_MODEL_TYPE = "deepseek_v41"
@@ -34,25 +34,10 @@ TOKEN_ID_DIGITS = 3
 ENGRAM_FIELDS = ("engram_max_ngram_size", "engram_n_heads", "engram_head_dim", "engram_vocab_size")
 
 
-@dataclass(frozen=True)
-class V41Args:
+@dataclass(frozen=True, kw_only=True)
+class V41Args(V4FamilyArgs):
     """DeepSeek-V4.1 text-model hyper-parameters (names follow `text_config`)."""
 
-    vocab_size: int
-    hidden_size: int
-    moe_intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    head_dim: int
-    """Width of every query head and of the one shared K = V head."""
-    q_lora_rank: int
-    rope_head_dim: int
-    """Trailing dims of each head that are roped (interleaved pairs)."""
-    n_routed_experts: int
-    num_experts_per_tok: int
-    routed_scaling_factor: float
-    rms_norm_eps: float
-    max_position_embeddings: int
     compress_ratios: tuple[int, ...]
     """Tokens per compressed entry a layer attends to (0: sliding window only)."""
     kv_source_layer_ids: tuple[int, ...]
@@ -61,25 +46,8 @@ class V41Args:
     """The index layer that also picks candidate blocks for later index layers (-1: none)."""
     candidate_topk_blocks: int
     candidate_block_size: int
-    hc_mult: int
-    hc_sinkhorn_iters: int
-    hc_eps: float
-    swiglu_limit: float
-    sliding_window: int
-    o_groups: int
-    o_lora_rank: int
-    index_n_heads: int
-    index_head_dim: int
-    index_topk: int
-    main_rope: RopeArgs
-    """The sliding-only layers' RoPE."""
-    compress_rope: RopeArgs
-    """The compressed layers' RoPE (queries, keys, entries and the indexer's)."""
     gate_temp: float
     engram: EngramArgs | None
-    num_nextn_predict_layers: int = 0
-    tie_word_embeddings: bool = False
-    eos_token_id: tuple[int, ...] = ()
 
     n_shared_experts = 1
     first_k_dense_replace = 0

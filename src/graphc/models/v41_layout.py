@@ -4,7 +4,7 @@ The paged model keeps the released names under `model.` except where it shares D
 modules: the routed experts stacked as `mlp.experts.gate_up_proj` [E, 2I, D] (each expert's `w1`
 rows, then its `w3` rows) and `mlp.experts.down_proj` [E, D, I] (`w2`), the shared expert's
 `w1 / w3 / w2` as `gate_proj / up_proj / down_proj`, the router's `bias` as
-`e_score_correction_bias`; the head is `lm_head`. The eager reference
+`e_score_correction_bias`; the embedding is `embed_tokens` and the head `lm_head` (as V4's). The eager reference
 (`deepseek_v41_reference`) uses the released names as they are.
 """
 
@@ -19,6 +19,7 @@ RELEASED_TO_PAGED = [
     (r"^layers\.(\d+)\.ffn\.gate\.bias$", r"model.layers.\1.mlp.gate.e_score_correction_bias"),
     (r"^layers\.(\d+)\.ffn\.", r"model.layers.\1.mlp."),
     (r"^head\.weight$", "lm_head.weight"),
+    (r"^embed\.weight$", "model.embed_tokens.weight"),
     (r"^(?!model\.|lm_head\.)", "model."),
 ]
 PAGED_TO_RELEASED = [
@@ -28,6 +29,7 @@ PAGED_TO_RELEASED = [
     (r"^model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias$", r"layers.\1.ffn.gate.bias"),
     (r"^model\.layers\.(\d+)\.mlp\.", r"layers.\1.ffn."),
     (r"^lm_head\.weight$", "head.weight"),
+    (r"^model\.embed_tokens\.weight$", "embed.weight"),
     (r"^model\.", ""),
 ]
 STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")

@@ -29,9 +29,9 @@ DEFAULT_HASH_LAYERS = 3
 DEFAULT_ROPE_HEAD_DIM_FRACTION = 64 / 512
 
 
-@dataclass(frozen=True)
-class V4Args:
-    """DeepSeek-V4 architecture hyper-parameters (names follow the HF `config.json`)."""
+@dataclass(frozen=True, kw_only=True)
+class V4FamilyArgs:
+    """What DeepSeek-V4 and V4.1 share (names follow the HF `config.json`)."""
 
     vocab_size: int
     hidden_size: int
@@ -45,19 +45,10 @@ class V4Args:
     rope_head_dim: int
     """Trailing dims of each head that are roped (interleaved pairs)."""
     n_routed_experts: int
-    n_shared_experts: int
     num_experts_per_tok: int
     routed_scaling_factor: float
     rms_norm_eps: float
     max_position_embeddings: int
-    layer_types: tuple[str, ...]
-    """Attention kind per layer (`ATTENTION_TYPES`)."""
-    mlp_layer_types: tuple[str, ...]
-    """`hash_moe` (experts chosen by the frozen `tid2eid[token]` table) or `moe` per layer."""
-    csa_rate: int
-    """Tokens per compressed entry in CSA layers (windows overlap: each entry pools 2 * rate)."""
-    hca_rate: int
-    """Tokens per compressed entry in HCA layers."""
     hc_mult: int
     """Parallel residual streams (mHC)."""
     hc_sinkhorn_iters: int
@@ -76,6 +67,21 @@ class V4Args:
     num_nextn_predict_layers: int = 0
     tie_word_embeddings: bool = False
     eos_token_id: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class V4Args(V4FamilyArgs):
+    """DeepSeek-V4 architecture hyper-parameters."""
+
+    n_shared_experts: int
+    layer_types: tuple[str, ...]
+    """Attention kind per layer (`ATTENTION_TYPES`)."""
+    mlp_layer_types: tuple[str, ...]
+    """`hash_moe` (experts chosen by the frozen `tid2eid[token]` table) or `moe` per layer."""
+    csa_rate: int
+    """Tokens per compressed entry in CSA layers (windows overlap: each entry pools 2 * rate)."""
+    hca_rate: int
+    """Tokens per compressed entry in HCA layers."""
 
     first_k_dense_replace = 0
     """Every V4 layer is MoE (the attribute shared code reads of `ModelArgs`)."""
