@@ -91,6 +91,11 @@ def test_a_layer_out_of_range_is_refused(tmp_path, tiny_checkpoints):
     assert result.output.strip().endswith("error: --layer 3: the model has 3 decoder layers; choose 0..2")
 
 
+def test_v41_layers_are_refused_with_a_pointer_to_compare(tmp_path, tiny_checkpoints):
+    result = _probe(_yaml(tmp_path, tiny_checkpoints["v41"]), "--layer", "1")
+    assert result.exit_code == 2 and "use `graphc compare` against its reference" in result.output
+
+
 @pytest.mark.parametrize("layer", [0, 1, 2])  # CSA (hash-routed), HCA (hash-routed), sliding only
 def test_v4_layers_at_reference_numerics_differ_nowhere(layer, tmp_path, tiny_checkpoints):
     result = _probe(_yaml(tmp_path, tiny_checkpoints["v4"]), "--layer", str(layer))
