@@ -20,8 +20,8 @@ it holds, the candidate blocks' scores meet in an all-reduce(max), and the top-k
 
 Routed experts, shared expert and router are V3's / V4's modules (`v41_layout` maps the names),
 in V4.1's arithmetic order (SwiGLU in fp32, the route weight before the down projection; the
-routed sum is rounded once before the shared expert's output adds, where V4.1 adds both in fp32). Engram tables shard over the expert-parallel group with the
-experts (`engram`).
+routed sum is rounded once before the shared expert's output adds, where V4.1 adds both in
+fp32). Engram tables shard over the expert-parallel group with the experts (`engram`).
 
 Shape letters as in `deepseek_v4`; r a layer's compress ratio, k = index_topk.
 """
