@@ -61,7 +61,8 @@ class V41Args(V4FamilyArgs):
                 raise CheckpointError(f"config.json: {name} {list(stray)} are not compressed layers of 0..{layers - 1}")
         checks = [
             (len(ratios) == layers, f"compress_ratios has {len(ratios)} entries for {layers} layers"),
-            (all(isinstance(r, int) and r >= 0 for r in ratios), f"compress_ratios {list(ratios)}: expected integers >= 0"),
+            (all(isinstance(r, int) and r >= 0 for r in ratios),
+             f"compress_ratios {list(ratios)}: expected integers >= 0"),
             (set(self.kv_source_layer_ids) <= set(self.index_source_layer_ids),
              f"kv_source_layer_ids {list(self.kv_source_layer_ids)} must all be index sources "
              f"({list(self.index_source_layer_ids)})"),

@@ -143,7 +143,8 @@ def _engram_collectives(args: V41Args, tokens: int, width: int, exchange: str, e
     rows = tokens * columns * args.engram.head_dim * width
     if exchange == "static":
         return [Collective("all_reduce", "ep", layers, rows)]
-    return [Collective("moe_dispatch", "ep", layers, tokens * columns * 8), Collective("moe_combine", "ep", layers, rows * ep)]
+    return [Collective("moe_dispatch", "ep", layers, tokens * columns * 8),
+            Collective("moe_combine", "ep", layers, rows * ep)]
 
 
 def _bytes(n: float) -> str:
