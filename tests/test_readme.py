@@ -38,3 +38,12 @@ def test_ci_and_the_github_workflow_run_sweeps_of_valid_stages():
     assert parse_topologies(",".join(matrix["topology"]))  # every stage parses
     steps = " ".join(step.get("run", "") for step in workflow["jobs"]["sweep"]["steps"])
     assert "graphc sweep examples/tiny.yaml" in steps and (ROOT / "examples" / "tiny.yaml").is_file()
+
+
+def test_the_nightly_workflow_runs_every_test_the_per_commit_job_deselects():
+    import yaml
+
+    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "full-suite.yml").read_text())
+    runs = [step.get("run", "") for step in workflow["jobs"]["tests"]["steps"]]
+    assert ".venv/bin/python -m pytest -q" in runs  # no marker: the slow tier too
+    assert '-m "not slow"' in (ROOT / ".ci" / "run").read_text()

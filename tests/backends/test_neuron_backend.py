@@ -47,8 +47,11 @@ def _requests() -> list[Request]:
             for p in PROMPTS for sampling in (Sampling(), SAMPLED)]
 
 
-@pytest.mark.parametrize("preset, cp, ep", [pytest.param(*case, marks=[pytest.mark.multirank] if case[1] > 1 else [])
-                                            for case in CASES])
+# (wide-16e, 4, 4) and the sparse model at (2, 2) are the slow tier's (the nightly full suite).
+@pytest.mark.parametrize("preset, cp, ep", [
+    pytest.param(*case, marks=([pytest.mark.multirank] if case[1] > 1 else [])
+                 + ([pytest.mark.slow] if case in (("wide-16e", 4, 4), (SPARSE_V32, 2, 2)) else []))
+    for case in CASES])
 def test_neuron_artifacts_serve_the_export_tokens(preset, cp, ep, compiled):
     requests, buckets = _requests(), BUCKETS if cp == 1 else MULTI_RANK_BUCKETS
     expected = Engine(compiled(preset, "export", buckets)).generate(requests)

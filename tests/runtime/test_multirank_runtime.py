@@ -42,6 +42,7 @@ def _graphc_segments() -> set[str]:
 
 
 @pytest.mark.inductor
+@pytest.mark.slow
 def test_inductor_ranks_run_twenty_generations_in_one_job_without_a_hang(small_artifacts):
     expected = [r.output_ids for r in Engine(small_artifacts("inductor", 1, 1)).generate(_requests())]
     outcomes = serve(small_artifacts("inductor"), [_requests() for _ in range(20)])

@@ -61,7 +61,7 @@ def _served(artifacts, cp: int) -> list[list[int]]:
 
 @pytest.mark.multirank
 @pytest.mark.compiles
-@pytest.mark.parametrize("cp, ep", [(1, 1), (2, 2), (4, 4)])
+@pytest.mark.parametrize("cp, ep", [(1, 1), (2, 2), pytest.param(4, 4, marks=pytest.mark.slow)])
 def test_export_serves_the_reference_tokens(cp, ep, compiled, reference_tokens):
     assert _served(compiled("v41", "export", "small", cp, ep), cp) == reference_tokens
 
