@@ -1,6 +1,7 @@
 """Load HF-layout DeepSeek-V3 checkpoints (`config.json` + safetensors) into `DeepseekV3`,
 DeepSeek-V4 ones (released or transformers layout, `v4_layout`) into `DeepseekV4`, and DeepSeek-V4.1
-ones (released layout: the reference's own names) into `DeepseekV41Reference`.
+ones (released layout, `v41_layout`) into the paged `DeepseekV41` or, by the released names, its
+eager reference `DeepseekV41Reference` (`load_reference`).
 
 The on-disk names are the HF / DeepSeek ones. graphc's module uses the same names except the routed
 experts, which it stacks in the layout the compiled graphs read: `model.layers.{i}.mlp.experts.{e}.
@@ -48,7 +49,7 @@ Model = DeepseekV3 | DeepseekV4 | DeepseekV41
 V41_FP32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|attn_sink|norm\.weight|gate\.bias|^head\.weight|"
                       r"compressor\.wgate\.weight)$")
 """DeepSeek-V4.1 parameters held in fp32 whatever the model dtype, as its inference code holds them
-(and the compressor projections of layers pooling 2 or more tokens: `_keeps_fp32`)."""
+(and the compressor projections of layers pooling 2 or more tokens: `keeps_fp32`)."""
 ENGRAM_TABLE = "engram.embed.weight"
 OUTSIDE_TEXT_MODEL = re.compile(r"^(vision|aligner)\.|^image_(start|end|newline)$|\.ffn\.gate\.bias_vl$")
 """DeepSeek-V4.1's vision path (its tower, image markers, the routers' image-token biases): a
@@ -140,7 +141,7 @@ def expected_tensors(args: Args) -> dict[str, tuple[int, ...]]:
 
 def is_multi_token_prediction(name: str, args: Args) -> bool:
     """MTP modules are stored as layers num_hidden_layers .. num_hidden_layers + n - 1 (V3), or
-    under `mtp.` (V4)."""
+    under `mtp.` (V4, V4.1)."""
     if isinstance(args, (V4Args, V41Args)):
         return bool(v4_layout.MULTI_TOKEN_PREDICTION.search(name))
     layer = LAYER_INDEX.match(name)
