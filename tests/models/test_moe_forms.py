@@ -15,7 +15,7 @@ from graphc.compiler.pipeline import CompileOptions, compile
 from graphc.config import load_config
 from graphc.models.checkpoint import load_model
 from graphc.models.moe_forms import MOE_FORMS, moe_form_for, step_moe_form
-from graphc.models.tiny import TRANSFORMERS_PRESETS
+from graphc.models.tiny import PRESETS
 from graphc.ops.moe import expert_routes, expert_routes_reference, grouped_mm
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
 from support import model_yaml
@@ -85,7 +85,7 @@ def _prefill_and_decode(model, moe_form, prompt_length=20):
     return prefill, decode[:1]
 
 
-@pytest.mark.parametrize("preset", [p for p in TRANSFORMERS_PRESETS if p != "v32"])
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "v32"])  # v41: weighed before the down projection
 @pytest.mark.parametrize("moe_form", ["gather", "grouped"])
 def test_sparse_forms_give_the_dense_forms_logits(preset, moe_form, tiny_checkpoints):
     model = load_model(tiny_checkpoints[preset])
