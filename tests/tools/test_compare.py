@@ -57,3 +57,10 @@ def test_artifacts_of_other_weights_fail_outside_the_floor(tmp_path, compiled, t
 def test_multi_rank_artifacts_are_refused(tmp_path, compiled, tiny_checkpoints):
     result = _compare(tmp_path, tiny_checkpoints["v41"], compiled("v41", "export", "small", 2, 2))
     assert result.exit_code == 2 and "serve it with `graphc run`" in result.output
+
+
+def test_transformers_is_the_reference_where_it_has_the_architecture(tmp_path, compiled, tiny_checkpoints):
+    result = _compare(tmp_path, tiny_checkpoints["lora-groups"], compiled("lora-groups", "export", "small"))
+    assert result.exit_code == 0, result.output
+    reports = json.loads((tmp_path / "report.json").read_text())
+    assert [r["matched"] for r in reports] == [20, 20] and min(min(r["cosine"]) for r in reports) > 0.999999
