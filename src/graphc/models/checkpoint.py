@@ -34,7 +34,7 @@ from graphc.models.deepseek_v41 import DeepseekV41
 from graphc.models.deepseek_v41_reference import DeepseekV41Reference
 from graphc.models.deepseek_v4 import DeepseekV4
 from graphc.models.engram import NgramHash
-from graphc.models.fp8 import FP8, dequantize, scale_name, scaled_weight
+from graphc.models.fp8 import FP8, SCALE_SUFFIX, UE8M0_SUFFIX, dequantize, scale_name, scaled_weight
 from graphc.models.v41_args import V41Args
 from graphc.models.v4_args import V4Args
 from graphc.topology import Topology
@@ -447,7 +447,7 @@ def _fp8_block(checkpoint_dir: Path, files: dict[str, Path], ue8m0: bool) -> tup
     if quantization.get("quant_method") != "fp8" or not (
             isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise CheckpointError(
-            f"{checkpoint_dir}/config.json: the checkpoint holds FP8 scales ({scale_name('X.weight', ue8m0)}) but "
+            f"{checkpoint_dir}/config.json: the checkpoint holds FP8 scales ({UE8M0_SUFFIX if ue8m0 else SCALE_SUFFIX}) but "
             f"quantization_config is {quantization or 'missing'}; expected quant_method 'fp8' and weight_block_size "
             "[rows, cols]")
     return block[0], block[1]
