@@ -447,7 +447,8 @@ def _fp8_block(checkpoint_dir: Path, files: dict[str, Path], ue8m0: bool) -> tup
     if quantization.get("quant_method") != "fp8" or not (
             isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise CheckpointError(
-            f"{checkpoint_dir}/config.json: the checkpoint holds FP8 scales ({UE8M0_SUFFIX if ue8m0 else SCALE_SUFFIX}) but "
+            f"{checkpoint_dir}/config.json: the checkpoint holds FP8 scales "
+            f"({UE8M0_SUFFIX if ue8m0 else SCALE_SUFFIX}) but "
             f"quantization_config is {quantization or 'missing'}; expected quant_method 'fp8' and weight_block_size "
             "[rows, cols]")
     return block[0], block[1]
