@@ -483,8 +483,8 @@ def probe(model_yaml, layer, tokens, tolerance) -> None:
 def compare(model_yaml, artifacts, prompt_ids, new_tokens, seeds, json_path) -> None:
     """Golden greedy tokens from the model's reference (graphc's eager DeepSeek-V4.1, or
     transformers), the compiled ARTIFACTS teacher-forced on them, per prompt: tokens matched,
-    logits cosine and relative error per step, the worst step, the reference's noise floor.
-    Exits 1 when a mismatch lies outside the floor."""
+    logits cosine and relative error per step, the worst step, the reference's noise floor and
+    how many golden tokens the perturbed reference itself keeps. Exits 1 when a mismatch lies outside the floor."""
     from graphc.config import load_config
     from graphc.models.checkpoint import load_model_args
     from graphc.tools import compare as comparing

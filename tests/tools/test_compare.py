@@ -40,7 +40,9 @@ def test_fp32_artifacts_match_every_golden_token(tmp_path, compiled, tiny_checkp
         assert min(r["cosine"]) > 0.999999 and max(r["relative_error"]) < 1e-5
         assert len(r["floor"]) == 20 and min(r["floor"]) > 0
         assert r["cosine"][r["worst_step"]] == min(r["cosine"])
+        assert r["reference_matched"] == [20, 20]  # one fp32 ulp moves no argmax of this model
     assert "greedy tokens matched 20/20" in result.output and "noise floor" in result.output
+    assert "the perturbed reference itself keeps 20-20/20" in result.output
 
 
 def test_artifacts_of_other_weights_fail_outside_the_floor(tmp_path, compiled, tiny_checkpoints):
@@ -51,6 +53,9 @@ def test_artifacts_of_other_weights_fail_outside_the_floor(tmp_path, compiled, t
     reports = json.loads((tmp_path / "report.json").read_text())
     outside = [m for r in reports for m in r["mismatches"] if not m["inside_floor"]]
     assert outside and all(m["margin"] > 2 * m["floor"] for m in outside)
+    # The reference is the other weights' model: perturbing it by one ulp keeps far more of its
+    # own golden tokens than the artifacts of different weights do.
+    assert all(min(r["reference_matched"]) > r["matched"] for r in reports)
     assert "OUTSIDE" in result.output
 
 

@@ -14,7 +14,10 @@ Per prompt:
    noise it cannot tell from its own rounding (in an MoE, one ulp can flip an expert choice).
 A step where argmax c_t is not the golden token is inside the floor when the reference's own
 margin between the two tokens is at most twice the floor (each logit may be off by one floor);
-otherwise it is a failure, and `graphc compare` exits 1.
+otherwise it is a failure, and `graphc compare` exits 1. How many golden tokens each perturbed
+reference itself keeps (its argmax on the same prefixes) is reported beside the compiled count:
+on a checkpoint with near-tied logits the reference loses tokens to its own rounding too, and
+that count is the yardstick for the compiled one.
 
 Single-rank artifacts (cp = ep = dp = 1): the teacher-forced steps run the compiled graphs
 directly, with the logits they return.
@@ -64,6 +67,8 @@ class PromptReport:
     cosine: list[float]
     relative_error: list[float]
     floor: list[float]
+    reference_matched: list[int]
+    """Per perturbation seed: the golden tokens the perturbed reference's own argmax keeps."""
     mismatches: list[Mismatch] = field(default_factory=list)
 
     @property
@@ -158,13 +163,15 @@ def compare(checkpoint: Path, artifacts: Path, prompts: list[list[int]], new_tok
         tokens, expected = golden(reference, prompt, new_tokens)
         compiled = forced.logits(prompt, tokens)
         sequence = prompt + tokens[:-1]
-        floor = torch.stack([(neighbour(sequence)[len(prompt) - 1:] - expected).abs().amax(-1)
-                             for neighbour in neighbours]).amax(0)  # [new_tokens]
+        perturbed = torch.stack([neighbour(sequence)[len(prompt) - 1:] for neighbour in neighbours])  # [seeds, T, V]
+        floor = (perturbed - expected).abs().amax(-1).amax(0)  # [new_tokens]
+        golden_ids = torch.tensor(tokens)
+        reference_matched = [int((p.argmax(-1) == golden_ids).sum()) for p in perturbed]
         cosine = torch.nn.functional.cosine_similarity(compiled, expected, dim=-1)
         error = (compiled - expected).norm(dim=-1) / expected.norm(dim=-1)
         choices = compiled.argmax(-1).tolist()
         report = PromptReport(prompt, tokens, sum(c == g for c, g in zip(choices, tokens)), cosine.tolist(),
-                              error.tolist(), floor.tolist())
+                              error.tolist(), floor.tolist(), reference_matched)
         for step, (choice, token) in enumerate(zip(choices, tokens)):
             if choice != token:
                 margin = (expected[step, token] - expected[step, choice]).item()
@@ -186,7 +193,8 @@ def summary_lines(reports: list[PromptReport]) -> list[str]:
         lines.append(f"prompt {i} ({len(r.prompt)} tokens): greedy tokens matched {r.matched}/{len(r.golden)}; "
                      f"worst step {worst}: cosine {r.cosine[worst]:.6f}, relative error {r.relative_error[worst]:.4g}; "
                      f"max relative error {max(r.relative_error):.4g}; noise floor min {floor[0]:.4g}, "
-                     f"median {floor[len(floor) // 2]:.4g}, max {floor[-1]:.4g}")
+                     f"median {floor[len(floor) // 2]:.4g}, max {floor[-1]:.4g}; the perturbed reference "
+                     f"itself keeps {min(r.reference_matched)}-{max(r.reference_matched)}/{len(r.golden)}")
         for m in r.mismatches:
             where = "inside" if m.inside_floor else "OUTSIDE"
             lines.append(f"  step {m.step}: golden {m.golden}, compiled {m.compiled}, reference margin {m.margin:.4g} "
