@@ -281,22 +281,32 @@ def test_run_text_prompt_without_tokenizer(artifacts, tmp_path, graphs_never_run
     assert "tokenizer" in line and "--prompt-ids" in line
 
 
-def served_and_refused(result: Result, engine: Engine, served: list[int]) -> str:
-    """A run where one request was refused and the others served: exit status 2, the served
-    prompt's tokens on stdout, one `error: ...` line for the refused one; returns that line."""
+def served_and_refused(result: Result, engine: Engine, served: list[int], refused: int) -> list[str]:
+    """A run where `refused` requests were refused and one served: exit status 2, the served
+    prompt's tokens on stdout, one `error: ...` line per refused request (in request order) on
+    stderr and nothing else; returns those lines."""
     expected = serve(engine, [Request(served, 16)])[0].output_ids
     printed = [line.split("\t")[0] for line in result.stdout.splitlines()]  # ids, then the decoded text
     assert printed == [" ".join(map(str, expected))], (result.stdout, result.stderr)
-    return error_line(result)
+    assert result.exit_code == EXIT_BAD_INPUT, (result.exit_code, result.stdout, result.stderr, result.exception)
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("loading ")]
+    assert len(lines) == refused and all(line.startswith("error: ") for line in lines), result.stderr
+    return lines
 
 
-@pytest.mark.parametrize("prompt, bad", [("5,256", 256), ("300", 300), ("4,-1,7", -1)])
-def test_run_token_outside_the_vocabulary_is_refused_alone(artifacts, engine, prompt, bad):
-    line = served_and_refused(invoke("run", artifacts, "--prompt-ids", "1,2", "--prompt-ids", prompt), engine, [1, 2])
-    assert f"prompt 1: token id {bad} is outside the vocabulary 0..255" in line
+OUTSIDE_THE_VOCABULARY = [("5,256", 256), ("300", 300), ("4,-1,7", -1)]
 
 
-@pytest.mark.parametrize("bad_line, says", [
+def test_run_tokens_outside_the_vocabulary_are_refused_alone(artifacts, engine):
+    """One run (loading the graphs once): each bad prompt refused with its own line, the good one served."""
+    prompts = [arg for prompt, _ in OUTSIDE_THE_VOCABULARY for arg in ("--prompt-ids", prompt)]
+    lines = served_and_refused(invoke("run", artifacts, "--prompt-ids", "1,2", *prompts), engine, [1, 2],
+                               len(OUTSIDE_THE_VOCABULARY))
+    for i, (line, (_, bad)) in enumerate(zip(lines, OUTSIDE_THE_VOCABULARY), start=1):
+        assert f"prompt {i}: token id {bad} is outside the vocabulary 0..255" in line
+
+
+MALFORMED_LINES = [
     ("{not json", "not valid JSON"),
     ('["prompt_ids", [1]]', "expected an object"),
     ('{"max_new_tokens": 3}', "expected an object"),
@@ -306,12 +316,18 @@ def test_run_token_outside_the_vocabulary_is_refused_alone(artifacts, engine, pr
     ('{"prompt_ids": [1], "top_k": 99999999999999999999999}', "top_k 99999999999999999999999 must be an integer"),
     ('{"prompt_ids": [1], "temperature": NaN}', "temperature nan must be a finite number"),
     ('{"prompt_ids": [999]}', "token id 999 is outside the vocabulary"),
-])
-def test_run_malformed_prompts_file_line_is_refused_alone(artifacts, engine, tmp_path, bad_line, says):
+]
+
+
+def test_run_malformed_prompts_file_lines_are_refused_alone(artifacts, engine, tmp_path):
+    """One run over a file of one good line, a blank one and every malformed kind: each bad line
+    refused with one line naming its line number, the good one served."""
     prompts_file = tmp_path / "prompts.jsonl"
-    prompts_file.write_text('{"prompt_ids": [1, 2]}\n\n' + bad_line + "\n")
-    line = served_and_refused(invoke("run", artifacts, "--prompts-file", prompts_file), engine, [1, 2])
-    assert f"{prompts_file}:3:" in line and says in line, line
+    prompts_file.write_text("\n".join(['{"prompt_ids": [1, 2]}', "", *(bad for bad, _ in MALFORMED_LINES)]) + "\n")
+    lines = served_and_refused(invoke("run", artifacts, "--prompts-file", prompts_file), engine, [1, 2],
+                               len(MALFORMED_LINES))
+    for number, (line, (bad, says)) in enumerate(zip(lines, MALFORMED_LINES), start=3):
+        assert line.startswith(f"error: {prompts_file}:{number}:") and says in line, (bad, line)
 
 
 def test_run_prompts_file_that_is_not_utf8_is_named(artifacts, tmp_path, graphs_never_run):

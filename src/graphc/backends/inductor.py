@@ -8,11 +8,12 @@ import torch
 import torch.utils._pytree as pytree
 
 import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
+from graphc.program_load import load_exported_program
 from graphc.topology import Topology
 
 
 def compile_program(program: Path, out: Path, topology: Topology) -> None:
-    exported = torch.export.load(str(program))
+    exported = load_exported_program(program)
     exported.example_inputs = placeholder_inputs(exported)
     torch._inductor.aoti_compile_and_package(exported, package_path=str(out))
 

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
 from graphc.backends.neuron_archive import (CPU_HLO, NEFF, NEURON_HLO, available, neff_of, neuronx_cc_command,
                                            write_archive)
 from graphc.backends.xla.lint import check_neuron_module
 from graphc.backends.xla.lower import lower_to_hlo
 from graphc.backends.xla.variants import CPU, NEURON
+from graphc.program_load import load_exported_program
 from graphc.topology import Topology
 
 
 def compile_program(program: Path, out: Path, topology: Topology) -> None:
-    exported = torch.export.load(str(program))
+    exported = load_exported_program(program)
     neuron_hlo, signature = lower_to_hlo(exported, topology, NEURON)
     check_neuron_module(neuron_hlo, topology, signature.parameters.index("kv_pool"))
     cpu_hlo, _ = lower_to_hlo(exported, topology, CPU)

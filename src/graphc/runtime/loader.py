@@ -17,6 +17,7 @@ from graphc.backends import backend
 from graphc.buckets.selection import Bucket
 from graphc.errors import GraphcError
 import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
+from graphc.program_load import load_exported_program
 from graphc.runtime.archive_check import check_export_archive
 from graphc.step import STEP_INPUTS
 
@@ -25,7 +26,7 @@ NUM_KV_BLOCKS_ENV = "GRAPHC_NUM_KV_BLOCKS"
 
 def _load_export(path: Path) -> Callable:
     check_export_archive(path)  # torch.export.load would unpickle what an archive asks it to
-    module = torch.export.load(str(path)).module()
+    module = load_exported_program(path).module()
     return lambda weights, inputs: module(weights, *inputs)
 
 
