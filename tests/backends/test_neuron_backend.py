@@ -47,10 +47,12 @@ def _requests() -> list[Request]:
             for p in PROMPTS for sampling in (Sampling(), SAMPLED)]
 
 
-# (wide-16e, 4, 4) and the sparse model at (2, 2) are the slow tier's (the nightly full suite).
+# Per commit: the sparse model at one rank (every bucket kind, the V3 layers and the indexer) and
+# wide-16e at (2, 2) (the collectives); the rest is the slow tier's (the nightly full suite).
 @pytest.mark.parametrize("preset, cp, ep", [
     pytest.param(*case, marks=([pytest.mark.multirank] if case[1] > 1 else [])
-                 + ([pytest.mark.slow] if case in (("wide-16e", 4, 4), (SPARSE_V32, 2, 2)) else []))
+                 + ([pytest.mark.slow] if case in (("lora-groups", 1, 1), ("wide-16e", 4, 4), (SPARSE_V32, 2, 2))
+                    else []))
     for case in CASES])
 def test_neuron_artifacts_serve_the_export_tokens(preset, cp, ep, compiled):
     requests, buckets = _requests(), BUCKETS if cp == 1 else MULTI_RANK_BUCKETS

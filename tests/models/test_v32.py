@@ -7,7 +7,8 @@
   equal transformers'.)
 - Context parallel on real gloo ranks: every layer's top-k at cp = 2 and 4 is cp = 1's, and the
   tokens are cp = 1's.
-- Compiled and served (export, and inductor on one rank): the eager tokens, at cp = 1 and 2.
+- Compiled and served (export, and inductor on one rank in the slow tier): the eager tokens, at
+  cp = 1 and 2.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def eager_tokens(tiny_checkpoints):
 
 
 @pytest.mark.compiles
-@pytest.mark.parametrize("backend", ["export", "inductor"])
+@pytest.mark.parametrize("backend", ["export", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_sparse_model_gives_the_eager_tokens(backend, compiled, eager_tokens):
     artifacts = compiled(SPARSE_V32, backend, "small")
     assert [r.output_ids for r in Engine(artifacts).generate(_requests())] == eager_tokens

@@ -97,7 +97,8 @@ def test_single_rank_engine_refuses_multi_rank_artifacts(compiled):
 V4_CASE = ("v4", "prompt_as_decode_small", PROMPTS)
 
 
-@pytest.mark.parametrize("cp, ep", [pytest.param(2, 1, marks=pytest.mark.slow), (2, 2), (4, 4)])
+@pytest.mark.parametrize("cp, ep", [pytest.param(2, 1, marks=pytest.mark.slow), (2, 2),
+                                    pytest.param(4, 4, marks=pytest.mark.slow)])
 def test_v4_export_ranks_serve_the_single_rank_tokens(cp, ep, compiled):
     _check_tokens(compiled, "export", ("v4", "small", PROMPTS), cp, ep, True)
 

@@ -18,7 +18,7 @@ LENGTHS = [1, 8, 20, 32, 75]
 NEW_TOKENS = 24
 # Every preset on export; inductor lowers the same ops, so one preset there (its compiles cost ~20 s
 # a graph; the V3.2 sparse ops are compiled with inductor in test_v32.py, V4's in
-# test_parallel_serve.py).
+# test_parallel_serve.py, both in the slow tier).
 # The first case is the fast tier's one end-to-end compile and serve; the others carry `compiles`.
 BACKEND_PRESETS = [("export", "lora-groups")] + [
     pytest.param(backend, preset, marks=pytest.mark.compiles)
@@ -31,8 +31,8 @@ def prompts() -> list[list[int]]:
     return [[(7 * i + 3 * n) % 254 + 2 for i in range(n)] for n in LENGTHS]
 
 
-def serve(artifacts, prompt_list, new_tokens=NEW_TOKENS):
-    results = Engine(artifacts).generate([Request(p, new_tokens, stop_at_eos=False) for p in prompt_list])
+def serve(engine: Engine, prompt_list, new_tokens=NEW_TOKENS):
+    results = engine.generate([Request(p, new_tokens, stop_at_eos=False) for p in prompt_list])
     assert all(r.error is None and r.finish_reason == "length" for r in results), results
     return [r.output_ids for r in results]
 
@@ -52,21 +52,21 @@ def reference(tiny_checkpoints):
 
 @pytest.mark.parametrize("backend, preset", BACKEND_PRESETS)
 def test_served_tokens_equal_transformers_generate(backend, preset, compiled, reference):
-    assert serve(compiled(preset, backend), prompts()) == reference(preset)
+    assert serve(Engine(compiled(preset, backend)), prompts()) == reference(preset)
 
 
 @pytest.mark.compiles
 @pytest.mark.parametrize("backend", ["export", "inductor"])
 def test_prompts_served_together_equal_each_served_alone(backend, compiled):
-    artifacts = compiled("lora-groups", backend)
-    together = serve(artifacts, prompts())
-    assert together == [serve(artifacts, [p])[0] for p in prompts()]
+    engine = Engine(compiled("lora-groups", backend))  # loaded once; each generate has its own scheduler
+    together = serve(engine, prompts())
+    assert together == [serve(engine, [p])[0] for p in prompts()]
 
 
 @pytest.mark.compiles
 def test_tokens_do_not_depend_on_the_bucket_set(compiled, reference):
     # Bucket choice is host logic, the same whatever the backend: export only.
-    assert serve(compiled("lora-groups", "export", "alternative"), prompts()) == reference("lora-groups")
+    assert serve(Engine(compiled("lora-groups", "export", "alternative")), prompts()) == reference("lora-groups")
 
 
 def test_runtime_imports_nothing_from_the_compiler_side():

@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
-from graphc.program_load import load_exported_program
+from graphc.program_io import load_exported_program
 from graphc.topology import Topology
 
 

@@ -15,7 +15,7 @@ from graphc.backends.neuron_archive import (CPU_HLO, NEFF, NEURON_HLO, available
 from graphc.backends.xla.lint import check_neuron_module
 from graphc.backends.xla.lower import lower_to_hlo
 from graphc.backends.xla.variants import CPU, NEURON
-from graphc.program_load import load_exported_program
+from graphc.program_io import load_exported_program
 from graphc.topology import Topology
 
 

@@ -34,6 +34,7 @@ from graphc.artifacts.directory import sha256_file
 from graphc.backends import backend as backend_named, compile_program
 from graphc.backends.neuron_archive import toolchain as neuron_toolchain
 from graphc.errors import GraphcError
+from graphc.program_io import save_exported_program
 from graphc.topology import Topology
 
 
@@ -115,7 +116,7 @@ def compile_all(jobs: list[CompileJob], backend: str, topology: Topology, worker
         partials = {key: Path(scratch) / f"{key}.partial.{extension}" for key in todo}
         for key, job in todo.items():
             programs[key] = Path(scratch) / f"{key}.pt2"
-            torch.export.save(job.program, str(programs[key]))
+            save_exported_program(job.program, programs[key])
 
         def compiled(key: str, partial: Path) -> None:
             _store(partial, results[key])

@@ -17,7 +17,7 @@ from graphc.backends import backend
 from graphc.buckets.selection import Bucket
 from graphc.errors import GraphcError
 import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
-from graphc.program_load import load_exported_program
+from graphc.program_io import load_exported_program
 from graphc.runtime.archive_check import check_export_archive
 from graphc.step import STEP_INPUTS
 
