@@ -327,9 +327,22 @@ def _cold_compile(tmp_path, monkeypatch, checkpoint, out: str):
     return manifest, len(calls)
 
 
+@pytest.fixture(scope="module")
+def cold_compiled(tiny_checkpoints, tmp_path_factory):
+    """One cold compile of the standard buckets: (its folder, manifest); the cache it filled is the
+    folder's `cache`, for tests to copy and tamper with."""
+    root = tmp_path_factory.mktemp("cold")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GRAPHC_CACHE_DIR", str(root / "cache"))
+        manifest = compile(load_config(write_model_yaml(root / "cfg", tiny_checkpoints[PRESET])), root / "first", QUIET)
+    return root, manifest
+
+
 @pytest.mark.parametrize("tamper", ["planted", "corrupted", "record removed"])
-def test_a_cache_entry_that_lost_its_recorded_hash_is_compiled_again(tiny_checkpoints, tmp_path, monkeypatch, tamper):
-    first, compiled_first = _cold_compile(tmp_path, monkeypatch, tiny_checkpoints[PRESET], "first")
+def test_a_cache_entry_that_lost_its_recorded_hash_is_compiled_again(cold_compiled, tmp_path, monkeypatch, tamper):
+    root, first = cold_compiled
+    shutil.copytree(root / "cache", tmp_path / "cache")
+    monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path / "cache"))
     entry = tmp_path / "cache" / "export" / Path(first.ranks[0].graphs[0].file).name
     if tamper == "planted":  # a file dropped in under an entry's name, with no record of its own
         entry.with_name(entry.name + ".sha256").unlink()
@@ -343,7 +356,7 @@ def test_a_cache_entry_that_lost_its_recorded_hash_is_compiled_again(tiny_checkp
     calls = []
     real = graphc.compiler.emit.compile_program
     monkeypatch.setattr(graphc.compiler.emit, "compile_program", lambda *a: (calls.append(a[0]), real(*a)))
-    second = compile(load_config(tmp_path / "cfg" / "model.yaml"), tmp_path / "second", QUIET)
+    second = compile(load_config(root / "cfg" / "model.yaml"), tmp_path / "second", QUIET)
     assert len(calls) == 1  # only the tampered entry
     assert second.ranks == first.ranks  # the same content, hashes included
     read_manifest(tmp_path / "second")
