@@ -63,7 +63,8 @@ def test_hints_are_resolved_once_per_class_and_the_module_is_put_back(tmp_path, 
 
 def test_the_same_archive_as_torch_export_save_without_the_canonical_copy(tmp_path, monkeypatch):
     program = _program()
-    (tmp_path / "ours").mkdir(), (tmp_path / "torch").mkdir()
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "torch").mkdir()
     canonicalized = _counting(monkeypatch, serialize, "canonicalize")
     torch.export.save(program, str(tmp_path / "torch" / "program.pt2"))
     assert len(canonicalized) == 1  # torch's save makes the check this skips
