@@ -179,7 +179,7 @@ def worker_routing(checkpoint: Path, vocab: int) -> dict:
     the benchmark's prompts: the bytes the step must read depend on it)."""
     from graphc.tools.generate import PagedKV, generate
     from graphc.models.checkpoint import load_model
-    from graphc.models.deepseek_v3 import Router
+    from graphc.models.deepseek_v3.model import Router
 
     model = load_model(checkpoint)
     seen: list[int] = []
@@ -235,7 +235,7 @@ def peak_rss() -> int:
 def step_bytes(args, batch: int, distinct_experts: float, context: int, dtype: str) -> float:
     """Bytes a decode step of `batch` rows must read (see the module docstring); the router
     stays fp32 in every dtype, a rounding error here."""
-    from graphc.models.deepseek_v3 import DeepseekV3
+    from graphc.models.deepseek_v3.model import DeepseekV3
 
     d = args.hidden_size
 
@@ -249,7 +249,7 @@ def step_bytes(args, batch: int, distinct_experts: float, context: int, dtype: s
 
 def prefill_flops(args, tokens: int) -> float:
     """Multiply-adds x 2 of a prefill of `tokens` tokens (one row; logits for the last token)."""
-    from graphc.models.deepseek_v3 import DeepseekV3
+    from graphc.models.deepseek_v3.model import DeepseekV3
 
     with torch.device("meta"):
         model = DeepseekV3(args)
@@ -274,7 +274,7 @@ def prefill_flops(args, tokens: int) -> float:
 
 
 def bench_size(size: str, work: Path, repeats: int, with_dense: bool, dtype: str) -> None:
-    from graphc.models.args import model_args_from_hf_config
+    from graphc.models.registry import model_args_from_hf_config
     from graphc.models.tiny import preset_config, write_random_checkpoint
 
     config = {**preset_config("lora-groups"), **SIZES[size]}

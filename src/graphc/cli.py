@@ -124,7 +124,7 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
     from graphc.config import load_config
     from graphc.tools.generate import PagedKV, generate as run_generate
     from graphc.sampling import Sampling
-    from graphc.models.checkpoint import load_model, load_model_args
+    from graphc.models.checkpoint import load_model
 
     config = load_config(config_path)
     prompts = [_parse_ids(p) for p in prompt_ids]
@@ -135,7 +135,7 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
                 f"prompt {i}: {len(prompt)} tokens + {limit} new tokens exceed buckets.context_limit "
                 f"({config.buckets.context_limit})"
             )
-    vocab = load_model_args(config.model.checkpoint).vocab_size
+    vocab = config.model_args.vocab_size
     for i, prompt in enumerate(prompts):
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -176,7 +176,7 @@ def compile_command(config_path, out, backend, disabled, dump_graphs, verify_pas
                     moe_lowering) -> None:
     """Capture, rewrite and compile MODEL_YAML's model into per-bucket graphs (at most two per bucket)."""
     from graphc.config import load_config
-    from graphc.compiler.pipeline import CompileOptions, check_options, compile
+    from graphc.compiler.pipeline import CompileOptions, compile
 
     config = load_config(config_path)
     if moe_lowering:
@@ -184,9 +184,7 @@ def compile_command(config_path, out, backend, disabled, dump_graphs, verify_pas
     options = CompileOptions(backend=backend, disabled_passes=frozenset(disabled), dump_graphs=dump_graphs,
                              verify_passes=verify_passes, force=force, sign_key=sign_key,
                              **({"workers": jobs} if jobs else {}))
-    check_options(config, out, options)
-    click.echo(_describe_config(config, backend), err=True)
-    manifest = compile(config, out, options)
+    manifest = compile(config, out, options, on_checked=lambda: click.echo(_describe_config(config, backend), err=True))
     graphs = {g.file for r in manifest.ranks for g in r.graphs}
     click.echo(f"wrote {out}: {sum(len(r.graphs) for r in manifest.ranks)} graphs over {len(manifest.ranks)} "
                f"rank(s), {len(graphs)} distinct, backend {manifest.backend}" + (", signed" if sign_key else ""))
@@ -425,7 +423,6 @@ def plan(model_yaml, workload, plot_path) -> None:
     from graphc.tools import plan as planning
     from graphc.buckets.planner import read_workload
     from graphc.config import load_config
-    from graphc.models.checkpoint import load_model_args
 
     config = load_config(model_yaml)
     source = workload or (config.buckets.auto.workload if config.buckets.auto else None)
@@ -440,7 +437,7 @@ def plan(model_yaml, workload, plot_path) -> None:
         except ValueError as e:
             raise GraphcError(f"--workload: {e}") from None
     click.echo(_describe_config(config))
-    for line in planning.describe(config, load_model_args(config.model.checkpoint), lengths):
+    for line in planning.describe(config, lengths):
         click.echo(line)
     if plot_path is not None:
         planning.plot(plot_path, config, lengths)
@@ -486,16 +483,15 @@ def compare(model_yaml, artifacts, prompt_ids, new_tokens, seeds, json_path) -> 
     logits cosine and relative error per step, the worst step, the reference's noise floor and
     how many golden tokens the perturbed reference itself keeps. Exits 1 when a mismatch lies outside the floor."""
     from graphc.config import load_config
-    from graphc.models.checkpoint import load_model_args
     from graphc.tools import compare as comparing
 
     config = load_config(model_yaml)
-    vocab = load_model_args(config.model.checkpoint).vocab_size
+    vocab = config.model_args.vocab_size
     prompts = [_parse_ids(text) for text in prompt_ids] or comparing.DEFAULT_PROMPTS
     for ids in prompts:
         if not all(0 <= i < vocab for i in ids):
             raise GraphcError(f"--prompt-ids: token ids must be in 0..{vocab - 1}; got {ids}")
-    reports = comparing.compare(config.model.checkpoint, artifacts, prompts, new_tokens, seeds)
+    reports = comparing.compare(config, artifacts, prompts, new_tokens, seeds)
     for line in comparing.summary_lines(reports):
         click.echo(line)
     if json_path is not None:

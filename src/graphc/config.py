@@ -37,7 +37,9 @@ import yaml
 from graphc.backends import BackendName
 from graphc.buckets.planner import BucketPlan, plan_buckets, read_workload
 from graphc.errors import ConfigError, GraphcError
-from graphc.models.args import model_args_from_hf_config, read_hf_config
+from graphc.models.family import Family
+from graphc.models.registry import family_of, load_model_args
+from graphc.models.step_model import ModelArgs
 from graphc.sampling import SAMPLING_RULES, Sampling, sampling_error
 from graphc.step import blocks_per_row
 from graphc.topology import Topology
@@ -148,6 +150,13 @@ class GraphcConfig:
     """How graphs are compiled: torch.export .pt2, AOTInductor packages, or Neuron NEFFs."""
     source: Path | None = field(default=None, metadata={"from_data": False})
     """The YAML file this was loaded from (set by the loader, not a key)."""
+    model_args: ModelArgs | None = field(default=None, metadata={"from_data": False}, compare=False)
+    """The checkpoint's config.json as its family's args, read once by the loader (not a key)."""
+
+    @property
+    def family(self) -> Family:
+        """The model family of the checkpoint (`models/registry.py`)."""
+        return family_of(self.model_args)
 
 
 def load_config(path: str | Path) -> GraphcConfig:
@@ -182,10 +191,10 @@ def parse_config(data: Any, base_dir: Path) -> GraphcConfig:
         if getattr(b, name) is None:
             raise ConfigError(f"buckets.{name}: required key is missing (a list of sizes, or plan them with buckets.auto)")
     config = dataclasses.replace(config, buckets=b)
-    validate(config)
+    args = validate(config)
     buckets = dataclasses.replace(b, prefill=sorted(b.prefill), decode=sorted(b.decode),
                                   prompt_as_decode=b.prompt_as_decode or 0)
-    return dataclasses.replace(config, buckets=buckets)
+    return dataclasses.replace(config, buckets=buckets, model_args=args)
 
 
 def plan_for(buckets: BucketsSection, runtime: RuntimeSection) -> BucketPlan:
@@ -206,8 +215,8 @@ def plan_for(buckets: BucketsSection, runtime: RuntimeSection) -> BucketPlan:
         raise ConfigError(f"buckets.auto: {e}") from None
 
 
-def validate(config: GraphcConfig) -> None:
-    """Cross-field checks, and checks against the checkpoint's config.json."""
+def validate(config: GraphcConfig) -> ModelArgs:
+    """Cross-field checks, and checks against the checkpoint's config.json; returns its args."""
     b, kv, rt, topo = config.buckets, config.kv_cache, config.runtime, config.topology
     _positive("buckets.context_limit", b.context_limit)
     for section, sizes in (("buckets.prefill", b.prefill), ("buckets.decode", b.decode)):
@@ -247,7 +256,7 @@ def validate(config: GraphcConfig) -> None:
     except GraphcError as e:
         raise ConfigError(str(e)) from None
     try:
-        args = model_args_from_hf_config(read_hf_config(config.model.checkpoint))
+        args = load_model_args(config.model.checkpoint)
     except GraphcError as e:
         raise ConfigError(f"model.checkpoint: {e}") from None
     try:
@@ -259,6 +268,7 @@ def validate(config: GraphcConfig) -> None:
             f"buckets.context_limit: {b.context_limit} exceeds the checkpoint's max_position_embeddings "
             f"({args.max_position_embeddings})"
         )
+    return args
 
 
 def _positive(key: str, value: int) -> None:

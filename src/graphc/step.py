@@ -43,6 +43,12 @@ def blocks_per_row(context_limit: int, block_size: int) -> int:
     return ceil_div(context_limit, block_size)
 
 
+def kv_pool_shape(layers: int, num_blocks: int, block_size: int, slot_width: int) -> tuple[int, int, int, int]:
+    """The paged pool [L, N, S, C]: `layers` pool layers (the model's `cache_layers`) of `num_blocks`
+    blocks of `block_size` slots, each `slot_width` wide (its `kv_cache_dim`)."""
+    return (layers, num_blocks, block_size, slot_width)
+
+
 def step_shapes(rows: int, width: int, blocks_per_row: int) -> dict[str, tuple[int, ...]]:
     """The shape of every step input but the pool, for `rows` sequences of `width` tokens
     (a bucket's `rows` and `width`), in `STEP_INPUTS` order."""

@@ -18,18 +18,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from graphc.errors import CheckpointError, GraphcError
-from graphc.models.args import model_args_from_hf_config, read_hf_config
-from graphc.models.checkpoint import (
-    expected_tensors,
-    hf_tensor_names,
-    is_multi_token_prediction,
-    load_model,
-    load_model_args,
-)
-from graphc.models.deepseek_v3 import FP32_SUFFIXES, rope_inverse_frequencies
-from graphc.models.tiny import MLA_PRESETS, PRESETS, preset_config
+from graphc.models.hf_config import read_hf_config
+from graphc.models.registry import model_args_from_hf_config
+from graphc.models import deepseek_v3
+from graphc.models.checkpoint import expected_tensors, load_model, load_model_args
+from graphc.models.deepseek_v3.layout import FP32_SUFFIXES, hf_tensor_names, is_multi_token_prediction
+from graphc.models.layers import rope_inverse_frequencies
+from graphc.models.tiny import PRESETS, preset_config
 
 PRESET = "lora-groups"
+MLA_PRESETS = tuple(deepseek_v3.FAMILY.presets)
 YARN_PRESETS = ["direct-q-yarn", "yarn-mscale"]
 # Names present in the lora-groups preset (layer 0 dense, layers 1..2 MoE, 8 experts).
 ATTN_WEIGHT = "model.layers.1.self_attn.q_a_proj.weight"
@@ -98,7 +96,7 @@ def reference_model(tiny_checkpoints):
 # --- loading what is stored ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", MLA_PRESETS)  # V4's: tests/models/test_v4.py
+@pytest.mark.parametrize("preset", MLA_PRESETS)  # V4's: tests/models/deepseek_v4/
 def test_every_preset_loads_with_stored_values(preset, tiny_checkpoints):
     path = tiny_checkpoints[preset]
     config = preset_config(preset)

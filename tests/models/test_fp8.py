@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from graphc.errors import CheckpointError
 from graphc.models.checkpoint import load_model
 from graphc.models.fp8 import FP8, FP8_MAX, SCALE_SUFFIX, dequantize, quantize
-from graphc.models.tiny import FP8_QUANTISED, make_tiny_checkpoint
+from graphc.models.deepseek_v3.layout import FP8_QUANTISED
+from graphc.models.tiny import make_tiny_checkpoint
 
 BLOCK = 32  # the tiny matrices (48, 64, 128 wide) then span several blocks, some ragged
 

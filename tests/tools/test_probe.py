@@ -62,7 +62,7 @@ def test_a_perturbed_aten_op_is_named(tiny_checkpoints):
     assert report.first is not None and report.first.node == silu.name
     assert report.first.rounding_point is None
     assert report.first.relative == pytest.approx(1e-3, rel=0.05)
-    assert "swiglu(gate, up" in report.first.source and "deepseek_v3.py" in report.first.source
+    assert "swiglu(gate, up" in report.first.source and "models/layers.py" in report.first.source
 
 
 def test_a_wrongly_lowered_graphc_op_is_named_and_fails(tmp_path, tiny_checkpoints, monkeypatch):
@@ -112,4 +112,4 @@ def test_a_perturbed_v4_window_pool_is_named(tiny_checkpoints):
     report = compare(compiled, program, run_reference(program, inputs), inputs, ProbeReport(0, torch.float32, 1e-5, 24))
     assert report.first is not None and report.first.node == pool_lse.name
     # export records `forward` frames only: the line of the attention that pools the windows
-    assert "deepseek_v4.py" in report.first.source and "self._entries(" in report.first.source
+    assert "models/deepseek_v4/model.py" in report.first.source and "self._entries(" in report.first.source

@@ -24,7 +24,7 @@ from graphc.artifacts.signing import SIGNATURE, sign
 from graphc.buckets.selection import Bucket
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
-from graphc.models.args import ModelArgs
+from graphc.models.step_model import ModelArgs
 from graphc.step import blocks_per_row
 from graphc.topology import Topology
 

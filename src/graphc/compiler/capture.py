@@ -22,12 +22,13 @@ from torch import Tensor
 from torch.export import Dim, ExportedProgram
 
 from graphc.buckets.selection import Bucket
-from graphc.models.deepseek_v3 import DeepseekV3, Parallelism
+from graphc.models.layers import Parallelism
+from graphc.models.step_model import StepModel
 from graphc.ops import sampler
-from graphc.step import FLOAT_INPUTS, POOL_BLOCKS_DIM, STEP_INPUTS, step_shapes
+from graphc.step import FLOAT_INPUTS, POOL_BLOCKS_DIM, STEP_INPUTS, kv_pool_shape, step_shapes
 
 
-def weight_names(model: DeepseekV3) -> list[str]:
+def weight_names(model: StepModel) -> list[str]:
     """The checkpoint-derived tensors the forward reads: parameters (tied ones once), then
     persistent buffers. Non-persistent buffers (RoPE frequencies) are derived from the config and
     become graph constants."""
@@ -35,7 +36,7 @@ def weight_names(model: DeepseekV3) -> list[str]:
     return [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers() if n in persistent]
 
 
-def model_weights(model: DeepseekV3) -> dict[str, Tensor]:
+def model_weights(model: StepModel) -> dict[str, Tensor]:
     tensors = dict(model.named_parameters())
     tensors.update(model.named_buffers())
     return {name: tensors[name] for name in weight_names(model)}
@@ -49,7 +50,7 @@ class StepGraph(torch.nn.Module):
         logits: [B, V] the logits it was sampled from.
     """
 
-    def __init__(self, model: DeepseekV3, parallel: Parallelism = Parallelism(), moe_form: str | None = None):
+    def __init__(self, model: StepModel, parallel: Parallelism = Parallelism(), moe_form: str | None = None):
         super().__init__()
         # Held in a list so nn.Module does not register it: its tensors must reach the graph as
         # inputs, not as lifted parameters.
@@ -90,7 +91,7 @@ def example_step_inputs(bucket: Bucket, blocks_per_row: int, kv_pool_shape: tupl
     return {name: inputs[name] for name in STEP_INPUTS}
 
 
-def capture_bucket(model: DeepseekV3, bucket: Bucket, blocks_per_row: int, num_blocks: int,
+def capture_bucket(model: StepModel, bucket: Bucket, blocks_per_row: int, num_blocks: int,
                    block_size: int, parallel: Parallelism = Parallelism(), moe_form: str | None = None) -> ExportedProgram:
     """Export the step for one bucket shape.
 
@@ -101,7 +102,7 @@ def capture_bucket(model: DeepseekV3, bucket: Bucket, blocks_per_row: int, num_b
     """
     step = StepGraph(model, parallel, moe_form)
     args = model.args
-    pool_shape = (args.cache_layers, num_blocks, block_size, args.kv_cache_dim)
+    pool_shape = kv_pool_shape(args.cache_layers, num_blocks, block_size, args.kv_cache_dim)
     inputs = example_step_inputs(bucket, blocks_per_row, pool_shape, model.dtype)
     weights = list(model_weights(model).values())
     dynamic = {name: None for name in STEP_INPUTS}

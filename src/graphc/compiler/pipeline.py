@@ -7,6 +7,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -20,11 +21,9 @@ from graphc.buckets.selection import all_buckets
 from graphc.compiler.capture import capture_bucket, model_weights
 from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
 from graphc.config import GraphcConfig
-from graphc.models.checkpoint import load_expert_shard, load_model_args
-from graphc.models.deepseek_v3 import Parallelism
+from graphc.models.checkpoint import load_expert_shard
+from graphc.models.layers import Parallelism
 from graphc.models.moe_forms import moe_exchange, step_moe_form
-from graphc.models.v41_args import V41Args
-from graphc.models.v4_args import HASH_MOE, V4Args
 from graphc.passes.collective_schedule import check_collective_schedule, program_collectives
 from graphc.passes.graph import step_placeholders
 from graphc.passes.manager import PassContext, PassManager, op_counts
@@ -58,10 +57,14 @@ def check_options(config: GraphcConfig, out: Path, options: CompileOptions) -> N
     cache_dir()  # a GRAPHC_CACHE_DIR that cannot be a cache fails here, not after the capture
 
 
-def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOptions()) -> Manifest:
-    """Compile `config` into the artifacts directory `out` (written atomically). One function on
-    purpose: its numbered stages read top to bottom as the pipeline; each is a call elsewhere."""
+def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOptions(),
+            on_checked: Callable[[], None] = lambda: None) -> Manifest:
+    """Compile `config` into the artifacts directory `out` (written atomically); `on_checked` is
+    called once the options pass `check_options`, before any work (the CLI echoes the resolved
+    config there). One function on purpose: its numbered stages read top to bottom as the
+    pipeline; each is a call elsewhere."""
     check_options(config, out, options)
+    on_checked()
     backend = options.backend or config.backend
     topology = config.topology.topology()
     exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated,
@@ -137,26 +140,15 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
 
 
 def check_backend_topology(backend: str, config: GraphcConfig, static_enabled: bool) -> None:
-    """Refuse what a backend cannot compile yet: the neuron backend lowers DeepSeek-V3 / V3.2
-    alone, samples in the leader's program alone and lowers no all-to-all (no data-parallel
-    attention there yet); DeepSeek-V4 and V4.1 run without data-parallel attention so far, and its
-    hash-routed layers route by token id at the source, which the ag_rs exchange (routing the
-    gathered tokens) cannot."""
+    """Refuse what is not built yet: what the model family does not take (`Family.check_compile`:
+    its backends, data-parallel attention, MoE exchanges), then what the backend does not: the
+    neuron backend samples in the leader's program alone and lowers no all-to-all (no
+    data-parallel attention there yet)."""
     topology = config.topology.topology()
     exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated, static_enabled)
-    args = load_model_args(config.model.checkpoint)
-    if isinstance(args, (V4Args, V41Args)) and topology.dp > 1:
-        raise GraphcError(f"topology.dp: {topology.dp}; {args.architecture} is served with dp = 1 so far (context "
-                          "and expert parallelism only)")
-    if isinstance(args, V4Args) and HASH_MOE in args.mlp_layer_types and exchange == "ag_rs":
-        raise GraphcError("model.moe_lowering: ag_rs routes the tokens it gathers, but DeepSeek-V4's hash-routed "
-                          "layers choose experts by token id at the source: use a2a_even or a2a_v (or keep the "
-                          "static MoE)")
+    config.family.check_compile(config.model_args, topology, exchange, backend)
     if backend != "neuron":
         return
-    if isinstance(args, (V4Args, V41Args)):
-        raise GraphcError(f"model.checkpoint: {args.architecture} has no neuron lowering yet; the neuron backend "
-                          "compiles DeepSeek-V3 and V3.2: use the export or inductor backend")
     if topology.dp > 1:
         raise GraphcError(f"topology.dp: {topology.dp}; the neuron backend serves one attention replica "
                           "(dp = 1): use the export or inductor backend for data-parallel attention")

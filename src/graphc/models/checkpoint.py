@@ -1,7 +1,7 @@
-"""Load HF-layout DeepSeek-V3 checkpoints (`config.json` + safetensors) into `DeepseekV3`,
-DeepSeek-V4 ones (released or transformers layout, `v4_layout`) into `DeepseekV4`, and DeepSeek-V4.1
-ones (released layout, `v41_layout`) into the paged `DeepseekV41` or, by the released names, its
-eager reference `DeepseekV41Reference` (`load_reference`).
+"""Load checkpoints (`config.json` + safetensors) into their family's step model, or, for a family
+with a graphc reference (DeepSeek-V4.1's), into that reference by the released names
+(`load_reference`). What differs per family (which stored tensors make a parameter, what is kept
+fp32, what is skipped) is its record's hooks (`family.Family`); this module does the rest.
 
 The on-disk names are the HF / DeepSeek ones. graphc's module uses the same names except the routed
 experts, which it stacks in the layout the compiled graphs read: `model.layers.{i}.mlp.experts.{e}.
@@ -17,64 +17,32 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import Tensor
+from torch import Tensor, nn
 
 from graphc.errors import CheckpointError
-from graphc.models.args import ModelArgs, model_args_from_hf_config, read_hf_config
-from graphc.models import deepseek_v4, v41_layout, v4_layout
-from graphc.models.deepseek_v3 import FP32_SUFFIXES, DeepseekV3, RotaryEmbedding
-from graphc.models.deepseek_v41 import DeepseekV41
-from graphc.models.deepseek_v41_reference import DeepseekV41Reference
-from graphc.models.deepseek_v4 import DeepseekV4
-from graphc.models.engram import NgramHash
+from graphc.models.family import Family, Sources
 from graphc.models.fp8 import FP8, SCALE_SUFFIX, UE8M0_SUFFIX, dequantize, scale_name, scaled_weight
-from graphc.models.v41_args import V41Args
-from graphc.models.v4_args import V4Args
+from graphc.models.hf_config import read_hf_config
+from graphc.models.layers import STACKED_EXPERT
+from graphc.models.registry import family_of, load_model_args
+from graphc.models.step_model import ModelArgs, StepModel
 from graphc.topology import Topology
 
-STACKED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-"""Each stacked expert parameter's checkpoint projections, concatenated along rows in this order."""
-LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-Args = ModelArgs | V4Args | V41Args
-Model = DeepseekV3 | DeepseekV4 | DeepseekV41
-V41_FP32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|attn_sink|norm\.weight|gate\.bias|^head\.weight|"
-                      r"compressor\.wgate\.weight)$")
-"""DeepSeek-V4.1 parameters held in fp32 whatever the model dtype, as its inference code holds them
-(and the compressor projections of layers pooling 2 or more tokens: `keeps_fp32`)."""
-ENGRAM_TABLE = "engram.embed.weight"
-OUTSIDE_TEXT_MODEL = re.compile(r"^(vision|aligner)\.|^image_(start|end|newline)$|\.ffn\.gate\.bias_vl$")
-"""DeepSeek-V4.1's vision path (its tower, image markers, the routers' image-token biases): a
-text-only loader skips them."""
-Sources = dict[str, list[list[str]]]
-"""Per graphc parameter, the stored tensors that make it: one list per routed expert (its
-projections, concatenated along rows) for a stacked parameter stored per expert, else one list of
-one tensor (for a stacked parameter stored stacked, as transformers' V4 layout may: this rank's
-experts are rows of it)."""
 
 
-def load_model_args(checkpoint_dir: Path) -> Args:
-    return model_args_from_hf_config(read_hf_config(checkpoint_dir))
+def build_model(args: ModelArgs, local_experts: int | None = None, sparse_probabilities: str = "fp32") -> StepModel:
+    """The module of `args`'s family (weights uninitialised; build it under a meta device)."""
+    return family_of(args).build_model(args, local_experts, sparse_probabilities)
 
 
-def build_model(args: Args, local_experts: int | None = None, sparse_probabilities: str = "fp32") -> Model:
-    """The module of `args`'s architecture (weights uninitialised; build it under a meta device)."""
-    if isinstance(args, V41Args):
-        return DeepseekV41(args, local_experts)
-    if isinstance(args, V4Args):
-        return DeepseekV4(args, local_experts)
-    return DeepseekV3(args, local_experts, sparse_probabilities)
-
-
-def _parameter_shapes(args: Args) -> dict[str, tuple[int, ...]]:
+def _parameter_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every graphc parameter (and persistent buffer) of the whole model, with its shape."""
     with torch.device("meta"):
         model = build_model(args)
@@ -82,82 +50,27 @@ def _parameter_shapes(args: Args) -> dict[str, tuple[int, ...]]:
             if not (name == "lm_head.weight" and args.tie_word_embeddings)}
 
 
-def hf_tensor_names(graphc_name: str, experts: int | range) -> list[str]:
-    """The HF-layout DeepSeek-V3 tensor(s) that make up one graphc parameter, in stacking order
-    (`experts`: how many routed experts, or which ones)."""
-    stacked = STACKED_EXPERT.match(graphc_name)
-    if stacked:
-        prefix, fused = stacked.groups()
-        return [f"{prefix}.{e}.{proj}.weight" for e in (range(experts) if isinstance(experts, int) else experts)
-                for proj in EXPERT_PROJECTIONS[fused]]
-    return [graphc_name]
-
-
-def _v3_sources(args: ModelArgs) -> Sources:
-    sources = {}
-    for name in _parameter_shapes(args):
-        if STACKED_EXPERT.match(name):
-            parts = len(EXPERT_PROJECTIONS[STACKED_EXPERT.match(name).group(2)])
-            names = hf_tensor_names(name, args.n_routed_experts)
-            sources[name] = [names[i:i + parts] for i in range(0, len(names), parts)]
-        else:
-            sources[name] = [[name]]
-    return sources
-
-
-def _stored_per_expert(name: str, groups: list[list[str]]) -> bool:
+def _stored_per_expert(family: Family, name: str, groups: list[list[str]]) -> bool:
     """Whether parameter `name` is a stacked expert parameter stored one tensor (or more) per expert."""
-    return bool(STACKED_EXPERT.match(name)) and not STACKED_EXPERT.match(v4_layout.graphc_name(groups[0][0]))
+    return bool(STACKED_EXPERT.match(name)) and not family.stored_stacked(groups[0][0])
 
 
-def _expected_shapes(args: Args, sources: Sources) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(args: ModelArgs, sources: Sources) -> dict[str, tuple[int, ...]]:
     """The shape each stored source of a parameter must have."""
-    expected = {}
+    expected, family = {}, family_of(args)
     for name, shape in _parameter_shapes(args).items():
         groups = sources.get(name, [])
-        if groups and _stored_per_expert(name, groups):
+        if groups and _stored_per_expert(family, name, groups):
             expected.update({n: (shape[1] // len(parts), shape[2]) for parts in groups for n in parts})
         else:
             expected.update({n: shape for parts in groups for n in parts})
     return expected
 
 
-def expected_tensors(args: Args) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of `args` holds for the main layers, with its shape: DeepSeek-V3's
-    HF layout, DeepSeek-V4's and V4.1's released ones (what graphc's tiny checkpoints are written in)."""
-    if isinstance(args, ModelArgs):
-        return _expected_shapes(args, _v3_sources(args))
-    if isinstance(args, V41Args):
-        return _expected_shapes(args, v41_layout.sources(list(_parameter_shapes(args)), args.n_routed_experts))
-    sources = {}
-    for name in _parameter_shapes(args):
-        stacked = STACKED_EXPERT.match(name)
-        if stacked:
-            sources[name] = v4_layout.released_expert_weights(*stacked.groups(), args.n_routed_experts)
-        else:
-            sources[name] = [[v4_layout.released_name(name)]]
-    return _expected_shapes(args, sources)
-
-
-def is_multi_token_prediction(name: str, args: Args) -> bool:
-    """MTP modules are stored as layers num_hidden_layers .. num_hidden_layers + n - 1 (V3), or
-    under `mtp.` (V4, V4.1)."""
-    if isinstance(args, (V4Args, V41Args)):
-        return bool(v4_layout.MULTI_TOKEN_PREDICTION.search(name))
-    layer = LAYER_INDEX.match(name)
-    return bool(layer) and args.num_hidden_layers <= int(layer.group(1)) < (
-        args.num_hidden_layers + args.num_nextn_predict_layers
-    )
-
-
-def keeps_fp32(name: str, args: Args) -> bool:
-    """Whether parameter `name` stays fp32 whatever the model dtype."""
-    if isinstance(args, V41Args):  # by the released name: the reference's, or the paged model's mapped back
-        name = v41_layout.released_name(name)
-        layer = LAYER_INDEX.match("model." + name)
-        pools = bool(layer) and args.compress_ratios[int(layer.group(1))] > 1
-        return bool(V41_FP32.search(name)) or (pools and name.endswith("compressor.wkv.weight"))
-    return name.endswith(deepseek_v4.FP32_SUFFIXES if isinstance(args, V4Args) else FP32_SUFFIXES)
+def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `args` holds for the main layers, with its shape, in the
+    family's released layout (what graphc's tiny checkpoints are written in)."""
+    return _expected_shapes(args, family_of(args).released_sources(args, list(_parameter_shapes(args))))
 
 
 def _stored_names(path: Path) -> list[str]:
@@ -204,7 +117,7 @@ def _summarise(names: list[str], limit: int = 5) -> str:
 
 
 def load_expert_shard(checkpoint_dir: Path, topology: Topology, rank: int, dtype: torch.dtype,
-                      sparse_probabilities: str | None = None) -> Model:
+                      sparse_probabilities: str | None = None) -> StepModel:
     """The model of `rank`'s expert-parallel shard: the module holding its routed experts (all of
     them when ep = 1); ranks with the same `topology.ep_rank` hold the same shard."""
     experts = topology.experts(topology.ep_rank(rank), load_model_args(checkpoint_dir).n_routed_experts)
@@ -212,8 +125,8 @@ def load_expert_shard(checkpoint_dir: Path, topology: Topology, rank: int, dtype
 
 
 def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               experts: range | None = None, sparse_probabilities: str | None = None) -> Model:
-    """Build `DeepseekV3` (or `DeepseekV4`, or the paged `DeepseekV41`) from a checkpoint.
+               experts: range | None = None, sparse_probabilities: str | None = None) -> StepModel:
+    """Build the checkpoint's family's step model from it.
 
     Args:
         checkpoint_dir: directory with config.json and model.safetensors (or a sharded index).
@@ -232,8 +145,7 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     if dtype not in SUPPORTED_DTYPES:
         raise CheckpointError(f"dtype {dtype} is not supported; supported: float32, bfloat16, float16")
     checked = check_checkpoint(checkpoint_dir)
-    args, files, block, expected, sources = (checked.args, checked.files, checked.fp8_block, checked.expected,
-                                             checked.sources)
+    args, family, files, expected, sources = checked.args, checked.family, checked.files, checked.expected, checked.sources
 
     experts = experts if experts is not None else range(args.n_routed_experts)
     if experts.start < 0 or experts.stop > args.n_routed_experts or not len(experts):
@@ -250,17 +162,16 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
         for name in model.state_dict():
             if name == "lm_head.weight" and args.tie_word_embeddings:
                 continue
-            target = (torch.int64 if name.endswith(v4_layout.INDEX_TENSORS) else
-                      torch.float32 if keeps_fp32(name, args) else dtype)
+            target = (torch.int64 if name.endswith(family.index_tensors) else
+                      torch.float32 if family.keeps_fp32(name, args) else dtype)
 
             def read(stored: str, dtype: torch.dtype = target) -> Tensor:
-                return _read_tensor(handles, files, stored, expected[stored], block, checked.ue8m0).to(device=device,
-                                                                                                      dtype=dtype)
+                return _read_tensor(handles, checked, stored, expected[stored]).to(device=device, dtype=dtype)
 
             groups = sources[name]
-            if name.endswith(ENGRAM_TABLE) and len(experts) < args.n_routed_experts:
+            if name.endswith(family.row_sharded_tables) and len(experts) < args.n_routed_experts:
                 state[name] = _table_rows(handles, checked, groups[0][0], experts).to(device=device, dtype=target)
-            elif _stored_per_expert(name, groups):
+            elif _stored_per_expert(family, name, groups):
                 state[name] = torch.stack([torch.cat([read(n) for n in groups[e]]) for e in experts])
             elif STACKED_EXPERT.match(name):  # stored stacked: this rank's rows
                 state[name] = read(groups[0][0])[experts.start:experts.stop]
@@ -269,50 +180,47 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     if args.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
-    for module in model.modules():  # buffers built from the config on the CPU, not in the state dict
-        if isinstance(module, (RotaryEmbedding, NgramHash)):
-            module.to(device)
+    model.to(device)  # the buffers built from the config on the CPU (RoPE's, hashes'), not in the state dict
     _check_device(model, torch.device(device))
     return model.requires_grad_(False).eval()  # inference only: no autograd bookkeeping
 
 
 def _table_rows(handles: dict, checked: "CheckedCheckpoint", name: str, experts: range) -> Tensor:
-    """An Engram table's rows that this expert shard holds (read alone: tables are the largest
-    tensors of V4.1): shard s of ep holds rows [s R, (s + 1) R), R = ceil(rows / ep), zero past
-    the table's end (`engram`)."""
+    """The rows of a row-sharded table (V4.1's Engram tables) that this expert shard holds (read
+    alone: tables are the largest tensors of V4.1): shard s of ep holds rows [s R, (s + 1) R),
+    R = ceil(rows / ep), zero past the table's end (`deepseek_v41/engram.py`)."""
     shards = checked.args.n_routed_experts // len(experts)  # experts are a contiguous, even share
     shard = experts.start // len(experts)
     shape = checked.expected[name]
     held = -(-shape[0] // shards)
-    part = _read_tensor(handles, checked.files, name, shape, checked.fp8_block, checked.ue8m0,
-                        slice(shard * held, min((shard + 1) * held, shape[0])))
+    part = _read_tensor(handles, checked, name, shape, slice(shard * held, min((shard + 1) * held, shape[0])))
     return torch.nn.functional.pad(part, (0, 0, 0, held - part.shape[0]))
 
 
-def load_reference(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -> DeepseekV41Reference:
-    """DeepSeek-V4.1's eager reference (`deepseek_v41_reference`) from a checkpoint, on the CPU,
-    checked as `load_model` checks it."""
+def load_reference(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The family's eager graphc reference (`Family.reference_model`, read by the released names)
+    from a checkpoint, on the CPU, checked as `load_model` checks it."""
     checked = check_checkpoint(Path(checkpoint_dir))
-    if not isinstance(checked.args, V41Args):
+    if checked.family.reference_model is None:
         raise CheckpointError(f"{checkpoint_dir}: {checked.args.architecture} has no graphc reference model; "
                               "transformers implements it")
     with torch.device("meta"):
-        model = DeepseekV41Reference(checked.args)
+        model = checked.family.reference_model(checked.args)
     state = {}
     with contextlib.ExitStack() as stack:
         handles = {path: stack.enter_context(safe_open(path, "pt", backend="pread"))
                    for path in sorted(set(checked.files.values()))}
         for name, parameter in model.state_dict().items():
-            tensor = _read_tensor(handles, checked.files, name, tuple(parameter.shape), checked.fp8_block,
-                                  checked.ue8m0)
-            state[name] = tensor.to(torch.float32 if keeps_fp32(name, checked.args) else dtype)
+            tensor = _read_tensor(handles, checked, name, tuple(parameter.shape))
+            state[name] = tensor.to(torch.float32 if checked.family.keeps_fp32(name, checked.args) else dtype)
     model.load_state_dict(state, strict=True, assign=True)
     return model.requires_grad_(False).eval()
 
 
 @dataclass(frozen=True)
 class CheckedCheckpoint:
-    args: Args
+    args: ModelArgs
+    family: Family
     files: dict[str, Path]
     """Each stored tensor's safetensors file."""
     fp8_block: tuple[int, int] | None
@@ -320,8 +228,11 @@ class CheckedCheckpoint:
     """Each tensor of the main layers with its shape."""
     sources: Sources
     """The stored tensors of each graphc parameter."""
-    ue8m0: bool = False
-    """FP8 scales named and stored as DeepSeek-V4.1's (`fp8.UE8M0_SUFFIX`)."""
+
+    @property
+    def ue8m0(self) -> bool:
+        """FP8 scales named and stored as DeepSeek-V4.1's (`fp8.UE8M0_SUFFIX`)."""
+        return self.family.ue8m0_scales
 
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -345,28 +256,20 @@ def check_checkpoint(checkpoint_dir: Path) -> CheckedCheckpoint:
         CheckpointError: naming the file, the tensor and what is wrong.
     """
     args = load_model_args(checkpoint_dir)
+    family = family_of(args)
     files = _tensor_files(checkpoint_dir)
-    ue8m0 = isinstance(args, V41Args)  # V4.1's scale names
+    ue8m0 = family.ue8m0_scales
     block = _fp8_block(checkpoint_dir, files, ue8m0)
-    stored = {n for n in files if not is_multi_token_prediction(n, args)}
+    stored = {n for n in files if not family.skips(n, args)}
     scales = {n for n in stored if scaled_weight(n, ue8m0) is not None}
     stored -= scales
     if args.tie_word_embeddings:  # a tied head may be stored too; the embedding is what counts
         stored -= {"lm_head.weight", "head.weight"}
-    if isinstance(args, V41Args):
-        stored = {n for n in stored if not OUTSIDE_TEXT_MODEL.search(n)}
-        sources = v41_layout.sources(list(_parameter_shapes(args)), args.n_routed_experts)
-        named = {n for groups in sources.values() for parts in groups for n in parts}
-        missing, unexpected = sorted(named - stored), sorted(stored - named)
-    elif isinstance(args, V4Args):
-        sources, missing = v4_layout.parameter_sources(stored, args.n_routed_experts)
-        params = _parameter_shapes(args)
-        missing += [v4_layout.released_name(n) for n in params if n not in sources]
-        unexpected = sorted(n for target, groups in sources.items() if target not in params for parts in groups
-                            for n in parts)
-        sources = {name: groups for name, groups in sources.items() if name in params}
+    parameters = list(_parameter_shapes(args))
+    if family.stored_sources is not None:
+        sources, missing, unexpected = family.stored_sources(args, parameters, stored)
     else:
-        sources = _v3_sources(args)
+        sources = family.released_sources(args, parameters)
         named = {n for groups in sources.values() for parts in groups for n in parts}
         missing, unexpected = sorted(named - stored), sorted(stored - named)
     weights = {n for groups in sources.values() for parts in groups for n in parts}
@@ -381,7 +284,7 @@ def check_checkpoint(checkpoint_dir: Path) -> CheckedCheckpoint:
     headers = {path: _header(path) for path in sorted(set(files.values()))}
     for name, shape in expected.items():
         dtype, stored_shape = headers[files[name]][name]
-        if name.endswith(v4_layout.INDEX_TENSORS):
+        if name.endswith(family.index_tensors):
             if dtype not in INDEX_DTYPES:
                 raise CheckpointError(f"{files[name].name}: tensor {name} has dtype {SAFETENSORS_DTYPES[dtype]}; "
                                       "supported: int64, int32")
@@ -391,7 +294,7 @@ def check_checkpoint(checkpoint_dir: Path) -> CheckedCheckpoint:
         if tuple(stored_shape) != shape:
             raise CheckpointError(f"{files[name].name}: tensor {name} has shape {stored_shape}, expected {list(shape)} "
                                   "from config.json")
-    return CheckedCheckpoint(args, files, block, expected, sources, ue8m0)
+    return CheckedCheckpoint(args, family, files, block, expected, sources)
 
 
 def _header(path: Path) -> dict[str, tuple[str, list[int]]]:
@@ -454,10 +357,11 @@ def _fp8_block(checkpoint_dir: Path, files: dict[str, Path], ue8m0: bool) -> tup
     return block[0], block[1]
 
 
-def _read_tensor(handles: dict, files: dict[str, Path], name: str, shape: tuple[int, ...],
-                 fp8_block: tuple[int, int] | None, ue8m0: bool = False, rows: slice = slice(None)) -> Tensor:
+def _read_tensor(handles: dict, checked: CheckedCheckpoint, name: str, shape: tuple[int, ...],
+                 rows: slice = slice(None)) -> Tensor:
     """A stored tensor (its `rows` only: a sharded Engram table), FP8 dequantised with its scales."""
-    path, scale = files[name], scale_name(name, ue8m0)
+    files, fp8_block, family = checked.files, checked.fp8_block, checked.family
+    path, scale = files[name], scale_name(name, checked.ue8m0)
     stored = handles[path].get_slice(name)
     if tuple(stored.get_shape()) != shape:
         raise CheckpointError(
@@ -467,7 +371,7 @@ def _read_tensor(handles: dict, files: dict[str, Path], name: str, shape: tuple[
     if tensor.dtype == FP8:
         if scale not in files or fp8_block is None:
             raise CheckpointError(f"{path.name}: tensor {name} is float8_e4m3fn but {scale} is missing")
-        block = (1, fp8_block[1]) if name.endswith(ENGRAM_TABLE) else fp8_block  # a table's rows scale alone
+        block = (1, fp8_block[1]) if name.endswith(family.row_sharded_tables) else fp8_block  # a table's rows scale alone
         try:
             return dequantize(tensor, handles[files[scale]].get_slice(scale)[rows], block)
         except ValueError as e:
@@ -475,13 +379,13 @@ def _read_tensor(handles: dict, files: dict[str, Path], name: str, shape: tuple[
     if scale in files:
         raise CheckpointError(f"{path.name}: {scale} scales {name}, which is stored as {tensor.dtype}, "
                               "not float8_e4m3fn")
-    if tensor.dtype not in SUPPORTED_DTYPES and not name.endswith(v4_layout.INDEX_TENSORS):
+    if tensor.dtype not in SUPPORTED_DTYPES and not name.endswith(family.index_tensors):
         raise CheckpointError(f"{path.name}: tensor {name} has dtype {tensor.dtype}; supported: float32, bfloat16, "
                               "float16, and float8_e4m3fn with block scales")
     return tensor
 
 
-def _check_device(model: Model, device: torch.device) -> None:
+def _check_device(model: nn.Module, device: torch.device) -> None:
     wrong = [
         f"{name} on {t.device}"
         for name, t in [*model.named_parameters(), *model.named_buffers()]

@@ -26,6 +26,7 @@ from graphc.runtime.paged import METADATA_FIELDS, step_metadata
 from graphc.runtime.replicas import ReplicatedScheduler, scheduler_for
 from graphc.runtime.scheduler import Emitted, Request, Result, Scheduler, Step
 from graphc.sampling import sampler_inputs
+from graphc.step import kv_pool_shape
 
 __all__ = ["BucketStats", "Engine", "Request", "Result", "Session"]
 
@@ -75,10 +76,9 @@ class Engine:
         self.stats: dict[str, BucketStats] = {}
         """Per bucket name, what the leader's steps ran there (across `generate` calls)."""
         model = manifest.model
-        self.kv_pool = torch.zeros(
-            model.cache_layers, self.loaded.num_blocks, manifest.kv_cache.block_size,
-            model.kv_cache_dim, dtype=getattr(torch, model.dtype),
-        )
+        self.kv_pool = torch.zeros(kv_pool_shape(model.cache_layers, self.loaded.num_blocks,
+                                                 manifest.kv_cache.block_size, model.kv_cache_dim),
+                                   dtype=getattr(torch, model.dtype))
         self.coordinates = torch.tensor(self.loaded.rank.coordinates, dtype=torch.int32)
         """The rank's place in its groups: the one input that tells the shared graphs which rank runs them."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from graphc.errors import GraphcError
 import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
 from graphc.program_io import load_exported_program
 from graphc.runtime.archive_check import check_export_archive
-from graphc.step import STEP_INPUTS
+from graphc.step import STEP_INPUTS, kv_pool_shape
 
 NUM_KV_BLOCKS_ENV = "GRAPHC_NUM_KV_BLOCKS"
 
@@ -118,8 +119,8 @@ def kv_pool_blocks(manifest: Manifest) -> int:
             f"{manifest.kv_cache.block_size}, and at least 2)"
         )
     model = manifest.model
-    pool_bytes = (model.cache_layers * blocks * manifest.kv_cache.block_size * model.kv_cache_dim
-                  * getattr(torch, model.dtype).itemsize)
+    pool_bytes = (math.prod(kv_pool_shape(model.cache_layers, blocks, manifest.kv_cache.block_size,
+                                          model.kv_cache_dim)) * getattr(torch, model.dtype).itemsize)
     available = psutil.virtual_memory().available
     if pool_bytes > available:
         raise GraphcError(f"{source}={blocks}: a pool of {pool_bytes / 2**30:.1f} GiB exceeds this host's "

@@ -33,8 +33,8 @@ import torch
 
 from graphc.buckets.selection import Bucket, chunk_lengths, smallest_fitting
 from graphc.errors import GraphcError
-from graphc.models.checkpoint import load_model_args, load_reference
-from graphc.models.v41_args import V41Args
+from graphc.config import GraphcConfig
+from graphc.models.checkpoint import load_reference
 from graphc.runtime.engine import Engine
 from graphc.runtime.paged import METADATA_FIELDS, BlockAllocator, SequenceBlocks, step_metadata
 from graphc.sampling import Sampling, sampler_inputs
@@ -76,10 +76,11 @@ class PromptReport:
         return min(range(len(self.cosine)), key=self.cosine.__getitem__)
 
 
-def reference_logits(checkpoint: Path, dtype: torch.dtype, perturbation_seed: int | None = None) -> Logits:
-    """The checkpoint's reference as a function of a sequence; with `perturbation_seed`, its
+def reference_logits(config: GraphcConfig, dtype: torch.dtype, perturbation_seed: int | None = None) -> Logits:
+    """The model's reference as a function of a sequence; with `perturbation_seed`, its
     embedding table moved by up to one rounding step of `dtype` (uniform noise of that seed)."""
-    if isinstance(load_model_args(checkpoint), V41Args):
+    checkpoint = config.model.checkpoint
+    if config.family.reference_model is not None:
         model = load_reference(checkpoint, dtype)
         embedding = model.embed.weight
 
@@ -150,14 +151,14 @@ def golden(reference: Logits, prompt: list[int], new_tokens: int) -> tuple[list[
     return sequence[len(prompt):], torch.stack(steps)
 
 
-def compare(checkpoint: Path, artifacts: Path, prompts: list[list[int]], new_tokens: int,
+def compare(config: GraphcConfig, artifacts: Path, prompts: list[list[int]], new_tokens: int,
             seeds: int) -> list[PromptReport]:
-    """Per prompt, the compiled artifacts against `checkpoint`'s reference (`seeds` >= 1
+    """Per prompt, the compiled artifacts against the reference of `config`'s model (`seeds` >= 1
     perturbed runs measure its floor)."""
     forced = TeacherForced(artifacts)
     dtype = forced.engine.kv_pool.dtype
-    reference = reference_logits(checkpoint, dtype)
-    neighbours = [reference_logits(checkpoint, dtype, seed) for seed in range(seeds)]
+    reference = reference_logits(config, dtype)
+    neighbours = [reference_logits(config, dtype, seed) for seed in range(seeds)]
     reports = []
     for prompt in prompts:
         tokens, expected = golden(reference, prompt, new_tokens)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphc.models.deepseek_v3 import DeepseekV3
+from graphc.models.step_model import StepModel
 from graphc.ops import sampler
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
 from graphc.sampling import Sampling, sampler_inputs
@@ -33,7 +33,7 @@ def _sample_rows(logits: torch.Tensor, sampling: Sampling, steps: list[int]) -> 
 
 @torch.no_grad()
 def generate(
-    model: DeepseekV3,
+    model: StepModel,
     prompts: list[list[int]],
     max_new_tokens: int,
     kv: PagedKV = PagedKV(),

@@ -9,7 +9,6 @@ compiled graphs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from graphc.backends import backend
@@ -18,63 +17,40 @@ from graphc.buckets.selection import Bucket, all_buckets, max_prefill_chunk
 from graphc.buckets.planner import Histogram, chunk_histogram, padding_waste, power_of_two_ladder
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
-from graphc.models.args import ModelArgs
+from graphc.models.family import Collective
 from graphc.models.moe_forms import moe_exchange, step_moe_form
-from graphc.models.v41_args import TOKEN_ID_DIGITS, V41Args
-from graphc.models.v4_args import CSA, HCA, V4Args
+from graphc.models.registry import family_of
+from graphc.models.step_model import ModelArgs
 from graphc.step import blocks_per_row
 from graphc.topology import GROUPS, Topology
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-@dataclass(frozen=True)
-class Collective:
-    """One kind of collective a rank issues in a step: `count` calls, each taking `bytes_in`."""
-
-    op: str
-    group: str
-    count: int
-    bytes_in: int
-
-
-def step_collectives(args: ModelArgs | V4Args | V41Args, topology: Topology, bucket: Bucket, dtype: str, exchange: str,
+def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype: str, exchange: str,
                      context_slots: int | None = None) -> list[Collective]:
     """The collectives of one step in `bucket` on any rank (every rank issues the same ones, each
     over its own group of the name).
 
-    Attention: one `attention_combine` per layer over cp, all-gathering the fp32 partial output
-    [T, H, R] and its log-sum-exp [T, H]. Sparse attention (V3.2) adds one `index_topk_combine`
-    per layer over cp, all-gathering each token's k candidate positions (int64) and scores (fp32),
-    k = min(index_topk, context_slots), context_slots being the block table's token capacity.
-    MoE layers over ep, by `exchange` (`MOE_EXCHANGES`): `static` all-reduces the routed output
+    Attention over cp: the family's prediction (`Family.attention_collectives`), given the
+    block table's token capacity `context_slots`. MoE layers over ep, by `exchange` (`MOE_EXCHANGES`): `static` all-reduces the routed output
     [T, D]; `ag_rs` all-gathers the tokens [T, D] and reduce-scatters [T * ep, D]; the
     all-to-alls send [ep, T] blocks of rows [D] and fp32 routes [2K] and take back [ep, T, D]
     (`a2a_v` sends only the rows routed, so these are its upper bounds, plus an all-gather of its
-    int64 split counts [ep]). A group of one rank issues nothing (the pass lowers it away).
-    DeepSeek-V4's attention collectives: `_v4_attention_collectives`; V4.1's,
-    `_v41_attention_collectives`, and its Engram lookups over ep, `_engram_collectives`.
+    int64 split counts [ep]), plus the family's other collectives over ep
+    (`Family.expert_group_collectives`: V4.1's Engram lookups). A group of one rank issues nothing
+    (the pass lowers it away).
     """
     tokens = bucket.rows * bucket.width
     moe_layers = args.num_hidden_layers - args.first_k_dense_replace
     width = DTYPE_BYTES[dtype]
     hidden = tokens * args.hidden_size * width
-    out: list[Collective] = []
-    if topology.cp > 1 and isinstance(args, V41Args):
-        out += _v41_attention_collectives(args, tokens, context_slots, width)
-    elif topology.cp > 1 and isinstance(args, V4Args):
-        out += _v4_attention_collectives(args, tokens, context_slots)
-    elif topology.cp > 1:
-        heads = args.num_attention_heads
-        if args.sparse_attention:
-            selected = min(args.index_topk, context_slots or args.index_topk)
-            out.append(Collective("index_topk_combine", "cp", args.num_hidden_layers, tokens * selected * (8 + 4)))
-        out.append(Collective("attention_combine", "cp", args.num_hidden_layers, tokens * heads * (args.kv_lora_rank + 1) * 4))
+    family = family_of(args)
+    out = family.attention_collectives(args, tokens, context_slots, width) if topology.cp > 1 else []
     ep = topology.ep
     if ep == 1 or not moe_layers:
         return out
-    if isinstance(args, V41Args) and args.engram is not None:
-        out += _engram_collectives(args, tokens, width, exchange, ep)
+    out += family.expert_group_collectives(args, tokens, width, exchange, ep)
     if exchange == "static":
         out.append(Collective("all_reduce", "ep", moe_layers, hidden))
     elif exchange == "ag_rs":
@@ -88,65 +64,6 @@ def step_collectives(args: ModelArgs | V4Args | V41Args, topology: Topology, buc
     return out
 
 
-def _v4_attention_collectives(args: V4Args, tokens: int, context_slots: int | None) -> list[Collective]:
-    """DeepSeek-V4's attention over cp (`models/deepseek_v4.py`): each compressed layer combines
-    its compressors' partial window pools, the fp32 pool [T, c] and its per-channel log-sum-exp
-    [T, c] (c = head_dim, plus index_head_dim in CSA layers, whose indexer pools too); each CSA
-    layer then combines its indexer's top-k candidates, [T, k] int64 positions and fp32 scores
-    (k = min(index_topk, the entries the block table addresses)); every layer combines its
-    attention partials [T, H, head_dim] and [T, H], fp32."""
-    kinds = [args.layer_types[i] for i in range(args.num_hidden_layers)]
-    out = []
-    for kind, width in ((HCA, args.head_dim), (CSA, args.head_dim + args.index_head_dim)):
-        if kind in kinds:
-            out.append(Collective("attention_combine", "cp", kinds.count(kind), tokens * width * 2 * 4))
-    if CSA in kinds:
-        entries = (context_slots // args.csa_rate) if context_slots else args.index_topk
-        out.append(Collective("index_topk_combine", "cp", kinds.count(CSA), tokens * min(args.index_topk, entries) * 12))
-    heads = args.num_attention_heads
-    out.append(Collective("attention_combine", "cp", len(kinds), tokens * heads * (args.head_dim + 1) * 4))
-    return out
-
-
-def _v41_attention_collectives(args: V41Args, tokens: int, context_slots: int | None,
-                               width: int) -> list[Collective]:
-    """DeepSeek-V4.1's attention over cp (`models/deepseek_v41.py`): each pooling KV source
-    combines its partial window pools, fp32 [T, head_dim] and their log-sum-exp; the candidate
-    layer takes the max of its blocks' scores, fp32 [T, blocks]; each index layer combines its
-    top-k candidates, [T, k] int64 and fp32 (k = min(index_topk, its ratio's entries in the block
-    table)); every layer combines its attention partials; with Engram, one all-reduce per step of
-    the n-gram contexts' cached token-id digits [T, N, 3] (the left halo)."""
-    def entries(layer: int) -> int:
-        return (context_slots or args.index_topk * args.compress_ratios[layer]) // args.compress_ratios[layer]
-
-    out = []
-    pooling = [i for i in args.kv_source_layer_ids if args.compress_ratios[i] > 1]
-    if pooling:
-        out.append(Collective("attention_combine", "cp", len(pooling), tokens * args.head_dim * 2 * 4))
-    if args.candidate_source_layer_id >= 0:
-        blocks = -(-entries(args.candidate_source_layer_id) // args.candidate_block_size)
-        out.append(Collective("all_reduce_max", "cp", 1, tokens * blocks * 4))
-    for layer in args.index_source_layer_ids:
-        out.append(Collective("index_topk_combine", "cp", 1, tokens * min(args.index_topk, entries(layer)) * 12))
-    out.append(Collective("attention_combine", "cp", args.num_hidden_layers,
-                          tokens * args.num_attention_heads * (args.head_dim + 1) * 4))
-    if args.engram is not None:
-        out.append(Collective("all_reduce", "cp", 1, tokens * args.engram.max_ngram * TOKEN_ID_DIGITS * width))
-    return out
-
-
-def _engram_collectives(args: V41Args, tokens: int, width: int, exchange: str, ep: int) -> list[Collective]:
-    """Each Engram layer's table lookup over ep (`models/engram.py`): the rows read [T, K d]
-    all-reduced when the group shares its tokens (`static`), else the int64 row ids [T, K]
-    all-gathered and the rows [T * ep, K d] reduce-scattered."""
-    layers, columns = len(args.engram.layer_ids), args.engram.columns
-    rows = tokens * columns * args.engram.head_dim * width
-    if exchange == "static":
-        return [Collective("all_reduce", "ep", layers, rows)]
-    return [Collective("moe_dispatch", "ep", layers, tokens * columns * 8),
-            Collective("moe_combine", "ep", layers, rows * ep)]
-
-
 def _bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -155,8 +72,9 @@ def _bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def describe(config: GraphcConfig, args: ModelArgs, workload: Histogram | None) -> list[str]:
+def describe(config: GraphcConfig, workload: Histogram | None) -> list[str]:
     """The plan report, line by line."""
+    args = config.model_args
     b, t = config.buckets, config.topology
     buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode)
     origin = f"planned from {b.auto.workload}, budget {b.auto.graphs} graphs per rank" if b.auto else "as listed"

@@ -33,8 +33,8 @@ import torch.fx
 from torch import Tensor
 
 from graphc.buckets.selection import Bucket
-from graphc.models.deepseek_v3 import DeepseekV3, Parallelism, RoutedExperts, StepInputs
-from graphc.models.deepseek_v4 import DeepseekV4
+from graphc.models.layers import Parallelism, RoutedExperts, StepInputs
+from graphc.models.step_model import StepModel
 from graphc.passes.graph import graphc_op, op_argument
 from graphc.backends import EVERY_RANK
 from graphc.passes.manager import PassContext, PassManager
@@ -50,7 +50,7 @@ DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 4
 class LayerStep(torch.nn.Module):
     """One decoder layer of one prefill step, its weights as an input (as `capture.StepGraph`)."""
 
-    def __init__(self, model: DeepseekV3 | DeepseekV4, layer: int):
+    def __init__(self, model: StepModel, layer: int):
         super().__init__()
         self._layer = [model.model.layers[layer]]  # a list: not registered, so weights stay inputs
         self.weight_names = [n for n, _ in self._layer[0].named_parameters()]
@@ -111,7 +111,7 @@ class ProbeReport:
         return out
 
 
-def capture_layer(model: DeepseekV3 | DeepseekV4, layer: int, tokens: list[int], block_size: int) -> tuple:
+def capture_layer(model: StepModel, layer: int, tokens: list[int], block_size: int) -> tuple:
     """Export layer `layer` for a prefill of `tokens` from position 0, and the inputs it sees.
 
     Returns:
@@ -231,11 +231,12 @@ FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function
 
 
 def _source(node: torch.fx.Node) -> str:
-    """`file:line (function): code` of the innermost model frame, and the op it was inlined from."""
+    """`file:line (function): code` of the innermost model frame (the file relative to the graphc
+    package: every family has a `model.py`), and the op it was inlined from."""
     frames = list(FRAME.finditer(node.meta.get("stack_trace") or ""))
     if frames:
         f = frames[-1]
-        where = f"{f['file'].rsplit('/', 1)[-1]}:{f['line']} ({f['function']}): {f['code'].strip()}"
+        where = f"{f['file'].rsplit('/graphc/', 1)[-1]}:{f['line']} ({f['function']}): {f['code'].strip()}"
     else:
         where = "(no source recorded)"
     inlined = node.meta.get("graphc_inlined_from")
@@ -315,14 +316,8 @@ def probe(config, layer: int, tokens: int | None = None, tolerance: float | None
     from graphc.models.checkpoint import fp8_tensors, load_model
     from graphc.passes.registry import layer_passes
 
-    from graphc.models.checkpoint import load_model_args
-    from graphc.models.v41_args import V41Args
-
-    if isinstance(load_model_args(config.model.checkpoint), V41Args):
-        # A V4.1 layer also takes the previous sublayer's pre-mix and the selections earlier
-        # layers published: a layer alone is not a step. `graphc compare` checks the whole model.
-        raise GraphcError("graphc probe does not take DeepSeek-V4.1 layers yet (each depends on state earlier "
-                          "layers publish); use `graphc compare` against its reference")
+    if config.family.probe_refusal is not None:
+        raise GraphcError(config.family.probe_refusal)
     dtype = getattr(torch, config.model.dtype)
     model = load_model(config.model.checkpoint, dtype=dtype, sparse_probabilities=config.model.sparse_probabilities)
     layers = model.args.num_hidden_layers

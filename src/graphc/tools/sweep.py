@@ -173,21 +173,18 @@ def compare(results: list[CaseResult], reference: list[list[list[int]]], what: s
 
 def external_reference(config: GraphcConfig, cases: list[Case]) -> tuple[str, list[list[list[int]]] | None]:
     """The external reference's name and greedy tokens per prompt (None where there is none)."""
-    from graphc.models.checkpoint import load_model_args
-    from graphc.models.v41_args import V41Args
-
     if config.model.dtype != "float32":
         return "none (not fp32)", None  # bf16 is judged against a noise floor (`graphc compare`), not token for token
     if config.model.sparse_probabilities == "bf16":
         return "none (bf16 P)", None  # FlashMLA's rounded P is not the reference's numerics
-    if isinstance(load_model_args(config.model.checkpoint), V41Args):
-        return "graphc's DeepSeek-V4.1 reference", v41_reference(config, cases)
+    if config.family.reference_model is not None:
+        return config.family.reference_name, graphc_reference(config, cases)
     tokens = transformers_reference(config, cases)
     return ("transformers", tokens) if tokens is not None else ("none (transformers not installed)", None)
 
 
-def v41_reference(config: GraphcConfig, cases: list[Case]) -> list[list[list[int]]]:
-    """The eager V4.1 reference's greedy tokens per prompt (whole sequences, no cache)."""
+def graphc_reference(config: GraphcConfig, cases: list[Case]) -> list[list[list[int]]]:
+    """The family's eager graphc reference's greedy tokens per prompt (whole sequences, no cache)."""
     import torch
 
     from graphc.models.checkpoint import load_reference
@@ -234,7 +231,6 @@ def sweep(config: GraphcConfig, workdir: Path, topologies: list[Topology], backe
           new_tokens: int = 8, log: Callable[[str], None] = print, check_cores: bool = True) -> list[Stage]:
     """Compile and run every stage; returns them with their failures recorded."""
     from graphc.config import validate
-    from graphc.models.checkpoint import load_model_args
     from graphc.compiler.pipeline import CompileOptions, compile
 
     staged = {}
@@ -242,8 +238,7 @@ def sweep(config: GraphcConfig, workdir: Path, topologies: list[Topology], backe
         staged[topology] = dataclasses.replace(config, topology=dataclasses.replace(
             config.topology, dp=topology.dp, cp=topology.cp, ep=topology.ep))
         validate(staged[topology])
-    args = load_model_args(config.model.checkpoint)
-    cases = sweep_cases(config, args.vocab_size, new_tokens)
+    cases = sweep_cases(config, config.model_args.vocab_size, new_tokens)
     log(f"{len(cases)} cases: " + "; ".join(c.name for c in cases))
     external_name, external = external_reference(config, cases)
     log(f"external reference: {external_name}")

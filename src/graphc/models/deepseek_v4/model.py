@@ -43,14 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphc.models.deepseek_v3 import MLP, MoE, Parallelism, RotaryEmbedding, RoutedExperts, StepInputs
+from graphc.models.deepseek_v4.args import CSA, HASH_MOE, SLIDING, V4Args
+from graphc.models.layers import MLP, MoE, Parallelism, RotaryEmbedding, RoutedExperts, StepInputs
 from graphc.models.moe_forms import MOE_FORMS
-from graphc.models.v4_args import CSA, HASH_MOE, SLIDING, V4Args
 from graphc.ops import collectives, hyper_connections, paged_attention, sparse
-
-FP32_SUFFIXES = ("norm.weight", "hc.fn", "hc.base", "hc.scale", "hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale",
-                 "sinks", "position_bias", "e_score_correction_bias", "mlp.gate.weight")
-"""Parameters that stay fp32 whatever the model dtype, as DeepSeek and transformers keep them."""
+from graphc.step import kv_pool_shape
 
 
 class FP32RMSNorm(nn.Module):
@@ -520,7 +517,7 @@ class DeepseekV4(nn.Module):
 
     def new_kv_pool(self, num_blocks: int, block_size: int) -> Tensor:
         """A zeroed pool [2L, N, S, C] in the model dtype."""
-        shape = (self.args.cache_layers, num_blocks, block_size, self.args.kv_cache_dim)
+        shape = kv_pool_shape(self.args.cache_layers, num_blocks, block_size, self.args.kv_cache_dim)
         return torch.zeros(shape, dtype=self.dtype, device=self.model.embed_tokens.weight.device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, block_table: Tensor, slot_mapping: Tensor,

@@ -1,4 +1,4 @@
-"""Engram (`graphc.models.engram`): the hash against frozen ids and the release's table sizes, the
+"""Engram (`graphc.models.deepseek_v41.engram`): the hash against frozen ids and the release's table sizes, the
 gate against its equations, and the table sharded over 2-16 real ranks, exported, bit for bit
 against one unsharded table in both sharding forms."""
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from graphc.models.engram import Engram, EngramArgs, NgramHash, hash_multipliers, ngram_context, prime_moduli
+from graphc.models.deepseek_v41.engram import Engram, EngramArgs, NgramHash, hash_multipliers, ngram_context, prime_moduli
 from graphc.topology import Topology
 from multirank import run_ranks
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphc.errors import CheckpointError
-from graphc.models.args import check_field_types
-from graphc.models.engram import EngramArgs
-from graphc.models.v4_args import V4FamilyArgs, rope_args_from_config
+from graphc.models.hf_config import check_field_types, eos_token_ids, names_architecture
+from graphc.models.deepseek_v41.engram import EngramArgs
+from graphc.models.deepseek_v4.args import V4FamilyArgs, rope_args_from_config
 
 V41_ARCHITECTURE = "DeepseekV41ForCausalLM"
 V41_MODEL_TYPE = "deepseek_v41"
@@ -137,10 +137,7 @@ class V41Args(V4FamilyArgs):
 
 
 def is_v41_config(config: dict[str, Any]) -> bool:
-    architectures = config.get("architectures") or []
-    if isinstance(architectures, str):
-        architectures = [architectures]
-    return V41_ARCHITECTURE in architectures or config.get("model_type") == V41_MODEL_TYPE
+    return names_architecture(config, V41_ARCHITECTURE, V41_MODEL_TYPE)
 
 
 def v41_args_from_hf_config(config: dict[str, Any]) -> V41Args:
@@ -202,7 +199,7 @@ def v41_args_from_hf_config(config: dict[str, Any]) -> V41Args:
         engram=_engram_args(text),
         num_nextn_predict_layers=text.get("num_nextn_predict_layers") or 0,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-        eos_token_id=() if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),),
+        eos_token_id=eos_token_ids(eos),
     )
 
 

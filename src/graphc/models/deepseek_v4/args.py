@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphc.errors import CheckpointError
-from graphc.models.args import RopeArgs, check_field_types
+from graphc.models.hf_config import RopeArgs, check_field_types, eos_token_ids, names_architecture
 
 V4_ARCHITECTURE = "DeepseekV4ForCausalLM"
 V4_MODEL_TYPE = "deepseek_v4"
@@ -154,10 +154,7 @@ REQUIRED = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_la
 
 
 def is_v4_config(config: dict[str, Any]) -> bool:
-    architectures = config.get("architectures") or []
-    if isinstance(architectures, str):
-        architectures = [architectures]
-    return V4_ARCHITECTURE in architectures or config.get("model_type") == V4_MODEL_TYPE
+    return names_architecture(config, V4_ARCHITECTURE, V4_MODEL_TYPE)
 
 
 def v4_args_from_hf_config(config: dict[str, Any]) -> V4Args:
@@ -196,7 +193,6 @@ def v4_args_from_hf_config(config: dict[str, Any]) -> V4Args:
         legacy = config.get("qk_rope_head_dim")
         fraction = legacy / config["head_dim"] if legacy is not None else DEFAULT_ROPE_HEAD_DIM_FRACTION
     main_rope, compress_rope = rope_args_from_config(config)
-    eos = config.get("eos_token_id")
     return V4Args(
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
@@ -230,7 +226,7 @@ def v4_args_from_hf_config(config: dict[str, Any]) -> V4Args:
         compress_rope=compress_rope,
         num_nextn_predict_layers=config.get("num_nextn_predict_layers") or 0,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        eos_token_id=() if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),),
+        eos_token_id=eos_token_ids(config.get("eos_token_id")),
     )
 
 

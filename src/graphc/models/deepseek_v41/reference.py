@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphc.models.deepseek_v3 import RotaryEmbedding, swiglu
-from graphc.models.deepseek_v4 import FP32RMSNorm as RMSNorm, rotate_trailing
-from graphc.models.engram import Engram, ngram_context
-from graphc.models.v41_args import V41Args
+from graphc.models.layers import RotaryEmbedding, swiglu
+from graphc.models.deepseek_v4.model import FP32RMSNorm as RMSNorm, rotate_trailing
+from graphc.models.deepseek_v41.engram import Engram, ngram_context
+from graphc.models.deepseek_v41.args import V41Args
 from graphc.ops.hyper_connections import hc_sinkhorn_reference
 
 

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from graphc.errors import CheckpointError
-from graphc.models import deepseek_v41_reference as reference
-from graphc.models.args import model_args_from_hf_config
+from graphc.models.deepseek_v41 import reference
+from graphc.models.registry import model_args_from_hf_config
 from graphc.models.checkpoint import load_model, load_reference
 from graphc.models.tiny import PRESETS
 

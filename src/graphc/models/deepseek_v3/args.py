@@ -1,22 +1,15 @@
-"""`ModelArgs`: the DeepSeek-V3 / V3.2 hyper-parameters graphc needs, read from an HF `config.json`."""
+"""`V3Args`: the DeepSeek-V3 / V3.2 hyper-parameters graphc needs, read from an HF `config.json`."""
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from graphc.errors import CheckpointError
+from graphc.models.hf_config import RopeArgs, architectures, check_field_types, eos_token_ids, yarn_mscale
 
-if TYPE_CHECKING:
-    from graphc.models.v41_args import V41Args
-    from graphc.models.v4_args import V4Args
-
-SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM",
-                           "DeepseekV41ForCausalLM")
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
+V3_ARCHITECTURE, V32_ARCHITECTURE = "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"
+V3_MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
 SPARSE_MODEL_TYPE = "deepseek_v32"
 INDEXER_DEFAULTS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
 """transformers' `DeepseekV32Config` defaults (the released model's values), for config.json files
@@ -24,35 +17,7 @@ that leave them out."""
 
 
 @dataclass(frozen=True)
-class RopeArgs:
-    """Rotary embedding of the `qk_rope_head_dim` slice of queries and keys."""
-
-    theta: float = 10000.0
-    """Base wavelength."""
-    interleave: bool = True
-    """Rotate interleaved pairs (x0, x1), (x2, x3), ... as DeepSeek's weights expect; False rotates
-    the two halves (x[:d/2], x[d/2:])."""
-    yarn_factor: float | None = None
-    """YaRN context-extension factor; None means plain RoPE."""
-    yarn_original_max_position: int = 4096
-    """The pre-training context YaRN's correction range is computed against."""
-    yarn_beta_fast: float = 32.0
-    """Rotations above which a frequency is extrapolated (kept)."""
-    yarn_beta_slow: float = 1.0
-    """Rotations below which a frequency is interpolated (divided by the factor)."""
-    yarn_mscale: float | None = None
-    """Numerator coefficient of the cos/sin attention factor."""
-    yarn_mscale_all_dim: float | None = None
-    """Denominator coefficient of the cos/sin attention factor; also scales the softmax by
-    mscale(factor, mscale_all_dim)**2, as DeepSeek does."""
-    yarn_attention_factor: float | None = None
-    """An explicit cos/sin factor; None derives it from the mscales."""
-    yarn_truncate: bool = True
-    """Round the correction range outwards to whole dims."""
-
-
-@dataclass(frozen=True)
-class ModelArgs:
+class V3Args:
     """DeepSeek-V3 architecture hyper-parameters (names follow the HF `config.json`).
 
     Shape letters used in the model code: T tokens per row (Q in the step layout), B rows,
@@ -175,7 +140,7 @@ class ModelArgs:
 
     @property
     def architecture(self) -> str:
-        return "DeepseekV32ForCausalLM" if self.sparse_attention else "DeepseekV3ForCausalLM"
+        return V32_ARCHITECTURE if self.sparse_attention else V3_ARCHITECTURE
 
     @property
     def softmax_scale(self) -> float:
@@ -189,91 +154,15 @@ class ModelArgs:
         return layer >= self.first_k_dense_replace
 
 
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature correction for a context `factor` times the original."""
-    if factor <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(factor) + 1.0
+def is_v3_config(config: dict[str, Any]) -> bool:
+    """DeepSeek-V3 or V3.2, by architecture or model_type."""
+    return bool({V3_ARCHITECTURE, V32_ARCHITECTURE} & set(architectures(config))) or \
+        config.get("model_type") in V3_MODEL_TYPES
 
 
-def read_hf_config(checkpoint_dir: Path) -> dict[str, Any]:
-    path = Path(checkpoint_dir) / "config.json"
-    if not Path(checkpoint_dir).is_dir():
-        raise CheckpointError(f"checkpoint dir {str(checkpoint_dir)!r} does not exist")
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing; an HF-layout checkpoint needs config.json beside its safetensors")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    return config
-
-
-POSITIVE, COUNT = 1, 0
-FIELD_TYPES: dict[str, tuple[type, float]] = {
-    **{name: (int, POSITIVE) for name in (
-        "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-        "num_attention_heads", "num_key_value_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
-        "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
-        "max_position_embeddings", "index_n_heads", "index_head_dim", "index_topk")},
-    **{name: (int, COUNT) for name in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")},
-    **{name: (float, 0.0) for name in ("routed_scaling_factor", "rms_norm_eps", "rope_theta")},
-    **{name: (bool, 0) for name in ("norm_topk_prob", "tie_word_embeddings", "attention_bias", "rope_interleave")},
-}
-"""config.json fields graphc reads, with their JSON type and the least value allowed (floats
-must exceed theirs); null means the default wherever the field is optional."""
-
-
-def check_field_types(config: dict[str, Any]) -> None:
-    """One-line errors for a config.json field of the wrong type or range (before any is used)."""
-    for name, (kind, least) in FIELD_TYPES.items():
-        value = config.get(name)
-        if value is None:
-            continue
-        # JSON has no int/float distinction for 1.0, but true is not a count; a float must be finite.
-        if kind is bool:
-            fits = isinstance(value, bool)
-        elif kind is int:
-            fits = isinstance(value, int) and not isinstance(value, bool) and value >= least
-        else:
-            fits = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-                and value > least
-        if not fits:
-            allowed = {bool: "true or false", int: "an integer >= 1" if least == POSITIVE else "an integer >= 0",
-                       float: "a finite number > 0"}[kind]
-            raise CheckpointError(f"config.json: {name} is {value!r}; expected {allowed}")
-    eos = config.get("eos_token_id")
-    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    vocab = config.get("vocab_size")
-    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab for i in ids):
-        raise CheckpointError(f"config.json: eos_token_id is {eos!r}; expected a token id or a list of token ids "
-                              f"in 0..{vocab - 1}")
-
-
-def model_args_from_hf_config(config: dict[str, Any]) -> "ModelArgs | V4Args | V41Args":
-    """Translate an HF DeepSeek `config.json` into `ModelArgs` (V3 / V3.2), `V4Args` (V4) or
-    `V41Args` (V4.1), refusing other architectures.
-
-    One function on purpose: a field-by-field translation that reads top to bottom."""
-    # V4's and V4.1's build on this module
-    from graphc.models.v41_args import is_v41_config, v41_args_from_hf_config
-    from graphc.models.v4_args import is_v4_config, v4_args_from_hf_config
-
-    if is_v41_config(config):
-        return v41_args_from_hf_config(config)
-    if is_v4_config(config):
-        return v4_args_from_hf_config(config)
-    architectures = config.get("architectures") or []
-    if isinstance(architectures, str):
-        architectures = [architectures]
+def v3_args_from_hf_config(config: dict[str, Any]) -> V3Args:
+    """Translate a DeepSeek-V3 / V3.2 `config.json` into `V3Args` (field by field, top to bottom)."""
     model_type = config.get("model_type")
-    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures) and model_type not in SUPPORTED_MODEL_TYPES:
-        named = ", ".join(architectures) or f"model_type {model_type!r}"
-        raise CheckpointError(
-            f"config.json: architecture {named} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
     required = [
         "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
         "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -294,11 +183,9 @@ def model_args_from_hf_config(config: dict[str, Any]) -> "ModelArgs | V4Args | V
         raise CheckpointError(f"config.json: layer_types {sorted(attention_types)} is not supported; graphc runs "
                               "'indexed_attention' (DeepSeek-V3.2's) in every layer")
     indexer = {}
-    if model_type == SPARSE_MODEL_TYPE or "DeepseekV32ForCausalLM" in architectures:
+    if model_type == SPARSE_MODEL_TYPE or V32_ARCHITECTURE in architectures(config):
         indexer = {k: default if config.get(k) is None else config[k] for k, default in INDEXER_DEFAULTS.items()}
-    eos = config.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-    return ModelArgs(
+    return V3Args(
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
         intermediate_size=config["intermediate_size"],
@@ -324,7 +211,7 @@ def model_args_from_hf_config(config: dict[str, Any]) -> "ModelArgs | V4Args | V
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         hidden_act=config.get("hidden_act", "silu"),
         attention_bias=bool(config.get("attention_bias", False)),
-        eos_token_id=eos_ids,
+        eos_token_id=eos_token_ids(config.get("eos_token_id")),
         rope=_rope_args(config),
         **indexer,
     )

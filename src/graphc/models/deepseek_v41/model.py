@@ -32,14 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphc.models.deepseek_v3 import MLP, MoE, Parallelism, RotaryEmbedding, RoutedExperts, StepInputs
-from graphc.models import deepseek_v41_reference as reference
-from graphc.models.deepseek_v4 import (CacheView, DeepseekV4, FP32RMSNorm, Router, cast, fp32, partial_attention,
+from graphc.models.layers import MLP, MoE, Parallelism, RotaryEmbedding, RoutedExperts, StepInputs
+from graphc.models.deepseek_v41 import reference
+from graphc.models.deepseek_v4.model import (CacheView, DeepseekV4, FP32RMSNorm, Router, cast, fp32, partial_attention,
                                        partial_softmax, rotate_trailing, window_keys, write)
-from graphc.models.deepseek_v41_reference import Published, collapse, expand, stream_mixes
-from graphc.models.engram import Engram
+from graphc.models.deepseek_v41.reference import Published, collapse, expand, stream_mixes
+from graphc.models.deepseek_v41.engram import Engram
 from graphc.models.moe_forms import MOE_FORMS
-from graphc.models.v41_args import TOKEN_ID_DIGITS, V41Args
+from graphc.models.deepseek_v41.args import TOKEN_ID_DIGITS, V41Args
 from graphc.ops import collectives, hyper_connections, sparse
 
 

@@ -26,6 +26,13 @@ import re
 from collections.abc import Iterable
 
 from graphc.errors import CheckpointError
+from graphc.models.deepseek_v4.args import V4Args
+from graphc.models.family import Sources
+from graphc.models.layers import STACKED_EXPERT
+
+FP32_SUFFIXES = ("norm.weight", "hc.fn", "hc.base", "hc.scale", "hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale",
+                 "sinks", "position_bias", "e_score_correction_bias", "mlp.gate.weight")
+"""Parameters that stay fp32 whatever the model dtype, as DeepSeek and transformers keep them."""
 
 RELEASED_EXPERT_WEIGHTS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
 """Each stacked expert parameter's released per-expert weights, concatenated along rows in order."""
@@ -166,3 +173,41 @@ def parameter_sources(stored: Iterable[str], routed_experts: int) -> tuple[dict[
                     for expert in wanted for e, w in expert if (e, w) not in found]
         sources[target] = [[found.get(key, "") for key in expert] for expert in wanted]
     return sources, missing
+
+
+def released_sources(args: V4Args, parameters: list[str]) -> Sources:
+    """Per graphc parameter, its tensors in the released layout."""
+    sources = {}
+    for name in parameters:
+        stacked = STACKED_EXPERT.match(name)
+        sources[name] = (released_expert_weights(*stacked.groups(), args.n_routed_experts) if stacked
+                         else [[released_name(name)]])
+    return sources
+
+
+def stored_sources(args: V4Args, parameters: list[str], stored: set[str]) -> tuple[Sources, list[str], list[str]]:
+    """(sources, missing, unexpected) of a checkpoint in either layout (`parameter_sources`)."""
+    sources, missing = parameter_sources(stored, args.n_routed_experts)
+    missing += [released_name(n) for n in parameters if n not in sources]
+    unexpected = sorted(n for target, groups in sources.items() if target not in parameters for parts in groups
+                        for n in parts)
+    return {name: groups for name, groups in sources.items() if name in parameters}, missing, unexpected
+
+
+def stored_stacked(stored: str) -> bool:
+    """transformers' layout may store a layer's routed experts as one stacked tensor."""
+    return bool(STACKED_EXPERT.match(graphc_name(stored)))
+
+
+def skips(name: str, args: V4Args) -> bool:
+    return bool(MULTI_TOKEN_PREDICTION.search(name))
+
+
+def keeps_fp32(name: str, args: V4Args) -> bool:
+    return name.endswith(FP32_SUFFIXES)
+
+
+def draft_shapes(args: V4Args, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The MTP modules, under `mtp.`: one more decoder layer's tensors each."""
+    return {f"mtp.{mtp}." + n.removeprefix("layers.0."): shape for mtp in range(args.num_nextn_predict_layers)
+            for n, shape in shapes.items() if n.startswith("layers.0.")}

@@ -1,0 +1,22 @@
+"""DeepSeek-V3 and V3.2 (MLA, V3.2's lightning indexer and sparse attention): args, HF layout,
+model, presets and `graphc plan`'s predictions, and the family record that names them."""
+
+from graphc.models.deepseek_v3 import layout, predictions, presets
+from graphc.models.deepseek_v3.args import V3_ARCHITECTURE, V32_ARCHITECTURE, is_v3_config, v3_args_from_hf_config
+from graphc.models.deepseek_v3.model import DeepseekV3
+from graphc.models.family import Family
+
+FAMILY = Family(
+    name="DeepSeek-V3",
+    architectures=(V3_ARCHITECTURE, V32_ARCHITECTURE),
+    recognises=is_v3_config,
+    args_from_hf_config=v3_args_from_hf_config,
+    build_model=DeepseekV3,
+    released_sources=layout.released_sources,
+    skips=layout.is_multi_token_prediction,
+    keeps_fp32=layout.keeps_fp32,
+    fp8_quantised=layout.FP8_QUANTISED,
+    attention_collectives=predictions.attention_collectives,
+    presets=presets.PRESETS,
+    draft_and_extra_shapes=layout.draft_shapes,
+)

@@ -1,0 +1,73 @@
+"""DeepSeek-V3 / V3.2's checkpoint layout (HF's): graphc's names are the stored names but the
+routed experts', which graphc stacks (`layers.STACKED_EXPERT`) from one tensor per expert and
+projection."""
+
+from __future__ import annotations
+
+import re
+
+from graphc.models.deepseek_v3.args import V3Args
+from graphc.models.family import Sources
+from graphc.models.layers import STACKED_EXPERT
+
+FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "self_attn.indexer.weights_proj.weight")
+"""Parameters that stay fp32 whatever the model dtype, as DeepSeek (and transformers) keep them:
+the router, and the indexer's per-head weights."""
+LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+FP8_QUANTISED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(?!weights_proj)(\w+_proj|wq_b|wk)\.weight$")
+"""The weights DeepSeek's FP8 releases quantise: the decoder layers' linear projections (the
+indexer's too, but not its per-head weights, which stay in full precision)."""
+MTP_EXTRA_TENSORS = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",
+                     "shared_head.norm.weight", "shared_head.head.weight")
+"""What an MTP layer stores beside a decoder layer's tensors."""
+
+EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+"""Each stacked expert parameter's checkpoint projections, concatenated along rows in this order."""
+
+
+def hf_tensor_names(graphc_name: str, experts: int | range) -> list[str]:
+    """The HF-layout DeepSeek-V3 tensor(s) that make up one graphc parameter, in stacking order
+    (`experts`: how many routed experts, or which ones)."""
+    stacked = STACKED_EXPERT.match(graphc_name)
+    if stacked:
+        prefix, fused = stacked.groups()
+        return [f"{prefix}.{e}.{proj}.weight" for e in (range(experts) if isinstance(experts, int) else experts)
+                for proj in EXPERT_PROJECTIONS[fused]]
+    return [graphc_name]
+
+
+def released_sources(args: V3Args, parameters: list[str]) -> Sources:
+    sources = {}
+    for name in parameters:
+        stacked = STACKED_EXPERT.match(name)
+        if stacked:
+            parts = len(EXPERT_PROJECTIONS[stacked.group(2)])
+            names = hf_tensor_names(name, args.n_routed_experts)
+            sources[name] = [names[i:i + parts] for i in range(0, len(names), parts)]
+        else:
+            sources[name] = [[name]]
+    return sources
+
+
+def is_multi_token_prediction(name: str, args: V3Args) -> bool:
+    """MTP modules are stored as layers num_hidden_layers .. num_hidden_layers + n - 1."""
+    layer = LAYER_INDEX.match(name)
+    return bool(layer) and args.num_hidden_layers <= int(layer.group(1)) < (
+        args.num_hidden_layers + args.num_nextn_predict_layers
+    )
+
+
+def keeps_fp32(name: str, args: V3Args) -> bool:
+    return name.endswith(FP32_SUFFIXES)
+
+
+def draft_shapes(args: V3Args, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The MTP layers' tensors, given the main layers' `shapes`: each a full (MoE) decoder layer
+    plus its own projections and head."""
+    last, out = f"model.layers.{args.num_hidden_layers - 1}.", {}
+    for mtp in range(args.num_nextn_predict_layers):
+        prefix = f"model.layers.{args.num_hidden_layers + mtp}."
+        out.update({prefix + name.removeprefix(last): shape for name, shape in shapes.items() if name.startswith(last)})
+        d, v = args.hidden_size, args.vocab_size
+        out.update({prefix + n: s for n, s in zip(MTP_EXTRA_TENSORS, [(v, d), (d,), (d,), (d, 2 * d), (d,), (v, d)])})
+    return out

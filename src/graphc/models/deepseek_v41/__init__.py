@@ -1,0 +1,36 @@
+"""DeepSeek-V4.1 with Engram (V4's attention with shared KV and index sources, two-level top-k,
+single-pass mHC, n-gram memory tables): args, released layout, paged model, eager reference,
+Engram, preset and `graphc plan`'s predictions, and the family record that names them."""
+
+from graphc.models.deepseek_v41 import layout, predictions, presets
+from graphc.models.deepseek_v41.args import V41_ARCHITECTURE, is_v41_config, v41_args_from_hf_config
+from graphc.models.deepseek_v41.model import DeepseekV41
+from graphc.models.deepseek_v41.reference import DeepseekV41Reference
+from graphc.models.family import Family
+
+FAMILY = Family(
+    name="DeepSeek-V4.1",
+    architectures=(V41_ARCHITECTURE,),
+    recognises=is_v41_config,
+    args_from_hf_config=v41_args_from_hf_config,
+    build_model=lambda args, local_experts, sparse_probabilities: DeepseekV41(args, local_experts),
+    released_sources=layout.released_sources,
+    skips=layout.skips,
+    keeps_fp32=layout.keeps_fp32,
+    row_sharded_tables=(layout.ENGRAM_TABLE,),
+    ue8m0_scales=True,
+    fp8_quantised=layout.FP8_RELEASED,
+    backends=("export", "inductor"),
+    data_parallel=False,
+    # A V4.1 layer also takes the previous sublayer's pre-mix and the selections earlier layers
+    # published: a layer alone is not a step.
+    probe_refusal="graphc probe does not take DeepSeek-V4.1 layers yet (each depends on state earlier layers "
+                  "publish); use `graphc compare` against its reference",
+    reference_model=DeepseekV41Reference,
+    reference_name="graphc's DeepSeek-V4.1 reference",
+    attention_collectives=predictions.attention_collectives,
+    expert_group_collectives=predictions.engram_collectives,
+    presets=presets.PRESETS,
+    draft_and_extra_shapes=layout.draft_and_vision_shapes,
+    quantization_config={"scale_fmt": "ue8m0"},
+)

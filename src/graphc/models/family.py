@@ -1,0 +1,126 @@
+"""`Family`: everything graphc needs to know of one model family, in one record.
+
+Each family package (`deepseek_v3/`, `deepseek_v4/`, `deepseek_v41/`) builds its record in its
+`__init__.py`; `registry.py` lists them. Code outside a family's package asks the record, never
+the family's classes: the loader reads its checkpoint hooks, the compiler its support limits,
+`plan` its collective predictions, `compare` / `sweep` its reference, `make-tiny` its presets.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from graphc.errors import GraphcError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from graphc.models.step_model import ModelArgs, StepModel
+    from graphc.topology import Topology
+
+Sources = dict[str, list[list[str]]]
+"""Per graphc parameter, the stored tensors that make it: one list per routed expert (its
+projections, concatenated along rows) for a stacked parameter stored per expert, else one list of
+one tensor (for a stacked parameter stored stacked, as transformers' V4 layout may: this rank's
+experts are rows of it)."""
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective a rank issues in a step: `count` calls, each taking `bytes_in`."""
+
+    op: str
+    group: str
+    count: int
+    bytes_in: int
+
+
+def _no_collectives(*_: Any) -> list[Collective]:
+    return []
+
+
+def _accepts(*_: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: how to recognise, read, build, load, check and describe it."""
+
+    name: str
+    """What messages call it ("DeepSeek-V4")."""
+    architectures: tuple[str, ...]
+    """config.json `architectures` names it takes (listed when a checkpoint names none)."""
+    recognises: Callable[[dict[str, Any]], bool]
+    """Whether a config.json is this family's (by architecture or model_type)."""
+    args_from_hf_config: Callable[[dict[str, Any]], "ModelArgs"]
+    """config.json -> the family's args, refusing what it cannot run (`CheckpointError`)."""
+    build_model: Callable[["ModelArgs", int | None, str], "StepModel"]
+    """(args, routed experts this rank holds or None for all, V3.2's P precision) -> the step model,
+    weights uninitialised (build it under a meta device)."""
+
+    # The checkpoint: what graphc's parameters are stored as, and what a loader keeps or skips.
+    released_sources: Callable[["ModelArgs", list[str]], Sources]
+    """(args, graphc parameter names) -> the tensors the released layout stores for each (what
+    graphc's tiny checkpoints are written in)."""
+    skips: Callable[[str, "ModelArgs"], bool]
+    """Stored tensors a text-only loader of the main layers skips (multi-token prediction, vision)."""
+    keeps_fp32: Callable[[str, "ModelArgs"], bool]
+    """Parameters that stay fp32 whatever the model dtype."""
+    stored_sources: Callable[["ModelArgs", list[str], set[str]], tuple[Sources, list[str], list[str]]] | None = None
+    """(args, graphc parameter names, stored names) -> (sources, missing, unexpected) for families
+    read from more than one layout; None: the released layout only."""
+    stored_stacked: Callable[[str], bool] = lambda name: False
+    """Whether a stored tensor holds every routed expert of a layer (rows of it per expert)."""
+    index_tensors: tuple[str, ...] = ()
+    """Name suffixes of integer tables (V4's `tid2eid`), loaded as int64."""
+    row_sharded_tables: tuple[str, ...] = ()
+    """Name suffixes of tables whose rows shard over the expert-parallel group and whose FP8
+    scales are per row (V4.1's Engram tables)."""
+    ue8m0_scales: bool = False
+    """FP8 scales named and stored as DeepSeek-V4.1's (`fp8.UE8M0_SUFFIX`)."""
+    fp8_quantised: re.Pattern = re.compile(r"(?!)")
+    """The stored weights its FP8 releases quantise (what `make-tiny --fp8-block` quantises)."""
+
+    # What the family serves, and the refusal of what it does not.
+    backends: tuple[str, ...] = ("export", "inductor", "neuron")
+    data_parallel: bool = True
+    """Whether data-parallel attention (dp > 1) is built for it."""
+    check_exchange: Callable[["ModelArgs", str], None] = _accepts
+    """Raises `GraphcError` for an MoE exchange its layers cannot take."""
+    probe_refusal: str | None = None
+    """Why `graphc probe` does not take its layers, or None."""
+
+    # The external reference: transformers' model of the architecture, or graphc's own.
+    reference_model: Callable[["ModelArgs"], "nn.Module"] | None = None
+    """graphc's eager reference (released parameter names; token ids [1, T] -> logits [1, T, V]),
+    for a family transformers lacks; None: transformers implements it."""
+    reference_name: str = "transformers"
+
+    # `graphc plan`'s predictions of the step's collectives.
+    attention_collectives: Callable[["ModelArgs", int, int | None, int], list[Collective]] = _no_collectives
+    """(args, tokens, block-table token capacity, dtype bytes) -> the attention's collectives over cp."""
+    expert_group_collectives: Callable[["ModelArgs", int, int, str, int], list[Collective]] = _no_collectives
+    """(args, tokens, dtype bytes, exchange, ep) -> collectives over ep beside the MoE's (Engram)."""
+
+    # Tiny checkpoints.
+    presets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """make-tiny presets: complete config.json dicts."""
+    draft_and_extra_shapes: Callable[["ModelArgs", dict[str, tuple[int, ...]]], dict[str, tuple[int, ...]]] = \
+        lambda args, shapes: {}
+    """Tensors a released checkpoint stores beside the main layers' (MTP, vision), that loaders skip:
+    `make-tiny` writes them too."""
+    quantization_config: dict[str, Any] = field(default_factory=dict)
+    """Extra `quantization_config` fields of its FP8 releases."""
+
+    def check_compile(self, args: "ModelArgs", topology: "Topology", exchange: str, backend: str) -> None:
+        """Refuse what is not built for this family, naming the field."""
+        if topology.dp > 1 and not self.data_parallel:
+            raise GraphcError(f"topology.dp: {topology.dp}; {args.architecture} is served with dp = 1 so far "
+                              "(context and expert parallelism only)")
+        self.check_exchange(args, exchange)
+        if backend not in self.backends:
+            raise GraphcError(f"model.checkpoint: {args.architecture} has no {backend} lowering yet; use the "
+                              f"{' or '.join(self.backends)} backend")
