@@ -17,7 +17,8 @@ from click.testing import CliRunner, Result
 from safetensors.torch import load_file, save_file
 
 from graphc.cli import cli
-from graphc.models.checkpoint import expected_tensors, load_model_args
+from graphc.models.checkpoint import expected_tensors
+from graphc.models.registry import load_model_args
 from graphc.models.tiny import PRESETS
 from support import DELETE, override
 

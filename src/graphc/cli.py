@@ -65,7 +65,7 @@ def checkpoint() -> None:
               help="DeepSeek-V3.2 presets: keys each query attends to (below the context: sparse attention).")
 def make_tiny(out: Path, preset: str | None, seed: int, force: bool, fp8_block: int | None,
               index_topk: int | None) -> None:
-    """Write a tiny random DeepSeek-V3 / V3.2 checkpoint (config.json + model.safetensors) to OUT."""
+    """Write a tiny random checkpoint of any family (config.json + model.safetensors) to OUT."""
     from graphc.models.tiny import DEFAULT_PRESET, make_tiny_checkpoint
 
     preset = preset or DEFAULT_PRESET
@@ -78,11 +78,13 @@ def make_tiny(out: Path, preset: str | None, seed: int, force: bool, fp8_block: 
 
 @checkpoint.command("presets")
 def presets() -> None:
-    """List the tiny-checkpoint presets and how they differ from the base config."""
-    from graphc.models.tiny import PRESETS
+    """List the tiny-checkpoint presets: each family's first one whole, the others as their
+    difference from it."""
+    from graphc.models.tiny import PRESETS, preset_difference
 
-    for name, overrides in PRESETS.items():
-        click.echo(f"{name}: {json.dumps(overrides) if overrides else '(base config)'}")
+    for name in PRESETS:
+        family, config = preset_difference(name)
+        click.echo(f"{name} ({family}): {json.dumps(config)}")
 
 
 @cli.command()

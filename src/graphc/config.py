@@ -38,6 +38,7 @@ from graphc.backends import BackendName
 from graphc.buckets.planner import BucketPlan, plan_buckets, read_workload
 from graphc.errors import ConfigError, GraphcError
 from graphc.models.family import Family
+from graphc.models.moe_forms import MoeFormChoice, MoeLoweringChoice
 from graphc.models.registry import family_of, load_model_args
 from graphc.models.step_model import ModelArgs
 from graphc.sampling import SAMPLING_RULES, Sampling, sampling_error
@@ -57,13 +58,13 @@ class ModelSection:
     P @ V product. 'bf16' rounds P as FlashMLA's sparse kernel does (its denominator still sums the
     fp32 values); 'fp32' keeps P in fp32, as the public reference implementations do. Default:
     'bf16' for a bfloat16 model, 'fp32' for a float32 one."""
-    moe_form: Literal["auto", "dense", "gather", "grouped"] = "auto"
+    moe_form: MoeFormChoice = "auto"
     """The routed experts' formulation in every compiled graph: 'gather' (each routed token reads
     its experts' weights by id; for decode-sized steps), 'grouped' (routes sorted by expert, one
     GEMM per expert; for prefill-sized steps), 'dense' (every expert on every token: the
     reference), or 'auto', which picks gather or grouped per bucket by expert weight reads
     (`graphc.models.moe_forms.moe_form_for`). All are exact; `graphc plan` shows the choice."""
-    moe_lowering: Literal["auto", "ag_rs", "a2a_even", "a2a_v"] = "auto"
+    moe_lowering: MoeLoweringChoice = "auto"
     """Where tokens are not replicated over their EP group (data-parallel attention): how they
     reach their experts' ranks. 'ag_rs' (all-gather, reduce-scatter), 'a2a_even' (even
     all-to-all of fixed-position blocks), 'a2a_v' (variable all-to-all over an all-gathered split

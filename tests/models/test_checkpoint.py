@@ -21,7 +21,8 @@ from graphc.errors import CheckpointError, GraphcError
 from graphc.models.hf_config import read_hf_config
 from graphc.models.registry import model_args_from_hf_config
 from graphc.models import deepseek_v3
-from graphc.models.checkpoint import expected_tensors, load_model, load_model_args
+from graphc.models.checkpoint import expected_tensors, load_model
+from graphc.models.registry import load_model_args
 from graphc.models.deepseek_v3.layout import FP32_SUFFIXES, hf_tensor_names, is_multi_token_prediction
 from graphc.models.layers import rope_inverse_frequencies
 from graphc.models.tiny import PRESETS, preset_config

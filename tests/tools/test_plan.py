@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from graphc.artifacts.directory import read_manifest
 from graphc.buckets.selection import Bucket
 from graphc.cli import EXIT_BAD_INPUT, cli
-from graphc.models.checkpoint import load_model_args
+from graphc.models.registry import load_model_args
 from graphc.tools.plan import step_collectives
 from graphc.topology import Topology
 from support import SPARSE_V32, TEST_BUCKETS, model_yaml

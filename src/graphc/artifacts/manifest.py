@@ -89,11 +89,12 @@ class ModelInfo:
     pool's layer count, width and dtype (written at compile time from the checkpoint's config)."""
 
     architecture: str
-    """The checkpoint's (`DeepseekV3ForCausalLM`, `DeepseekV32ForCausalLM`, `DeepseekV4ForCausalLM`)."""
+    """The checkpoint's config.json `architectures` name (`DeepseekV3ForCausalLM`, ...: its family's)."""
     vocab_size: int
     eos_token_id: list[int]
     cache_layers: int
-    """The pool's layers: one per decoder layer, two for DeepSeek-V4 (tokens, compressed entries)."""
+    """The pool's layers (the model's `cache_layers`): one per decoder layer for DeepSeek-V3, two
+    for DeepSeek-V4 (tokens, compressed entries), and V4.1's one more for Engram's token ids."""
     kv_cache_dim: int
     dtype: Literal["float32", "bfloat16"]
     sparse_probabilities: Literal["bf16", "fp32"] | None = None

@@ -30,7 +30,7 @@ from graphc.models.family import Family, Sources
 from graphc.models.fp8 import FP8, SCALE_SUFFIX, UE8M0_SUFFIX, dequantize, scale_name, scaled_weight
 from graphc.models.hf_config import read_hf_config
 from graphc.models.layers import STACKED_EXPERT
-from graphc.models.registry import family_of, load_model_args
+from graphc.models.registry import family_of, family_of_config
 from graphc.models.step_model import ModelArgs, StepModel
 from graphc.topology import Topology
 
@@ -120,12 +120,15 @@ def load_expert_shard(checkpoint_dir: Path, topology: Topology, rank: int, dtype
                       sparse_probabilities: str | None = None) -> StepModel:
     """The model of `rank`'s expert-parallel shard: the module holding its routed experts (all of
     them when ep = 1); ranks with the same `topology.ep_rank` hold the same shard."""
-    experts = topology.experts(topology.ep_rank(rank), load_model_args(checkpoint_dir).n_routed_experts)
-    return load_model(checkpoint_dir, dtype=dtype, experts=experts, sparse_probabilities=sparse_probabilities)
+    checked = check_checkpoint(Path(checkpoint_dir))
+    experts = topology.experts(topology.ep_rank(rank), checked.args.n_routed_experts)
+    return load_model(checkpoint_dir, dtype=dtype, experts=experts, sparse_probabilities=sparse_probabilities,
+                      checked=checked)
 
 
 def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               experts: range | None = None, sparse_probabilities: str | None = None) -> StepModel:
+               experts: range | None = None, sparse_probabilities: str | None = None,
+               checked: CheckedCheckpoint | None = None) -> StepModel:
     """Build the checkpoint's family's step model from it.
 
     Args:
@@ -135,6 +138,7 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
         experts: the routed experts to load (an expert-parallel rank's share); all by default.
         sparse_probabilities: P's precision in sparse attention (V3.2 only): "bf16" as FlashMLA's
             kernel, "fp32" as the reference; by default "bf16" for a bfloat16 model, else "fp32".
+        checked: the checkpoint's `check_checkpoint`, where the caller has it already.
 
     Raises:
         CheckpointError: unsupported architecture, missing/unexpected tensor, wrong shape or dtype.
@@ -144,7 +148,7 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
         raise CheckpointError("device 'meta' holds no data; load onto a real device (e.g. 'cpu')")
     if dtype not in SUPPORTED_DTYPES:
         raise CheckpointError(f"dtype {dtype} is not supported; supported: float32, bfloat16, float16")
-    checked = check_checkpoint(checkpoint_dir)
+    checked = checked or check_checkpoint(checkpoint_dir)
     args, family, files, expected, sources = checked.args, checked.family, checked.files, checked.expected, checked.sources
 
     experts = experts if experts is not None else range(args.n_routed_experts)
@@ -255,11 +259,12 @@ def check_checkpoint(checkpoint_dir: Path) -> CheckedCheckpoint:
     Raises:
         CheckpointError: naming the file, the tensor and what is wrong.
     """
-    args = load_model_args(checkpoint_dir)
-    family = family_of(args)
+    config = read_hf_config(checkpoint_dir)
+    family = family_of_config(config)
+    args = family.args_from_hf_config(config)
     files = _tensor_files(checkpoint_dir)
     ue8m0 = family.ue8m0_scales
-    block = _fp8_block(checkpoint_dir, files, ue8m0)
+    block = _fp8_block(checkpoint_dir, config, files, ue8m0)
     stored = {n for n in files if not family.skips(n, args)}
     scales = {n for n in stored if scaled_weight(n, ue8m0) is not None}
     stored -= scales
@@ -341,11 +346,11 @@ def default_sparse_probabilities(dtype: torch.dtype) -> str:
     return "bf16" if dtype == torch.bfloat16 else "fp32"
 
 
-def _fp8_block(checkpoint_dir: Path, files: dict[str, Path], ue8m0: bool) -> tuple[int, int] | None:
+def _fp8_block(checkpoint_dir: Path, config: dict, files: dict[str, Path], ue8m0: bool) -> tuple[int, int] | None:
     """The FP8 scale block shape from config.json, if the checkpoint holds scales."""
     if not any(scaled_weight(n, ue8m0) is not None for n in files):
         return None
-    quantization = read_hf_config(checkpoint_dir).get("quantization_config") or {}
+    quantization = config.get("quantization_config") or {}
     block = quantization.get("weight_block_size")
     if quantization.get("quant_method") != "fp8" or not (
             isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):

@@ -6,12 +6,15 @@ Torch-free, so `graphc plan` stays arithmetic.
 
 from __future__ import annotations
 
+from typing import Literal
+
 MOE_FORMS = ("dense", "gather", "grouped")
-"""The routed experts' static-shape formulations (`deepseek_v3.RoutedExperts` describes each);
+"""The routed experts' static-shape formulations (`layers.RoutedExperts` describes each);
 all give the same values up to fp32 rounding."""
 
 MOE_FORM_CHOICES = ("auto", *MOE_FORMS)
 """What model.yaml's `model.moe_form` accepts: `auto` applies `moe_form_for` per bucket."""
+MoeFormChoice = Literal[MOE_FORM_CHOICES]  # noqa: typed.build reads the choices from this Literal
 
 
 def moe_form_for(rows: int, experts_per_token: int, local_experts: int) -> str:
@@ -55,6 +58,7 @@ an all-reduce over an EP group that already shares the tokens (`static`), or one
 
 MOE_LOWERING_CHOICES = ("auto", *MOE_LOWERINGS)
 """What model.yaml's `model.moe_lowering` and `graphc compile --moe-lowering` accept."""
+MoeLoweringChoice = Literal[MOE_LOWERING_CHOICES]  # noqa: as `MoeFormChoice`
 
 
 def moe_lowering_for(group_size: int) -> str:

@@ -50,8 +50,8 @@ class ModelArgs(Protocol):
 
 
 class StepModel(Protocol):
-    """A family's causal LM over the paged pool: one call is one step (`DeepseekV3.forward`'s
-    signature; `layers.StepInputs` documents the inputs)."""
+    """A family's causal LM over the paged pool: one call is one step (`layers.StepInputs`
+    documents the inputs)."""
 
     args: ModelArgs
     model: nn.Module

@@ -32,6 +32,17 @@ TRANSFORMERS_PRESETS = tuple(name for family in FAMILIES if family.reference_mod
 """The presets whose architecture transformers implements."""
 
 
+def preset_difference(preset: str) -> tuple[str, dict[str, Any]]:
+    """The preset's family name and its config: whole for the family's first preset, else what it
+    sets differently from that one."""
+    family = family_of_config(preset_config(preset))
+    base = next(iter(family.presets))
+    config = family.presets[preset]
+    if preset == base:
+        return family.name, config
+    return family.name, {k: v for k, v in config.items() if family.presets[base].get(k) != v}
+
+
 def preset_config(preset: str) -> dict[str, Any]:
     if preset not in PRESETS:
         raise GraphcError(f"preset {preset!r} is unknown; available: {', '.join(PRESETS)}")

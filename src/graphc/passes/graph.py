@@ -34,16 +34,6 @@ def op_argument(node: torch.fx.Node, name: str):
     return node.kwargs.get(name, schema.arguments[index].default_value)
 
 
-def set_op_argument(node: torch.fx.Node, name: str, value) -> None:
-    """Set a graphc op node's argument by schema name, positionally."""
-    schema = node.target._schema
-    index = next(i for i, a in enumerate(schema.arguments) if a.name == name)
-    args = list(node.args) + [a.default_value for a in schema.arguments[len(node.args):index + 1]]
-    args[index] = value
-    node.args = tuple(args)
-    node.kwargs = {k: v for k, v in node.kwargs.items() if k != name}
-
-
 def step_placeholders(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
     """The per-step input placeholders by name (they follow the weights)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from graphc.errors import CheckpointError
-from graphc.models.checkpoint import check_checkpoint, expected_tensors, load_model, load_model_args
+from graphc.models.checkpoint import check_checkpoint, expected_tensors, load_model
+from graphc.models.registry import load_model_args
 from graphc.models.deepseek_v4.model import DeepseekV4
 from graphc.models.deepseek_v4.args import CSA, HASH_MOE, HCA, SLIDING, v4_args_from_hf_config
 from graphc.models.deepseek_v4.layout import graphc_name, released_name

@@ -7,7 +7,7 @@ from graphc.models.deepseek_v3.model import DeepseekV3
 from graphc.models.family import Family
 
 FAMILY = Family(
-    name="DeepSeek-V3",
+    name="DeepSeek-V3 / V3.2",
     architectures=(V3_ARCHITECTURE, V32_ARCHITECTURE),
     recognises=is_v3_config,
     args_from_hf_config=v3_args_from_hf_config,

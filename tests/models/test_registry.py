@@ -1,0 +1,172 @@
+"""The family registry: every family through capture, no family named outside its package, and a
+family registered from outside graphc compiling and serving with nothing else edited."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import graphc
+from graphc.buckets.selection import Bucket
+from graphc.compiler.capture import StepGraph, capture_bucket, example_step_inputs, model_weights
+from graphc.errors import CheckpointError
+from graphc.models import deepseek_v3, registry
+from graphc.models.checkpoint import load_model
+from graphc.models.deepseek_v3.args import V3Args, v3_args_from_hf_config
+from graphc.models.family import Family
+from graphc.models.hf_config import architectures
+from graphc.models.tiny import preset_config, write_random_checkpoint
+from graphc.step import STEP_INPUTS, kv_pool_shape
+from support import TEST_BUCKETS, model_yaml
+
+SOURCE = Path(graphc.__file__).parent
+
+
+@pytest.mark.parametrize("family", registry.FAMILIES, ids=lambda f: f.name)
+def test_every_family_captures_a_step_that_equals_its_eager_step(family, tiny_checkpoints):
+    model = load_model(tiny_checkpoints[next(iter(family.presets))])
+    assert registry.family_of(model.args) is family
+    bucket, blocks = Bucket("decode", 2), 4
+    program = capture_bucket(model, bucket, blocks, num_blocks=8, block_size=8)
+    names = [spec.arg.name for spec in program.graph_signature.input_specs]
+    assert names[-len(STEP_INPUTS):] == list(STEP_INPUTS)
+    pool_shape = kv_pool_shape(model.args.cache_layers, 8, 8, model.args.kv_cache_dim)
+    inputs = example_step_inputs(bucket, blocks, pool_shape, model.dtype)
+    weights = list(model_weights(model).values())
+    exported_inputs = {name: t.clone() for name, t in inputs.items()}
+    with torch.no_grad():
+        expected = StepGraph(model)(weights, *inputs.values())
+        actual = program.module()(weights, *exported_inputs.values())
+    for got, want in zip(actual, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(exported_inputs["kv_pool"], inputs["kv_pool"], rtol=0, atol=0)
+
+
+# --- no family branches outside the family packages -------------------------------------------------
+
+
+def _family_names() -> list[tuple[str, str]]:
+    """(family package, name) for every class a family package defines for its args, model and
+    reference, and the package's own module path."""
+    names = []
+    for family in registry.FAMILIES:
+        args = family.args_from_hf_config(next(iter(family.presets.values())))
+        package = type(args).__module__.rsplit(".", 1)[0]
+        with torch.device("meta"):
+            model = family.build_model(args, None, "fp32")
+        classes = [*type(args).__mro__, *type(model).__mro__]
+        if family.reference_model is not None:
+            classes.append(family.reference_model)
+        names += [(package, c.__name__) for c in classes if c.__module__.startswith(package + ".")]
+        names.append((package, package))
+    return names
+
+
+def family_mentions(text: str, names: list[tuple[str, str]]) -> list[str]:
+    """The family classes and modules `text` names."""
+    found = []
+    for package, name in names:
+        short = package.rsplit(".", 1)[1]
+        pattern = (rf"\b{re.escape(package)}\b|from graphc\.models import [\w, ]*\b{short}\b" if name == package
+                   else rf"\b{name}\b")
+        found += [name] if re.search(pattern, text) else []
+    return found
+
+
+def test_nothing_outside_a_family_package_and_the_registry_names_a_family():
+    names = _family_names()
+    packages = {package for package, _ in names}
+    outside = [path for path in sorted(SOURCE.rglob("*.py"))
+               if not any(str(path).startswith(str(SOURCE / p.removeprefix("graphc.").replace(".", "/")) + "/")
+                          for p in packages) and path != SOURCE / "models" / "registry.py"]
+    assert SOURCE / "compiler" / "pipeline.py" in outside and SOURCE / "models" / "checkpoint.py" in outside
+    mentions = {str(path.relative_to(SOURCE)): family_mentions(path.read_text(), names) for path in outside}
+    assert {path: found for path, found in mentions.items() if found} == {}
+
+
+def test_the_family_scan_finds_a_planted_branch():
+    names = _family_names()
+    assert family_mentions("if isinstance(args, V41Args):", names) == ["V41Args"]
+    assert family_mentions("from graphc.models.deepseek_v4.args import HASH_MOE", names) == ["graphc.models.deepseek_v4"]
+    assert family_mentions("from graphc.models import deepseek_v3, registry", names) == ["graphc.models.deepseek_v3"]
+    assert family_mentions("DeepseekV4ForCausalLM checkpoints", names) == []
+
+
+# --- a fifth family from outside graphc -----------------------------------------------------------------
+
+
+FAKE_ARCHITECTURE = "FakeSeekForCausalLM"
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeArgs(V3Args):
+    @property
+    def architecture(self) -> str:
+        return FAKE_ARCHITECTURE
+
+
+def _fake_args(config: dict) -> FakeArgs:
+    v3 = v3_args_from_hf_config({**config, "architectures": [deepseek_v3.V3_ARCHITECTURE]})
+    return FakeArgs(**{f.name: getattr(v3, f.name) for f in dataclasses.fields(v3)})
+
+
+FAKE = Family(
+    name="FakeSeek",
+    architectures=(FAKE_ARCHITECTURE,),
+    recognises=lambda config: FAKE_ARCHITECTURE in architectures(config),
+    args_from_hf_config=_fake_args,
+    build_model=deepseek_v3.DeepseekV3,
+    released_sources=deepseek_v3.layout.released_sources,
+    skips=deepseek_v3.layout.is_multi_token_prediction,
+    keeps_fp32=deepseek_v3.layout.keeps_fp32,
+    draft_and_extra_shapes=deepseek_v3.layout.draft_shapes,
+    backends=("export",),
+)
+
+
+@pytest.fixture
+def fake_family():
+    registry.register(FAKE)
+    yield FAKE
+    registry.unregister(FAKE)
+
+
+@pytest.mark.compiles
+def test_a_registered_family_compiles_and_serves_with_nothing_else_edited(fake_family, tmp_path, compiled):
+    from graphc.compiler.pipeline import CompileOptions, compile
+    from graphc.config import load_config
+    from graphc.runtime import Engine, Request
+
+    # lora-groups' config and, from the same seed, its weights, under another architecture
+    config = {**preset_config("lora-groups"), "architectures": [FAKE_ARCHITECTURE], "model_type": "fakeseek"}
+    checkpoint = write_random_checkpoint(tmp_path / "fake-ckpt", config, seed=0)
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(model_yaml(checkpoint, TEST_BUCKETS["small"])))
+    loaded = load_config(tmp_path / "model.yaml")
+    assert loaded.family is FAKE
+    manifest = compile(loaded, tmp_path / "artifacts", CompileOptions(show_progress=False))
+    assert manifest.model.architecture == FAKE_ARCHITECTURE
+
+    requests = [Request([5, 6, 7, 8], 12, stop_at_eos=False), Request(list(range(20, 31)), 12, stop_at_eos=False)]
+    served = [r.output_ids for r in Engine(tmp_path / "artifacts").generate(requests)]
+    as_v3 = [r.output_ids for r in Engine(compiled("lora-groups", "export", "small")).generate(requests)]
+    assert served == as_v3 and all(len(tokens) == 12 for tokens in served)
+
+
+def test_a_family_refuses_a_backend_it_lacks_and_an_unknown_architecture_lists_every_family(fake_family, tmp_path):
+    args = _fake_args(preset_config("lora-groups"))
+    from graphc.topology import Topology
+
+    with pytest.raises(graphc.errors.GraphcError, match=r"^model\.checkpoint: FakeSeekForCausalLM has no neuron "
+                                                         r"lowering yet; use the export backend$"):
+        FAKE.check_compile(args, Topology(), "local", "neuron")
+    with pytest.raises(CheckpointError, match=r"architecture NoSuchForCausalLM is not supported; supported: "
+                                              r"FakeSeekForCausalLM, DeepseekV3ForCausalLM, DeepseekV32ForCausalLM, "
+                                              r"DeepseekV4ForCausalLM, DeepseekV41ForCausalLM$"):
+        registry.family_of_config({"architectures": ["NoSuchForCausalLM"]})
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(FAKE)
