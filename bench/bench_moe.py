@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from graphc.models.checkpoint import load_model
-from graphc.models.layers import Parallelism, StepInputs
+from graphc.models.step_model import Parallelism, StepInputs
 from graphc.models.tiny import make_tiny_checkpoint
 from graphc.ops.distributed import register_groups
 from graphc.topology import Topology

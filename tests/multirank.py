@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphc.models.checkpoint import load_model
-from graphc.models.layers import Parallelism
+from graphc.models.step_model import Parallelism
 from graphc.ops.distributed import register_groups
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
 from graphc.topology import Topology

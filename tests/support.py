@@ -11,7 +11,7 @@ import torch
 from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import capture_bucket, example_step_inputs, model_weights
 from graphc.models.checkpoint import load_model
-from graphc.models.layers import Parallelism
+from graphc.models.step_model import Parallelism
 
 DELETE = object()
 """A value for `override` that removes the key."""

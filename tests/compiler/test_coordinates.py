@@ -10,7 +10,7 @@ from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import capture_bucket, weight_names
 from graphc.compiler.emit import program_key
 from graphc.models.checkpoint import load_expert_shard, load_model
-from graphc.models.layers import Parallelism
+from graphc.models.step_model import Parallelism
 from graphc.topology import Topology
 from support import BLOCK_SIZE, BLOCKS_PER_ROW, NUM_BLOCKS, SPARSE_V32, run_program, run_step
 

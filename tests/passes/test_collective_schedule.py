@@ -12,7 +12,7 @@ from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import capture_bucket
 from graphc.errors import GraphcError
 from graphc.models.checkpoint import load_expert_shard
-from graphc.models.layers import Parallelism
+from graphc.models.step_model import Parallelism
 from graphc.passes.collective_schedule import Collective, check_collective_schedule, program_collectives
 from graphc.passes.graph import graphc_op
 from graphc.passes.strip_follower_sampling import strip_follower_sampling

@@ -22,8 +22,7 @@ from torch import Tensor
 from torch.export import Dim, ExportedProgram
 
 from graphc.buckets.selection import Bucket
-from graphc.models.layers import Parallelism
-from graphc.models.step_model import StepModel
+from graphc.models.step_model import Parallelism, StepModel
 from graphc.ops import sampler
 from graphc.step import FLOAT_INPUTS, POOL_BLOCKS_DIM, STEP_INPUTS, kv_pool_shape, step_shapes
 

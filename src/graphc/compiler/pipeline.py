@@ -21,16 +21,16 @@ from graphc.buckets.selection import all_buckets
 from graphc.compiler.capture import capture_bucket, model_weights
 from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
 from graphc.config import GraphcConfig
+from graphc.errors import GraphcError
 from graphc.models.checkpoint import load_expert_shard
-from graphc.models.layers import Parallelism
 from graphc.models.moe_forms import moe_exchange, step_moe_form
+from graphc.models.step_model import Parallelism
 from graphc.passes.collective_schedule import check_collective_schedule, program_collectives
 from graphc.passes.graph import step_placeholders
 from graphc.passes.manager import PassContext, PassManager, op_counts
 from graphc.passes.registry import backend_passes, check_pass_names
 from graphc.passes.verifier import verify
 from graphc.step import POOL_BLOCKS_DIM, STEP_INPUTS, blocks_per_row
-from graphc.errors import GraphcError
 
 
 @dataclass(frozen=True)

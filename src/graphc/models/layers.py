@@ -1,5 +1,5 @@
-"""What every family's model is built from: the step's inputs and the rank's place among the
-others, RMSNorm, RoPE, the SwiGLU MLP, and the MoE over its routed experts in their three forms.
+"""What every family's model is built from: RMSNorm, RoPE, the SwiGLU MLP, and the MoE over its
+routed experts in their three forms.
 
 Shape letters: B rows, Q tokens per row, T = B*Q tokens, D hidden, P roped dims, E routed experts
 (E' this rank's), K experts per token, I expert width, F = 2I fused gate and up rows.
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,45 +16,9 @@ from torch import Tensor, nn
 
 from graphc.models.hf_config import RopeArgs, yarn_mscale
 from graphc.models.moe_forms import moe_form_for
+from graphc.models.step_model import ModelArgs, StepInputs
 from graphc.ops import all_to_all, collectives, moe
 from graphc.step import PADDING_SLOT
-
-if TYPE_CHECKING:
-    from graphc.models.step_model import ModelArgs
-
-
-@dataclass(frozen=True)
-class Parallelism:
-    """How this rank's step relates to the other ranks' (the defaults are one device).
-
-    Numbers and, in a step graph, the rank's coordinates as tensors: the module never touches
-    torch.distributed; the graphc ops it calls do.
-    """
-
-    cp_rank: int | Tensor = 0
-    """This rank's shard of every sequence's KV blocks (block j lives on rank j % cp). In a step
-    graph, a 0-d int32 slice of the step's `coordinates` input: one graph serves every rank."""
-    cp: int = 1
-    """Context-parallel ranks."""
-    ep_rank: int | Tensor = 0
-    """This rank's position in its expert-parallel group: it holds experts
-    [ep_rank * E / ep, (ep_rank + 1) * E / ep). A tensor in a step graph, as `cp_rank`."""
-    ep: int = 1
-    """Expert-parallel group size."""
-    moe_exchange: str = "local"
-    """How tokens reach their experts' ranks (`graphc.models.moe_forms.MOE_EXCHANGES`): `static`
-    when every rank of the EP group holds the same tokens (compute this rank's experts on its own
-    tokens, then all-reduce); `ag_rs` gathers the group's tokens first and reduce-scatters after;
-    `a2a_even` / `a2a_v` route at the source and send each token only to its experts' ranks."""
-
-    def kv_shard(self) -> Tensor:
-        """`cp_rank` as the ops take it (a 0-d int32 tensor)."""
-        return torch.as_tensor(self.cp_rank, dtype=torch.int32)
-
-    def expert_shard(self) -> Tensor:
-        """`ep_rank` as the ops take it (a 0-d int32 tensor)."""
-        return torch.as_tensor(self.ep_rank, dtype=torch.int32)
-
 
 
 class RMSNorm(nn.Module):
@@ -69,7 +31,6 @@ class RMSNorm(nn.Module):
         # Normalise in fp32, cast back, then scale: the order transformers uses, so bf16 rounds alike.
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
-
 
 
 def rope_inverse_frequencies(rope: RopeArgs, dim: int) -> tuple[Tensor, float]:
@@ -106,7 +67,6 @@ def rope_inverse_frequencies(rope: RopeArgs, dim: int) -> tuple[Tensor, float]:
     return inv_freq, attention_factor
 
 
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeArgs, dim: int):
         super().__init__()
@@ -124,7 +84,6 @@ class RotaryEmbedding(nn.Module):
         return rotate(x, cos, sin, self.interleave)
 
 
-
 def rotate(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
     """Rotate x [..., P]; cos/sin broadcast against x[..., P/2].
 
@@ -139,13 +98,11 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-
 def swiglu(gate: Tensor, up: Tensor, limit: float | None) -> Tensor:
     """silu(gate) * up; with `limit` (DeepSeek-V4's), gate clamped above and up both ways first."""
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up
-
 
 
 class MLP(nn.Module):
@@ -262,7 +219,6 @@ class RoutedExperts(nn.Module):
         return (swiglu(gate.float(), up.float(), self.swiglu_limit) * weights[..., None]).to(gate.dtype)
 
 
-
 class MoE(nn.Module):
     """Router, routed experts (this rank's) and shared experts, over the step's MoE exchange."""
 
@@ -309,26 +265,3 @@ class MoE(nn.Module):
         return step.moe_form or moe_form_for(rows.shape[0], self.gate.top_k, self.experts.local_experts)
 
 
-
-class StepInputs:
-    """The host metadata of one step (a plain holder so layer signatures stay short).
-
-    Attributes:
-        positions: [B, Q] int64 absolute position of each token.
-        block_table: [B, M] int32/int64 pool blocks of each row's sequence.
-        slot_mapping: [B, Q] int64 flat pool slot per token, `PADDING_SLOT` for padding.
-        kv_pool: [L, N, S, C] the paged cache, written in place.
-        parallel: this rank's place among the others.
-        moe_form: the routed experts' form (one of `MOE_FORMS`), or None for `moe_form_for`'s.
-        input_ids: [B, Q] the tokens (DeepSeek-V4's hash-routed layers choose experts by them).
-    """
-
-    def __init__(self, positions: Tensor, block_table: Tensor, slot_mapping: Tensor, kv_pool: Tensor,
-                 parallel: Parallelism, moe_form: str | None = None, input_ids: Tensor | None = None):
-        self.positions = positions
-        self.block_table = block_table
-        self.slot_mapping = slot_mapping
-        self.kv_pool = kv_pool
-        self.parallel = parallel
-        self.moe_form = moe_form
-        self.input_ids = input_ids

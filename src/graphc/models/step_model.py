@@ -1,4 +1,6 @@
-"""What the compiler, the tools and the generic loader may read of any family's args and model.
+"""The step's contract: its inputs and the rank's place among the others (`StepInputs`,
+`Parallelism`), and what the compiler, the tools and the generic loader may read of any family's
+args and model.
 
 Capture, probe, generate and the engine's eager paths call a model only through `StepModel`;
 plan, the manifest writer and the loader read args only through `ModelArgs`. A family's own
@@ -7,12 +9,69 @@ args and model classes satisfy these structurally (nothing inherits from them).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
-from graphc.models.layers import Parallelism
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How this rank's step relates to the other ranks' (the defaults are one device).
+
+    Numbers and, in a step graph, the rank's coordinates as tensors: the module never touches
+    torch.distributed; the graphc ops it calls do.
+    """
+
+    cp_rank: int | Tensor = 0
+    """This rank's shard of every sequence's KV blocks (block j lives on rank j % cp). In a step
+    graph, a 0-d int32 slice of the step's `coordinates` input: one graph serves every rank."""
+    cp: int = 1
+    """Context-parallel ranks."""
+    ep_rank: int | Tensor = 0
+    """This rank's position in its expert-parallel group: it holds experts
+    [ep_rank * E / ep, (ep_rank + 1) * E / ep). A tensor in a step graph, as `cp_rank`."""
+    ep: int = 1
+    """Expert-parallel group size."""
+    moe_exchange: str = "local"
+    """How tokens reach their experts' ranks (`graphc.models.moe_forms.MOE_EXCHANGES`): `static`
+    when every rank of the EP group holds the same tokens (compute this rank's experts on its own
+    tokens, then all-reduce); `ag_rs` gathers the group's tokens first and reduce-scatters after;
+    `a2a_even` / `a2a_v` route at the source and send each token only to its experts' ranks."""
+
+    def kv_shard(self) -> Tensor:
+        """`cp_rank` as the ops take it (a 0-d int32 tensor)."""
+        return torch.as_tensor(self.cp_rank, dtype=torch.int32)
+
+    def expert_shard(self) -> Tensor:
+        """`ep_rank` as the ops take it (a 0-d int32 tensor)."""
+        return torch.as_tensor(self.ep_rank, dtype=torch.int32)
+
+
+
+class StepInputs:
+    """The host metadata of one step (a plain holder so layer signatures stay short).
+
+    Attributes:
+        positions: [B, Q] int64 absolute position of each token.
+        block_table: [B, M] int32/int64 pool blocks of each row's sequence.
+        slot_mapping: [B, Q] int64 flat pool slot per token, `PADDING_SLOT` for padding.
+        kv_pool: [L, N, S, C] the paged cache, written in place.
+        parallel: this rank's place among the others.
+        moe_form: the routed experts' form (one of `MOE_FORMS`), or None for `moe_form_for`'s.
+        input_ids: [B, Q] the tokens (DeepSeek-V4's hash-routed layers choose experts by them).
+    """
+
+    def __init__(self, positions: Tensor, block_table: Tensor, slot_mapping: Tensor, kv_pool: Tensor,
+                 parallel: Parallelism, moe_form: str | None = None, input_ids: Tensor | None = None):
+        self.positions = positions
+        self.block_table = block_table
+        self.slot_mapping = slot_mapping
+        self.kv_pool = kv_pool
+        self.parallel = parallel
+        self.moe_form = moe_form
+        self.input_ids = input_ids
 
 
 class ModelArgs(Protocol):
@@ -50,7 +109,7 @@ class ModelArgs(Protocol):
 
 
 class StepModel(Protocol):
-    """A family's causal LM over the paged pool: one call is one step (`layers.StepInputs`
+    """A family's causal LM over the paged pool: one call is one step (`StepInputs`
     documents the inputs)."""
 
     args: ModelArgs

@@ -32,11 +32,11 @@ import torch
 import torch.fx
 from torch import Tensor
 
-from graphc.buckets.selection import Bucket
-from graphc.models.layers import Parallelism, RoutedExperts, StepInputs
-from graphc.models.step_model import StepModel
-from graphc.passes.graph import graphc_op, op_argument
 from graphc.backends import EVERY_RANK
+from graphc.buckets.selection import Bucket
+from graphc.models.layers import RoutedExperts
+from graphc.models.step_model import Parallelism, StepInputs, StepModel
+from graphc.passes.graph import graphc_op, op_argument
 from graphc.passes.manager import PassContext, PassManager
 from graphc.step import POOL_BLOCKS_DIM, ceil_div
 from graphc.topology import Topology

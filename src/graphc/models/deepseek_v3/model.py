@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from graphc.models.deepseek_v3.args import V3Args
-from graphc.models.layers import MLP, MoE, Parallelism, RMSNorm, RotaryEmbedding, RoutedExperts, StepInputs, rotate
+from graphc.models.layers import MLP, MoE, RMSNorm, RotaryEmbedding, RoutedExperts, rotate
 from graphc.models.moe_forms import MOE_FORMS
+from graphc.models.step_model import Parallelism, StepInputs
 from graphc.ops import collectives, paged_attention, sparse
 from graphc.step import kv_pool_shape
 

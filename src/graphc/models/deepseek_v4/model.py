@@ -44,8 +44,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from graphc.models.deepseek_v4.args import CSA, HASH_MOE, SLIDING, V4Args
-from graphc.models.layers import MLP, MoE, Parallelism, RotaryEmbedding, RoutedExperts, StepInputs
+from graphc.models.layers import MLP, MoE, RotaryEmbedding, RoutedExperts
 from graphc.models.moe_forms import MOE_FORMS
+from graphc.models.step_model import Parallelism, StepInputs
 from graphc.ops import collectives, hyper_connections, paged_attention, sparse
 from graphc.step import kv_pool_shape
 

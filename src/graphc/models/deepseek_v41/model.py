@@ -23,7 +23,7 @@ in V4.1's arithmetic order (SwiGLU in fp32, the route weight before the down pro
 routed sum is rounded once before the shared expert's output adds, where V4.1 adds both in
 fp32). Engram tables shard over the expert-parallel group with the experts (`engram`).
 
-Shape letters as in `deepseek_v4`; r a layer's compress ratio, k = index_topk.
+Shape letters as in `deepseek_v4/model.py`; r a layer's compress ratio, k = index_topk.
 """
 
 from __future__ import annotations
@@ -32,14 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphc.models.layers import MLP, MoE, Parallelism, RotaryEmbedding, RoutedExperts, StepInputs
-from graphc.models.deepseek_v41 import reference
 from graphc.models.deepseek_v4.model import (CacheView, DeepseekV4, FP32RMSNorm, Router, cast, fp32, partial_attention,
-                                       partial_softmax, rotate_trailing, window_keys, write)
-from graphc.models.deepseek_v41.reference import Published, collapse, expand, stream_mixes
-from graphc.models.deepseek_v41.engram import Engram
-from graphc.models.moe_forms import MOE_FORMS
+                                             partial_softmax, rotate_trailing, window_keys, write)
+from graphc.models.deepseek_v41 import reference
 from graphc.models.deepseek_v41.args import TOKEN_ID_DIGITS, V41Args
+from graphc.models.deepseek_v41.engram import Engram
+from graphc.models.deepseek_v41.reference import Published, collapse, expand, stream_mixes
+from graphc.models.layers import MLP, MoE, RotaryEmbedding, RoutedExperts
+from graphc.models.moe_forms import MOE_FORMS
+from graphc.models.step_model import Parallelism, StepInputs
 from graphc.ops import collectives, hyper_connections, sparse
 
 
