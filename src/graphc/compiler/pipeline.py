@@ -15,7 +15,6 @@ from graphc.artifacts.manifest import Manifest, TensorSpec
 from graphc.artifacts.signing import private_key
 from graphc.artifacts.writer import CompiledGraph, write_manifest, write_weights
 from graphc.backends import backend as backend_named
-from graphc.backends.neuron_archive import neuronx_cc_command
 from graphc.buckets.selection import all_buckets
 from graphc.compiler.capture import capture_bucket, model_weights
 from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
@@ -117,9 +116,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                   for rank in range(topology.world)}
         extra = {"op_counts": {f"{bucket.name} {name}": op_counts(program.graph_module)
                                for (name, bucket), program in programs.items()},
-                 "passes": pass_logs}
-        if backend == "neuron":  # the hand-off: how each program's HLO becomes a NEFF on a Neuron host
-            extra["neuronx_cc"] = " ".join(neuronx_cc_command())
+                 "passes": pass_logs, **backend_named(backend).extras()}
         del programs, captured
         # 5. Weights, one expert shard in memory at a time: rank 0's, then each other's, loaded,
         # written and dropped (the captured programs hold no weights).
@@ -138,10 +135,9 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
 
 def check_backend_topology(backend: str, config: GraphcConfig, static_enabled: bool) -> None:
     """Refuse what a backend cannot compile yet: the neuron backend lowers DeepSeek-V3 / V3.2
-    alone, samples in the leader's program alone and lowers no all-to-all (no data-parallel
-    attention there yet); DeepSeek-V4 and V4.1 run without data-parallel attention so far, and its
-    hash-routed layers route by token id at the source, which the ag_rs exchange (routing the
-    gathered tokens) cannot."""
+    alone, and each backend's record holds its own topology limits (`Backend.check_topology`);
+    DeepSeek-V4 and V4.1 run without data-parallel attention so far, and its hash-routed layers
+    route by token id at the source, which the ag_rs exchange (routing the gathered tokens) cannot."""
     topology = config.topology.topology()
     exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated, static_enabled)
     args = load_model_args(config.model.checkpoint)
@@ -152,17 +148,10 @@ def check_backend_topology(backend: str, config: GraphcConfig, static_enabled: b
         raise GraphcError("model.moe_lowering: ag_rs routes the tokens it gathers, but DeepSeek-V4's hash-routed "
                           "layers choose experts by token id at the source: use a2a_even or a2a_v (or keep the "
                           "static MoE)")
-    if backend != "neuron":
-        return
-    if isinstance(args, (V4Args, V41Args)):
+    if backend == "neuron" and isinstance(args, (V4Args, V41Args)):  # a family's limit: for its registry record
         raise GraphcError(f"model.checkpoint: {args.architecture} has no neuron lowering yet; the neuron backend "
                           "compiles DeepSeek-V3 and V3.2: use the export or inductor backend")
-    if topology.dp > 1:
-        raise GraphcError(f"topology.dp: {topology.dp}; the neuron backend serves one attention replica "
-                          "(dp = 1): use the export or inductor backend for data-parallel attention")
-    if exchange in ("a2a_even", "a2a_v"):
-        raise GraphcError(f"model.moe_lowering: {exchange} has no neuron lowering yet; the neuron backend "
-                          "takes ag_rs (or the static MoE)")
+    backend_named(backend).check_topology(topology, exchange)
 
 
 def copy_program(capture: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
