@@ -18,7 +18,7 @@ from graphc.artifacts.manifest import FORMAT_VERSION, MANIFEST
 from graphc.cli import cli
 from graphc.passes.registry import PASS_NAMES, backend_passes
 from graphc.runtime import Engine, Request
-import graphc.runtime.loader
+import graphc.runtime.graph_loaders
 from graphc.sampling import Sampling
 
 from support import TEST_BUCKETS, model_yaml
@@ -122,7 +122,7 @@ def graphs_never_run(monkeypatch):
             raise AssertionError(f"a graph ran although the input was invalid ({path.name})")
         return call
 
-    monkeypatch.setitem(graphc.runtime.loader.LOADERS, "export", load)
+    monkeypatch.setattr(graphc.runtime.graph_loaders, "load_export", load)
 
 
 def serve(engine: Engine, requests: list[Request]):

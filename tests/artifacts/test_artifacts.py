@@ -28,6 +28,7 @@ from graphc.compiler.pipeline import CompileOptions, compile
 from graphc.config import load_config
 from graphc.errors import GraphcError
 from graphc.runtime import Engine, Request
+import graphc.runtime.graph_loaders
 import graphc.runtime.loader
 
 from support import TEST_BUCKETS, model_yaml
@@ -143,7 +144,7 @@ def test_engine_refuses_a_flipped_graph_byte_before_loading_anything(artifacts, 
         raise AssertionError("loaded a file from artifacts that failed verification")
 
     monkeypatch.setattr(graphc.runtime.loader, "load_file", must_not_load)
-    monkeypatch.setitem(graphc.runtime.loader.LOADERS, "export", must_not_load)
+    monkeypatch.setattr(graphc.runtime.graph_loaders, "load_export", must_not_load)
     with pytest.raises(ArtifactError) as info:
         Engine(artifacts)
     message = str(info.value)

@@ -1,9 +1,11 @@
 """Backends turn a rewritten step program (saved as a torch.export `.pt2`) into a servable file.
 
-`BACKENDS` is the registry every other module reads (model.yaml's schema, the CLI's choices,
-the emitter, the pass list, the manifest schema); a backend's compiler module is imported only
-when it compiles. `compile_program` runs in a worker process: it must import nothing from the
-parent's state and register the graphc ops before loading the program. Torch-free.
+`BACKENDS` is the registry every other module reads (model.yaml's schema, the CLI's choices, the
+emitter, the pass list, the manifest schema, the loader, the lint): one `Backend` record each, and
+nothing outside it tells backends apart by name. A record's hooks name functions as
+`module:function`, imported only when called: the runtime imports this module, and must not
+import a compiler with it. `compile_program` runs in a worker process: it must import nothing
+from the parent's state and register the graphc ops before loading the program. Torch-free.
 """
 
 from __future__ import annotations
@@ -11,14 +13,19 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 from graphc.errors import GraphcError
 from graphc.topology import Topology
 
+if TYPE_CHECKING:
+    from graphc.artifacts.manifest import Manifest
+
 
 @dataclass(frozen=True)
 class Backend:
+    """What a backend compiles, how its artifacts load, and the limits and extras that are its own."""
+
     name: str
     extension: str
     """Of its graph files (AOTInductor insists on package paths ending in .pt2)."""
@@ -27,7 +34,10 @@ class Backend:
     serves_here: bool
     """Whether `graphc run` can load its graphs on this host's CPU (neuron's: their XLA:CPU variant)."""
     compiler: str
-    """The module whose `compile_program(program, out, topology)` compiles one graph."""
+    """`module:function(program, out, topology)` compiling one saved program into `out`."""
+    loader: str
+    """`module:function(path, collectives)` loading one graph file as a callable of (weights, inputs):
+    a runtime module, as the runtime imports no compiler."""
     fixed_pool: bool = False
     """Whether the KV pool's block count is fixed when compiling (static shapes everywhere), its
     last block a scratch slot that padding tokens write instead of being dropped: the runtime
@@ -36,6 +46,20 @@ class Backend:
     """Whether followers get a program of their own, without the sampler (a backend that compiles
     the sampler into the graph). Otherwise every rank runs one program per bucket, whose sampler
     op returns at once on followers (the `samples` coordinate): half the compiles."""
+    toolchain: str | None = None
+    """`module:function()` naming the host tools that change what a compile makes, a part of the
+    compile cache's key (neuron's: whether neuronx-cc adds NEFFs); None: nothing beyond torch."""
+    manifest_extras: str | None = None
+    """`module:function()` returning what the manifest's `extra` records for this backend alone."""
+    linter: str | None = None
+    """`module:function(artifacts, manifest)` returning the problems of `graphc inspect --lint`
+    that are this backend's own, one line each."""
+    neuron_finish: bool = False
+    """Whether `graphc neuron-finish` takes its artifacts (adds each program's NEFF on a Neuron host)."""
+    data_parallel: bool = True
+    """Whether it serves data-parallel attention (dp > 1)."""
+    lowerings: tuple[str, ...] | None = None
+    """The MoE lowerings it compiles (`moe_forms.MOE_LOWERINGS`' names); None: every one."""
 
     def programs(self, world: int) -> tuple[str, ...]:
         """The programs compiled per bucket for `world` ranks (`PROGRAMS`): at most two, whatever the world."""
@@ -47,6 +71,39 @@ class Backend:
         """Which of `programs` rank `rank` runs."""
         return EVERY_RANK if not self.follower_programs else LEADER if rank == 0 else FOLLOWERS
 
+    def check_topology(self, topology: Topology, exchange: str) -> None:
+        """Refuse a topology this backend cannot compile yet; `exchange` is its graphs' MoE
+        exchange (`moe_forms.moe_exchange`)."""
+        if topology.dp > 1 and not self.data_parallel:
+            others = " or ".join(b.name for b in BACKENDS.values() if b.data_parallel)
+            raise GraphcError(f"topology.dp: {topology.dp}; the {self.name} backend serves one attention replica "
+                              f"(dp = 1): use the {others} backend for data-parallel attention")
+        # `local` and `static` exchange nothing to lower: every backend compiles them.
+        if self.lowerings is not None and exchange not in ("local", "static", *self.lowerings):
+            raise GraphcError(f"model.moe_lowering: {exchange} has no {self.name} lowering yet; the {self.name} "
+                              f"backend takes {' or '.join(self.lowerings)} (or the static MoE)")
+
+    def compile(self, program: Path, out: Path, topology: Topology) -> None:
+        _imported(self.compiler)(program, out, topology)
+
+    def load(self, path: Path, collectives: bool) -> Callable:
+        return _imported(self.loader)(path, collectives)
+
+    def cache_toolchain(self) -> str:
+        return _imported(self.toolchain)() if self.toolchain else ""
+
+    def extras(self) -> dict[str, str]:
+        return _imported(self.manifest_extras)() if self.manifest_extras else {}
+
+    def lint(self, artifacts: Path, manifest: Manifest) -> list[str]:
+        return _imported(self.linter)(artifacts, manifest) if self.linter else []
+
+
+def _imported(hook: str) -> Callable:
+    """The function a hook names (`module:function`), its module imported now."""
+    module, function = hook.split(":")
+    return getattr(importlib.import_module(module), function)
+
 
 EVERY_RANK, LEADER, FOLLOWERS = PROGRAMS = ("every-rank", "leader", "followers")
 """The programs of a bucket: the one every rank runs, or the leader's (which samples) and the one
@@ -55,10 +112,17 @@ constant, so no program is specific to one rank."""
 
 
 BACKENDS = {backend.name: backend for backend in (
-    Backend("export", "pt2", parallel_compile=False, serves_here=True, compiler="graphc.backends.export"),
-    Backend("inductor", "aoti.pt2", parallel_compile=True, serves_here=True, compiler="graphc.backends.inductor"),
-    Backend("neuron", "neuron.zip", parallel_compile=True, serves_here=True, compiler="graphc.backends.neuron",
-            fixed_pool=True, follower_programs=True),
+    Backend("export", "pt2", parallel_compile=False, serves_here=True,
+            compiler="graphc.backends.export:compile_program", loader="graphc.runtime.graph_loaders:load_export"),
+    Backend("inductor", "aoti.pt2", parallel_compile=True, serves_here=True,
+            compiler="graphc.backends.inductor:compile_program", loader="graphc.runtime.graph_loaders:load_inductor"),
+    # Samples in the leader's program alone and lowers no all-to-all: no data-parallel attention yet.
+    Backend("neuron", "neuron.zip", parallel_compile=True, serves_here=True,
+            compiler="graphc.backends.neuron:compile_program", loader="graphc.runtime.graph_loaders:load_neuron",
+            fixed_pool=True, follower_programs=True, toolchain="graphc.backends.neuron_archive:toolchain",
+            manifest_extras="graphc.backends.neuron_archive:manifest_extras",
+            linter="graphc.backends.xla.lint:lint_archives", neuron_finish=True, data_parallel=False,
+            lowerings=("ag_rs",)),
 )}
 
 BackendName = Literal[tuple(BACKENDS)]  # noqa: typed.build reads the names from this Literal
@@ -73,4 +137,4 @@ def backend(name: str) -> Backend:
 
 def compile_program(name: str, program: Path, out: Path, topology: Topology) -> None:
     """Compile the saved program at `program` (for `topology`) into `out` with backend `name`."""
-    importlib.import_module(backend(name).compiler).compile_program(program, out, topology)
+    backend(name).compile(program, out, topology)

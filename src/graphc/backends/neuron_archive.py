@@ -37,6 +37,12 @@ def neuronx_cc_command(target: str = NEURON_TARGET) -> list[str]:
             "transformer", "--auto-cast", "none", "-O1", "--output", NEFF]
 
 
+def manifest_extras(target: str = NEURON_TARGET) -> dict[str, str]:
+    """What a neuron manifest records beside its graphs: the hand-off, how each program's HLO
+    becomes a NEFF on a Neuron host."""
+    return {"neuronx_cc": " ".join(neuronx_cc_command(target))}
+
+
 def available() -> bool:
     return shutil.which(NEURONX_CC) is not None
 

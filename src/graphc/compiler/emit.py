@@ -2,10 +2,11 @@
 
 A graph's key is the sha256 of what determines its compiled form: the backend, the graphc and
 torch versions, the topology (a backend may name its groups' ranks in the program: neuron's
-replica groups), the neuron toolchain (whether programs get NEFFs), the graph code, its signature, its constants and the shapes and dtypes of every
-node. Weights are graph inputs, so they are not part of the key. Compiled files live in a content-addressed
-cache (`GRAPHC_CACHE_DIR`, default `~/.cache/graphc`), so an unchanged graph is never compiled
-twice, across buckets, ranks and runs. Misses compile in parallel worker processes.
+replica groups), the backend's toolchain (neuron's: whether programs get NEFFs), the graph code,
+its signature, its constants and the shapes and dtypes of every node. Weights are graph inputs,
+so they are not part of the key. Compiled files live in a content-addressed cache
+(`GRAPHC_CACHE_DIR`, default `~/.cache/graphc`), so an unchanged graph is never compiled twice,
+across buckets, ranks and runs. Misses compile in parallel worker processes.
 
 The cache is written atomically inside itself (temporary files in the cache directory, then a
 rename: never across filesystems) and each entry's sha256 is recorded beside it when written; an
@@ -32,7 +33,6 @@ from torch.export import ExportedProgram
 from graphc import __version__
 from graphc.artifacts.directory import sha256_file
 from graphc.backends import backend as backend_named, compile_program
-from graphc.backends.neuron_archive import toolchain as neuron_toolchain
 from graphc.errors import GraphcError
 from graphc.program_io import save_exported_program
 from graphc.topology import Topology
@@ -77,7 +77,7 @@ def _store(partial: Path, entry: Path) -> None:
 
 def program_key(program: ExportedProgram, backend: str, topology: Topology) -> str:
     digest = hashlib.sha256()
-    toolchain = neuron_toolchain() if backend == "neuron" else ""  # with or without NEFFs
+    toolchain = backend_named(backend).cache_toolchain()  # neuron's: with or without NEFFs
     for part in (backend, __version__, torch.__version__, repr(topology), toolchain, program.graph_module.code,
                  str(program.graph_signature), str(program.range_constraints)):
         digest.update(part.encode())

@@ -16,12 +16,10 @@ from graphc.artifacts.manifest import Manifest, TensorSpec
 from graphc.artifacts.signing import private_key
 from graphc.artifacts.writer import CompiledGraph, write_manifest, write_weights
 from graphc.backends import backend as backend_named
-from graphc.backends.neuron_archive import neuronx_cc_command
 from graphc.buckets.selection import all_buckets
 from graphc.compiler.capture import capture_bucket, model_weights
 from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
 from graphc.config import GraphcConfig
-from graphc.errors import GraphcError
 from graphc.models.checkpoint import load_expert_shard
 from graphc.models.moe_forms import moe_exchange, step_moe_form
 from graphc.models.step_model import Parallelism
@@ -120,9 +118,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                   for rank in range(topology.world)}
         extra = {"op_counts": {f"{bucket.name} {name}": op_counts(program.graph_module)
                                for (name, bucket), program in programs.items()},
-                 "passes": pass_logs}
-        if backend == "neuron":  # the hand-off: how each program's HLO becomes a NEFF on a Neuron host
-            extra["neuronx_cc"] = " ".join(neuronx_cc_command())
+                 "passes": pass_logs, **backend_named(backend).extras()}
         del programs, captured
         # 5. Weights, one expert shard in memory at a time: rank 0's, then each other's, loaded,
         # written and dropped (the captured programs hold no weights).
@@ -141,20 +137,12 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
 
 def check_backend_topology(backend: str, config: GraphcConfig, static_enabled: bool) -> None:
     """Refuse what is not built yet: what the model family does not take (`Family.check_compile`:
-    its backends, data-parallel attention, MoE exchanges), then what the backend does not: the
-    neuron backend samples in the leader's program alone and lowers no all-to-all (no
-    data-parallel attention there yet)."""
+    its backends, data-parallel attention, MoE exchanges), then what the backend does not (its
+    record's `Backend.check_topology`)."""
     topology = config.topology.topology()
     exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated, static_enabled)
     config.family.check_compile(config.model_args, topology, exchange, backend)
-    if backend != "neuron":
-        return
-    if topology.dp > 1:
-        raise GraphcError(f"topology.dp: {topology.dp}; the neuron backend serves one attention replica "
-                          "(dp = 1): use the export or inductor backend for data-parallel attention")
-    if exchange in ("a2a_even", "a2a_v"):
-        raise GraphcError(f"model.moe_lowering: {exchange} has no neuron lowering yet; the neuron backend "
-                          "takes ag_rs (or the static MoE)")
+    backend_named(backend).check_topology(topology, exchange)
 
 
 def copy_program(capture: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

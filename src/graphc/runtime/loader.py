@@ -14,57 +14,13 @@ from safetensors.torch import load_file
 
 from graphc.artifacts.directory import read_manifest
 from graphc.artifacts.manifest import GraphEntry, Manifest, RankEntry
-from graphc.backends import backend
+from graphc.backends import BACKENDS, backend
 from graphc.buckets.selection import Bucket
 from graphc.errors import GraphcError
 import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
-from graphc.program_io import load_exported_program
-from graphc.runtime.archive_check import check_export_archive
-from graphc.step import STEP_INPUTS, kv_pool_shape
+from graphc.step import kv_pool_shape
 
 NUM_KV_BLOCKS_ENV = "GRAPHC_NUM_KV_BLOCKS"
-
-
-def _load_export(path: Path) -> Callable:
-    check_export_archive(path)  # torch.export.load would unpickle what an archive asks it to
-    module = load_exported_program(path).module()
-    return lambda weights, inputs: module(weights, *inputs)
-
-
-def _load_inductor(path: Path, collectives: bool) -> Callable:
-    # The C++ loader directly: `aoti_load_package` first probes the CPU's vector ISA by compiling
-    # test programs, only to warn on a mismatch (about 6 s on a host with a cold inductor cache,
-    # most of a cold start); and the package's __call__ re-parses its pytree specs and
-    # re-flattens ~60 inputs on every step, while the step's inputs are already flat. Packages
-    # with collectives run with the GIL released (see gil_free_runner.py).
-    if collectives:
-        from graphc.runtime.gil_free_runner import gil_free_runner
-
-        run = gil_free_runner(str(path))
-    else:
-        run = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1).boxed_run
-    return lambda weights, inputs: tuple(run([*weights, *inputs]))
-
-
-def _load_neuron(path: Path, collectives: bool) -> Callable:
-    """On a Neuron device (GRAPHC_NEURON_DEVICE=1) the program's NEFF; otherwise its CPU-variant HLO on
-    XLA:CPU (jax is imported only here)."""
-    if os.environ.get("GRAPHC_NEURON_DEVICE") == "1":
-        import torch.distributed as dist
-
-        from graphc.runtime.neuron_runner import load_neff
-
-        rank, world = (dist.get_rank(), dist.get_world_size()) if collectives else (0, 1)
-        run = load_neff(path, rank, world)
-    else:
-        from graphc.runtime.xla_runner import load_xla
-
-        run = load_xla(path, collectives)
-    return lambda weights, inputs: run(weights, dict(zip(STEP_INPUTS, inputs)))
-
-
-LOADERS = {"export": lambda path, collectives: _load_export(path), "inductor": _load_inductor,
-           "neuron": _load_neuron}
 
 
 class GraphRunner:
@@ -134,9 +90,9 @@ def load_rank(artifacts: Path, rank: int = 0, manifest: Manifest | None = None,
     under `trusted_key` when given), then load one rank's weights and graphs."""
     artifacts = Path(artifacts)
     manifest = manifest or read_manifest(artifacts, trusted_key)
-    if manifest.backend not in LOADERS:
+    if not backend(manifest.backend).serves_here:
         raise GraphcError(f"{artifacts}: backend {manifest.backend!r} cannot run on this host; "
-                          f"runnable here: {', '.join(LOADERS)}")
+                          f"runnable here: {', '.join(name for name, b in BACKENDS.items() if b.serves_here)}")
     entry = next((r for r in manifest.ranks if r.rank == rank), None)
     if entry is None:
         raise GraphcError(f"{artifacts}: no rank {rank} (world size {len(manifest.ranks)})")
@@ -148,7 +104,7 @@ def load_rank(artifacts: Path, rank: int = 0, manifest: Manifest | None = None,
         raise GraphcError(f"{artifacts}: rank {rank}'s weight_names are not the tensors of {entry.weights} "
                           f"({len(entry.weight_names)} listed, {len(stored)} stored; e.g. {differ[0]}); recompile")
     weights = [stored[name] for name in entry.weight_names]
-    load = LOADERS[manifest.backend]
+    load = backend(manifest.backend).load
     collectives = manifest.topology.world > 1
     runners = {}
     for graph in entry.graphs:

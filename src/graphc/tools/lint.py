@@ -2,8 +2,9 @@
 they were copied to, or before a hand-off).
 
 Every backend: each bucket's programs are at most two files whatever the world (the leader's and
-the followers' or one for every rank), and every follower names the same file. Neuron: each
-program's Neuron HLO passes `backends/xla/lint.py` against the manifest's topology.
+the followers' or one for every rank), and every follower names the same file. Then the
+backend's own checks (`Backend.linter`; neuron's: each program's Neuron HLO passes
+`backends/xla/lint.py` against the manifest's topology).
 """
 
 from __future__ import annotations
@@ -26,19 +27,4 @@ def lint_artifacts(artifacts: Path, manifest: Manifest) -> list[str]:
         if not backend(manifest.backend).follower_programs and files and set(files) != {graph.file}:
             problems.append(f"{graph.bucket.name}: ranks run different files; {manifest.backend} has one program "
                             "for every rank")
-    if manifest.backend == "neuron":
-        problems += _lint_neuron(artifacts, manifest)
-    return problems
-
-
-def _lint_neuron(artifacts: Path, manifest: Manifest) -> list[str]:
-    from graphc.backends.neuron_archive import NEURON_HLO, read_archive
-    from graphc.backends.xla.lint import lint_neuron_module
-
-    topology = manifest.topology.topology()
-    problems = []
-    for name in sorted({g.file for r in manifest.ranks for g in r.graphs}):
-        description, files = read_archive(artifacts / name)
-        pool = description["signature"]["parameters"].index("kv_pool")
-        problems += [f"{name}: {problem}" for problem in lint_neuron_module(files[NEURON_HLO], topology, pool)]
-    return problems
+    return problems + backend(manifest.backend).lint(artifacts, manifest)

@@ -18,7 +18,8 @@ from pathlib import Path
 from graphc.artifacts.directory import atomic_directory, read_manifest, sha256_file
 from graphc.artifacts.manifest import MANIFEST
 from graphc.artifacts.signing import SIGNATURE, sign
-from graphc.backends.neuron_archive import (NEFF, NEURON_HLO, NEURON_TARGET, available, neff_of,
+from graphc.backends import backend
+from graphc.backends.neuron_archive import (NEFF, NEURON_HLO, NEURON_TARGET, available, manifest_extras, neff_of,
                                             neuronx_cc_command, read_archive, write_archive)
 from graphc.errors import GraphcError
 
@@ -27,7 +28,7 @@ def finish(artifacts: Path, out: Path, target: str = NEURON_TARGET, force: bool 
            trusted_key: Path | None = None, workers: int = os.cpu_count() or 1) -> int:
     """Write `out`: `artifacts` with a NEFF in every program archive; returns the NEFFs compiled."""
     manifest = read_manifest(artifacts, trusted_key)
-    if manifest.backend != "neuron":
+    if not backend(manifest.backend).neuron_finish:
         raise GraphcError(f"{artifacts}: backend {manifest.backend!r}; neuron-finish takes neuron artifacts")
     if not available():
         raise GraphcError("neuronx-cc is not on PATH: run neuron-finish on a Neuron host with the Neuron SDK installed")
@@ -41,7 +42,7 @@ def finish(artifacts: Path, out: Path, target: str = NEURON_TARGET, force: bool 
         hashes = {name: sha256_file(staging / name) for name in files}
         ranks = [dataclasses.replace(rank, graphs=[dataclasses.replace(g, sha256=hashes[g.file]) for g in rank.graphs])
                  for rank in manifest.ranks]
-        finished = dataclasses.replace(manifest, ranks=ranks, extra={**manifest.extra, "neuronx_cc": " ".join(command)})
+        finished = dataclasses.replace(manifest, ranks=ranks, extra={**manifest.extra, **manifest_extras(target)})
         (staging / MANIFEST).write_text(finished.to_yaml())
         if sign_key is not None:
             (staging / SIGNATURE).write_bytes(sign((staging / MANIFEST).read_bytes(), sign_key))

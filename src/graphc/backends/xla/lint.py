@@ -10,16 +10,25 @@ Rules (each names the instruction that breaks it):
 - static shapes (no bounded-dynamic `<=` dims);
 - the KV pool parameter aliased to its result (`input_output_alias`);
 - every collective's `replica_groups` are the topology's groups of some kind (cp / world or ep).
+
+`lint_archives` checks every program archive of a neuron artifacts directory (`graphc inspect
+--lint`, through the backend's record).
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jax._src.lib import xla_client
 
+from graphc.backends.neuron_archive import NEURON_HLO, read_archive
 from graphc.errors import GraphcError
 from graphc.topology import GROUPS, Topology
+
+if TYPE_CHECKING:
+    from graphc.artifacts.manifest import Manifest
 
 NEURON_CUSTOM_CALLS = frozenset({
     "AwsNeuronTopK", "AwsNeuronArgMax", "AwsNeuronArgMin", "AwsNeuronSoftmax", "AwsNeuronRmsNorm", "AwsNeuronGelu",
@@ -106,3 +115,14 @@ def check_neuron_module(proto: bytes, topology: Topology, pool_parameter: int) -
     problems = lint_neuron_module(proto, topology, pool_parameter)
     if problems:
         raise LintError(f"the Neuron HLO breaks {len(problems)} rule(s): " + "; ".join(problems[:10]))
+
+
+def lint_archives(artifacts: Path, manifest: Manifest) -> list[str]:
+    """Every rule broken by the Neuron HLO of each distinct program archive, one line each."""
+    topology = manifest.topology.topology()
+    problems = []
+    for name in sorted({g.file for r in manifest.ranks for g in r.graphs}):
+        description, files = read_archive(artifacts / name)
+        pool = description["signature"]["parameters"].index("kv_pool")
+        problems += [f"{name}: {problem}" for problem in lint_neuron_module(files[NEURON_HLO], topology, pool)]
+    return problems

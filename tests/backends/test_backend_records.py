@@ -1,0 +1,81 @@
+"""The backend registry: every backend is one record, its hooks import where they say, the runtime's
+hooks stay runtime-side, its topology limits refuse with their messages, and no module outside
+`graphc/backends/` tells backends apart by name."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import graphc
+from graphc.backends import BACKENDS
+from graphc.errors import GraphcError
+from graphc.models.moe_forms import MOE_EXCHANGES
+from graphc.topology import Topology
+
+SOURCE = Path(graphc.__file__).parent
+HOOKS = ("compiler", "loader", "toolchain", "manifest_extras", "linter")
+"""The record's fields naming a `module:function`."""
+HOOKED = [(name, hook) for name, record in BACKENDS.items() for hook in HOOKS if getattr(record, hook)]
+
+_NAME = "[\"'](?:" + "|".join(BACKENDS) + ")[\"']"
+NAME_TESTS = re.compile(rf"[=!]=\s*{_NAME}|{_NAME}\s*[=!]=|\bin\s*[(\[{{][^)\]}}]*{_NAME}|\bcase\s+{_NAME}")
+"""A backend's name compared: `== "neuron"`, `"neuron" !=`, `in ("export", ...)`, `case "inductor"`."""
+
+def test_no_module_outside_the_backends_compares_a_backend_name():
+    found = [f"{path.relative_to(SOURCE)}:{number}: {line.strip()}"
+             for path in sorted(SOURCE.rglob("*.py")) if SOURCE / "backends" not in path.parents
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if NAME_TESTS.search(line)]
+    assert not found, "ask the backend's record (graphc/backends/__init__.py) instead:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("name, hook", HOOKED)
+def test_every_hook_names_a_function_that_imports(name, hook):
+    module, function = getattr(BACKENDS[name], hook).split(":")
+    assert callable(getattr(importlib.import_module(module), function))
+
+
+def test_the_loaders_import_no_compiler():
+    modules = sorted({record.loader.split(":")[0] for record in BACKENDS.values()})
+    assert all(module.startswith("graphc.runtime.") for module in modules), modules
+    code = (f"import importlib, sys\n"
+            f"for module in {modules!r}: importlib.import_module(module)\n"
+            "heavy = [m for m in sys.modules if m.startswith(('graphc.passes', 'graphc.compiler', 'graphc.tools',"
+            " 'graphc.backends.', 'networkx'))]\n"
+            "print(heavy)\n"
+            "sys.exit(1 if heavy else 0)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_backends_without_hooks_add_nothing():
+    for record in BACKENDS.values():
+        if record.toolchain is None and record.manifest_extras is None and record.linter is None:
+            assert (record.cache_toolchain(), record.extras(), record.lint(Path("unused"), None)) == ("", {}, [])
+
+
+@pytest.mark.parametrize("name", [name for name, record in BACKENDS.items() if record.data_parallel])
+def test_the_data_parallel_backends_take_every_topology_and_exchange(name):
+    for exchange in MOE_EXCHANGES:
+        BACKENDS[name].check_topology(Topology(cp=1, ep=2, dp=2), exchange)
+
+
+def test_neuron_refuses_data_parallel_attention_and_the_all_to_alls():
+    neuron = BACKENDS["neuron"]
+    for exchange in ("local", "static", "ag_rs"):
+        neuron.check_topology(Topology(cp=2, ep=2), exchange)
+    with pytest.raises(GraphcError) as refused:
+        neuron.check_topology(Topology(cp=1, ep=2, dp=2), "ag_rs")
+    assert str(refused.value) == ("topology.dp: 2; the neuron backend serves one attention replica (dp = 1): use the "
+                                  "export or inductor backend for data-parallel attention")
+    for exchange in ("a2a_even", "a2a_v"):
+        with pytest.raises(GraphcError) as refused:
+            neuron.check_topology(Topology(cp=2, ep=2), exchange)
+        assert str(refused.value) == (f"model.moe_lowering: {exchange} has no neuron lowering yet; the neuron "
+                                      "backend takes ag_rs (or the static MoE)")
