@@ -95,8 +95,9 @@ class Family:
 
     # The external reference: transformers' model of the architecture, or graphc's own.
     reference_model: Callable[["ModelArgs"], "nn.Module"] | None = None
-    """graphc's eager reference (released parameter names; token ids [1, T] -> logits [1, T, V]),
-    for a family transformers lacks; None: transformers implements it."""
+    """graphc's eager reference (released parameter names; token ids [1, T] -> logits [1, T, V];
+    its token embedding `embed`, which `compare` perturbs), for a family transformers lacks; None:
+    transformers implements it."""
     reference_name: str = "transformers"
 
     # `graphc plan`'s predictions of the step's collectives.

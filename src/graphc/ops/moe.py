@@ -1,4 +1,4 @@
-"""graphc:: ops of the routed experts' sparse forms (see `models/deepseek_v3.RoutedExperts`).
+"""graphc:: ops of the routed experts' sparse forms (see `models/layers.RoutedExperts`).
 
 - `expert_routes`: the (token, expert) routes this rank's experts serve, renumbered locally.
   The shard is the step's `coordinates` input (one graph for every rank); CPU backends inline it.

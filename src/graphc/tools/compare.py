@@ -3,7 +3,7 @@ by the reference's own noise floor.
 
 Per prompt:
 1. golden: the reference generates greedily in the artifacts' dtype (graphc's eager
-   `deepseek_v41_reference` for DeepSeek-V4.1, which transformers lacks; transformers'
+   `models/deepseek_v41/reference.py` for DeepSeek-V4.1, which transformers lacks; transformers'
    `AutoModelForCausalLM` for the others), keeping its logits r_t at every step;
 2. the compiled graphs run teacher-forced on the golden tokens (prefill of the prompt in the
    artifacts' prefill buckets, then one decode step per golden token), giving c_t on the same

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's eager reference (`deepseek_v41_reference`), its config (`v41_args`) and the tiny
+"""DeepSeek-V4.1's eager reference (`models/deepseek_v41/reference.py`), its config (`args.py`) and the tiny
 released-layout checkpoint: the parts V4.1 keeps from V4 against transformers' `deepseek_v4`
 modules, causality, every feature of the tiny model at work, and the loader's refusals."""
 

@@ -30,7 +30,7 @@ rather than a running pool costs memory, 2-5x head_dim per token in compressed l
 device kernels this layout is validated for can fold the pool into the write.)
 
 Parameter names are transformers' `DeepseekV4ForCausalLM` names (its routed experts are stacked
-as graphc's are); `v4_layout` maps the released DeepSeek names onto them.
+as graphc's are); `layout.py` maps the released DeepSeek names onto them.
 
 Shape letters: B rows, Q tokens per row, D hidden, n = hc_mult streams, H heads, d head_dim,
 P rope dims, W sliding window, m compress rate, E entries a row's block table can address,

@@ -1,9 +1,9 @@
 """DeepSeek-V4.1 over a paged cache, in graphc's step layout: what `graphc compile` captures. Its
-oracle is the eager `deepseek_v41_reference` (the equations are documented there); this module
+oracle is the eager `reference.py` (the equations are documented there); this module
 computes the same per step, over the paged pool, under context and expert parallelism.
 
 The cache: a pool [2L (+ 1), N, S, C] addressed through each row's block table as for V4
-(`deepseek_v4.CacheView`). Model layer i owns two pool layers:
+(`deepseek_v4/model.CacheView`). Model layer i owns two pool layers:
 - 2i, the token cache: every token's K = V [head_dim] (the sliding window reads it), then, in a
   KV source that pools (rate r >= 2), its compressor's raw kv and gate projections [2 head_dim]:
   the partial windows, pooled by the step whose token closes the window.
@@ -18,7 +18,7 @@ to layer as the reference publishes them; under context parallelism each shard s
 it holds, the candidate blocks' scores meet in an all-reduce(max), and the top-k in
 `index_topk_combine` (as V4's CSA).
 
-Routed experts, shared expert and router are V3's / V4's modules (`v41_layout` maps the names),
+Routed experts, shared expert and router are V3's / V4's modules (`layout.py` maps the names),
 in V4.1's arithmetic order (SwiGLU in fp32, the route weight before the down projection; the
 routed sum is rounded once before the shared expert's output adds, where V4.1 adds both in
 fp32). Engram tables shard over the expert-parallel group with the experts (`engram`).

@@ -3,7 +3,7 @@ published equations in plain PyTorch (no paging, no parallelism, no graphc ops),
 compiled V4.1 has an oracle: transformers has no V4.1. Readable first; its parameters carry the
 released checkpoint's names, one module per stored tensor group.
 
-The layer (see `v41_args` for the configuration's roles):
+The layer (see `args.py` for the configuration's roles):
 - Engram (its layers only) adds gated n-gram memory into the residual streams first.
 - mHC, single pass: each sublayer's input collapses the `hc_mult` streams with the `pre` weights
   the *previous* sublayer computed (layer 0's attention reads stream 0), and computes from its own
