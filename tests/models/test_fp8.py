@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from graphc.errors import CheckpointError
-from graphc.models.checkpoint import load_model
-from graphc.models.fp8 import FP8, FP8_MAX, SCALE_SUFFIX, dequantize, quantize
+from graphc.models.checkpoint import check_checkpoint, load_model
 from graphc.models.deepseek_v3.layout import FP8_QUANTISED
+from graphc.models.fp8 import FP8, FP8_MAX, SCALE_SUFFIX, dequantize, quantize
 from graphc.models.tiny import make_tiny_checkpoint
 
 BLOCK = 32  # the tiny matrices (48, 64, 128 wide) then span several blocks, some ragged
@@ -122,7 +122,8 @@ def test_an_fp8_checkpoint_generates_as_its_dequantised_fp32_copy(fp8_checkpoint
     (lambda t, c: t.__setitem__("model.layers.1.self_attn.bogus.weight" + SCALE_SUFFIX, torch.ones(1, 1)),
      r"scale tensor\(s\) of no expected weight: model\.layers\.1\.self_attn\.bogus\.weight_scale_inv"),
 ])
-def test_broken_fp8_checkpoints_name_the_tensor(fp8_checkpoint, tmp_path, break_it, says):
+def test_broken_fp8_checkpoints_are_refused_from_the_headers_naming_the_tensor(fp8_checkpoint, tmp_path, break_it,
+                                                                              says):
     broken = shutil.copytree(fp8_checkpoint, tmp_path / "broken")
     tensors = load_file(broken / "model.safetensors")
     config = json.loads((broken / "config.json").read_text())
@@ -130,7 +131,7 @@ def test_broken_fp8_checkpoints_name_the_tensor(fp8_checkpoint, tmp_path, break_
     save_file(tensors, broken / "model.safetensors")
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=says):
-        load_model(broken)
+        check_checkpoint(broken)  # what `graphc validate` runs, and `load_model` first
 
 
 @pytest.mark.compiles

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from graphc.errors import CheckpointError
 from graphc.models.family import Family, Sources
-from graphc.models.fp8 import FP8, SCALE_SUFFIX, UE8M0_SUFFIX, dequantize, scale_name, scaled_weight
+from graphc.models.fp8 import FP8, SCALE_SUFFIX, UE8M0_SUFFIX, dequantize, scale_grid, scale_name, scaled_weight
 from graphc.models.hf_config import read_hf_config
 from graphc.models.layers import STACKED_EXPERT
 from graphc.models.registry import family_of, family_of_config
@@ -299,7 +299,45 @@ def check_checkpoint(checkpoint_dir: Path) -> CheckedCheckpoint:
         if tuple(stored_shape) != shape:
             raise CheckpointError(f"{files[name].name}: tensor {name} has shape {stored_shape}, expected {list(shape)} "
                                   "from config.json")
-    return CheckedCheckpoint(args, family, files, block, expected, sources)
+        _check_scale(name, shape, dtype == "F8_E4M3", files, headers, block, family)
+    checked = CheckedCheckpoint(args, family, files, block, expected, sources)
+    _check_index_tables(checked)
+    return checked
+
+
+def _check_scale(name: str, shape: tuple[int, ...], fp8: bool, files: dict[str, Path], headers: dict,
+                 block: tuple[int, int] | None, family: Family) -> None:
+    """An FP8 weight's scale is present and tiles it; a weight of another dtype has none."""
+    scale = scale_name(name, family.ue8m0_scales)
+    if not fp8:
+        if scale in files:
+            raise CheckpointError(f"{files[scale].name}: {scale} scales {name}, which is stored as "
+                                  f"{SAFETENSORS_DTYPES[headers[files[name]][name][0]]}, not float8_e4m3fn")
+        return
+    if scale not in files or block is None:
+        raise CheckpointError(f"{files[name].name}: tensor {name} is float8_e4m3fn but {scale} is missing")
+    if len(shape) != 2:
+        raise CheckpointError(f"{files[name].name}: tensor {name} is float8_e4m3fn of shape {list(shape)}; block "
+                              "scales quantise matrices only")
+    per_row = (1, block[1]) if name.endswith(family.row_sharded_tables) else block  # a table's rows scale alone
+    stored = headers[files[scale]][scale][1]
+    wanted = list(scale_grid(shape, per_row))
+    if list(stored) != wanted:
+        raise CheckpointError(f"{files[scale].name}: {scale}: scales {list(stored)} do not tile a weight of "
+                              f"{list(shape)} in {list(per_row)} blocks; expected {wanted}")
+
+
+def _check_index_tables(checked: CheckedCheckpoint) -> None:
+    """Index tables (V4's `tid2eid`: token -> routed experts) name experts 0..E-1 only: any other
+    id would read past the experts (the only tensor values checked before loading)."""
+    experts = checked.args.n_routed_experts
+    for name in (n for n in checked.expected if n.endswith(checked.family.index_tensors)):
+        with safe_open(checked.files[name], "pt") as f:
+            table = f.get_tensor(name)
+        bad = table[(table < 0) | (table >= experts)]
+        if bad.numel():
+            raise CheckpointError(f"{checked.files[name].name}: tensor {name} names expert {int(bad[0])}; expected "
+                                  f"routed experts 0..{experts - 1} (n_routed_experts {experts})")
 
 
 def _header(path: Path) -> dict[str, tuple[str, list[int]]]:
@@ -373,17 +411,9 @@ def _read_tensor(handles: dict, checked: CheckedCheckpoint, name: str, shape: tu
             f"{path.name}: tensor {name} has shape {list(stored.get_shape())}, expected {list(shape)} from config.json"
         )
     tensor = stored[rows]
-    if tensor.dtype == FP8:
-        if scale not in files or fp8_block is None:
-            raise CheckpointError(f"{path.name}: tensor {name} is float8_e4m3fn but {scale} is missing")
+    if tensor.dtype == FP8:  # its scale is there and tiles it (`check_checkpoint`)
         block = (1, fp8_block[1]) if name.endswith(family.row_sharded_tables) else fp8_block  # a table's rows scale alone
-        try:
-            return dequantize(tensor, handles[files[scale]].get_slice(scale)[rows], block)
-        except ValueError as e:
-            raise CheckpointError(f"{files[scale].name}: {scale}: {e}") from None
-    if scale in files:
-        raise CheckpointError(f"{path.name}: {scale} scales {name}, which is stored as {tensor.dtype}, "
-                              "not float8_e4m3fn")
+        return dequantize(tensor, handles[files[scale]].get_slice(scale)[rows], block)
     if tensor.dtype not in SUPPORTED_DTYPES and not name.endswith(family.index_tensors):
         raise CheckpointError(f"{path.name}: tensor {name} has dtype {tensor.dtype}; supported: float32, bfloat16, "
                               "float16, and float8_e4m3fn with block scales")

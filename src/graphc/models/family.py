@@ -75,7 +75,8 @@ class Family:
     stored_stacked: Callable[[str], bool] = lambda name: False
     """Whether a stored tensor holds every routed expert of a layer (rows of it per expert)."""
     index_tensors: tuple[str, ...] = ()
-    """Name suffixes of integer tables (V4's `tid2eid`), loaded as int64."""
+    """Name suffixes of integer tables of routed-expert ids (V4's `tid2eid`), loaded as int64 and
+    checked to name experts 0..E-1."""
     row_sharded_tables: tuple[str, ...] = ()
     """Name suffixes of tables whose rows shard over the expert-parallel group and whose FP8
     scales are per row (V4.1's Engram tables)."""

@@ -74,9 +74,15 @@ FIELD_TYPES: dict[str, tuple[type, float]] = {
         "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
         "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
-        "max_position_embeddings", "index_n_heads", "index_head_dim", "index_topk")},
-    **{name: (int, COUNT) for name in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")},
-    **{name: (float, 0.0) for name in ("routed_scaling_factor", "rms_norm_eps", "rope_theta")},
+        "max_position_embeddings", "index_n_heads", "index_head_dim", "index_topk",
+        # DeepSeek-V4's and V4.1's
+        "head_dim", "o_groups", "o_lora_rank", "hc_mult", "hc_sinkhorn_iters", "sliding_window",
+        "candidate_topk_blocks", "candidate_block_size", "engram_max_ngram_size", "engram_n_heads", "engram_head_dim",
+        "engram_vocab_size", "compress_rate_csa", "compress_rate_hca")},
+    **{name: (int, COUNT) for name in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers",
+                                       "num_hash_layers", "engram_pad_token_id")},
+    **{name: (float, 0.0) for name in ("routed_scaling_factor", "rms_norm_eps", "rope_theta", "compress_rope_theta",
+                                       "hc_eps", "swiglu_limit", "gate_temp")},
     **{name: (bool, 0) for name in ("norm_topk_prob", "tie_word_embeddings", "attention_bias", "rope_interleave")},
 }
 """config.json fields graphc reads, with their JSON type and the least value allowed (floats
@@ -108,6 +114,19 @@ def check_field_types(config: dict[str, Any]) -> None:
     if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab for i in ids):
         raise CheckpointError(f"config.json: eos_token_id is {eos!r}; expected a token id or a list of token ids "
                               f"in 0..{vocab - 1}")
+
+
+def check_id_lists(config: dict[str, Any], names: tuple[str, ...], where: str = "config.json") -> None:
+    """One-line errors for a list-of-ids field (layer ids, compress ratios) that is not a list of
+    integers >= 0, or that lists a layer twice (`*_layer_ids`)."""
+    for name in names:
+        value = config.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value):
+            raise CheckpointError(f"{where}: {name} is {value!r}; expected a list of integers >= 0")
+        if name.endswith("_layer_ids") and len(set(value)) != len(value):
+            raise CheckpointError(f"{where}: {name} {value} lists a layer twice")
 
 
 def architectures(config: dict[str, Any]) -> list[str]:

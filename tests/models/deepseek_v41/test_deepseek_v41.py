@@ -48,6 +48,17 @@ def test_layer_roles_of_the_tiny_config():
     ({"engram_num_embeddings": [6126, 6000]}, "engram_num_embeddings [6126, 6000] are not the hash tables' sizes"),
     ({"engram_compressed_vocab_size": 200}, "graphc supports the identity token map only"),
     ({"engram_head_dim": None}, "engram_layer_ids is set but text_config lacks engram_head_dim"),
+    # what a hand-edited config gets wrong: one-line errors, never an IndexError or TypeError
+    ({"compress_ratios": [0, 0, 2]}, "config.json: compress_ratios has 3 entries for 6 layers"),
+    ({"compress_ratios": 2}, "config.json: text_config: compress_ratios is 2; expected a list of integers >= 0"),
+    ({"kv_source_layer_ids": [2, "4"]}, "kv_source_layer_ids is [2, '4']; expected a list of integers >= 0"),
+    ({"index_source_layer_ids": [2, 4, 4, 5]}, "index_source_layer_ids [2, 4, 4, 5] lists a layer twice"),
+    ({"engram_layer_ids": [1, 9]}, "engram_layer_ids [1, 9] are not all layers of 0..5"),
+    ({"candidate_source_layer_id": "4"}, "candidate_source_layer_id is '4'; expected a layer id or -1"),
+    ({"engram_max_ngram_size": 1}, "engram_max_ngram_size is 1; Engram hashes n-grams of orders 2..N"),
+    ({"engram_pad_token_id": 256}, "engram_pad_token_id 256 is not a token id of 0..255"),
+    ({"candidate_block_size": 0}, "candidate_block_size is 0; expected an integer >= 1"),
+    ({"hc_mult": 2.5}, "hc_mult is 2.5; expected an integer >= 1"),
 ])
 def test_config_errors_name_the_field(changes, message):
     with pytest.raises(CheckpointError, match=re.escape(message)):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphc.errors import CheckpointError
-from graphc.models.hf_config import RopeArgs, check_field_types, eos_token_ids, names_architecture
+from graphc.models.hf_config import RopeArgs, check_field_types, check_id_lists, eos_token_ids, names_architecture
 
 V4_ARCHITECTURE = "DeepseekV4ForCausalLM"
 V4_MODEL_TYPE = "deepseek_v4"
@@ -163,6 +163,14 @@ def v4_args_from_hf_config(config: dict[str, Any]) -> V4Args:
     if missing:
         raise CheckpointError(f"config.json: missing required field(s) {', '.join(missing)}")
     check_field_types(config)
+    check_id_lists(config, ("compress_ratios",))
+    for name in ("layer_types", "mlp_layer_types"):
+        kinds = config.get(name)
+        if kinds is not None and (not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds)):
+            raise CheckpointError(f"config.json: {name} is {kinds!r}; expected a list of layer kinds, one per layer")
+    rates = config.get("compress_rates") or {}
+    if not isinstance(rates, dict) or any(isinstance(r, bool) or not isinstance(r, int) for r in rates.values()):
+        raise CheckpointError(f"config.json: compress_rates is {rates!r}; expected {{kind: tokens per entry}}")
     layers = config["num_hidden_layers"]
     scoring = config.get("scoring_func", "sqrtsoftplus")
     if scoring != "sqrtsoftplus":

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphc.errors import CheckpointError
-from graphc.models.hf_config import check_field_types, eos_token_ids, names_architecture
+from graphc.models.hf_config import check_field_types, check_id_lists, eos_token_ids, names_architecture
 from graphc.models.deepseek_v41.engram import EngramArgs
 from graphc.models.deepseek_v4.args import V4FamilyArgs, rope_args_from_config
 
@@ -31,6 +31,9 @@ REQUIRED = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_la
             "index_source_layer_ids")
 TOKEN_ID_DIGITS = 3
 """A token id is cached as 3 base-256 digits (exact in bf16, ids below 2^24) for Engram's hash."""
+ID_LISTS = ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids",
+            "engram_num_embeddings")
+"""text_config fields that are lists of integers >= 0."""
 ENGRAM_FIELDS = ("engram_max_ngram_size", "engram_n_heads", "engram_head_dim", "engram_vocab_size")
 
 
@@ -55,14 +58,13 @@ class V41Args(V4FamilyArgs):
 
     def __post_init__(self) -> None:
         layers, ratios = self.num_hidden_layers, self.compress_ratios
+        if len(ratios) != layers:  # before any layer's ratio is read
+            raise CheckpointError(f"config.json: compress_ratios has {len(ratios)} entries for {layers} layers")
         for name in ("kv_source_layer_ids", "index_source_layer_ids"):
             stray = [i for i in getattr(self, name) if not 0 <= i < layers or not ratios[i]]
             if stray:
                 raise CheckpointError(f"config.json: {name} {list(stray)} are not compressed layers of 0..{layers - 1}")
         checks = [
-            (len(ratios) == layers, f"compress_ratios has {len(ratios)} entries for {layers} layers"),
-            (all(isinstance(r, int) and r >= 0 for r in ratios),
-             f"compress_ratios {list(ratios)}: expected integers >= 0"),
             (set(self.kv_source_layer_ids) <= set(self.index_source_layer_ids),
              f"kv_source_layer_ids {list(self.kv_source_layer_ids)} must all be index sources "
              f"({list(self.index_source_layer_ids)})"),
@@ -150,6 +152,11 @@ def v41_args_from_hf_config(config: dict[str, Any]) -> V41Args:
     if missing:
         raise CheckpointError(f"config.json: text_config lacks required field(s) {', '.join(missing)}")
     check_field_types(text)
+    check_id_lists(text, ID_LISTS, "config.json: text_config")
+    if isinstance(text.get("candidate_source_layer_id", -1), bool) or \
+            not isinstance(text.get("candidate_source_layer_id", -1), int):
+        raise CheckpointError(f"config.json: text_config.candidate_source_layer_id is "
+                              f"{text['candidate_source_layer_id']!r}; expected a layer id or -1")
     scoring = text.get("scoring_func", "sqrtsoftplus")
     if scoring != "sqrtsoftplus":
         raise CheckpointError(f"config.json: text_config.scoring_func {scoring!r} is not supported; DeepSeek-V4.1 "
@@ -215,9 +222,15 @@ def _engram_args(text: dict[str, Any]) -> EngramArgs | None:
         # The compressed vocabulary folds tokens by their normalised text: it needs the tokenizer.
         raise CheckpointError(f"config.json: engram_compressed_vocab_size {compressed} differs from vocab_size "
                               f"{text['vocab_size']}; graphc supports the identity token map only (equal sizes)")
+    if text["engram_max_ngram_size"] < 2:
+        raise CheckpointError(f"config.json: engram_max_ngram_size is {text['engram_max_ngram_size']}; Engram hashes "
+                              "n-grams of orders 2..N, so N must be at least 2")
+    pad = text.get("engram_pad_token_id", 2)
+    if not 0 <= pad < compressed:
+        raise CheckpointError(f"config.json: engram_pad_token_id {pad} is not a token id of 0..{compressed - 1}")
     args = EngramArgs(layer_ids=layer_ids, max_ngram=text["engram_max_ngram_size"], heads=text["engram_n_heads"],
                       head_dim=text["engram_head_dim"], vocab_base=text["engram_vocab_size"],
-                      compressed_vocab=compressed, pad_id=text.get("engram_pad_token_id", 2))
+                      compressed_vocab=compressed, pad_id=pad)
     stated = text.get("engram_num_embeddings")
     if stated is not None and list(stated) != [args.table_rows()[layer] for layer in layer_ids]:
         raise CheckpointError(f"config.json: engram_num_embeddings {list(stated)} are not the hash tables' sizes "
