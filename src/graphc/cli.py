@@ -127,6 +127,7 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
     from graphc.tools.generate import PagedKV, generate as run_generate
     from graphc.sampling import Sampling
     from graphc.models.checkpoint import load_model
+    from graphc.request import vocabulary_error
 
     config = load_config(config_path)
     prompts = [_parse_ids(p) for p in prompt_ids]
@@ -139,9 +140,9 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
             )
     vocab = config.model_args.vocab_size
     for i, prompt in enumerate(prompts):
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise GraphcError(f"prompt {i}: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+        outside = vocabulary_error(prompt, vocab)
+        if outside:
+            raise GraphcError(f"prompt {i}: {outside}")
     model = load_model(config.model.checkpoint, dtype=getattr(torch, config.model.dtype),
                        sparse_probabilities=config.model.sparse_probabilities)
     click.echo(_describe_config(config), err=True)  # echoed once everything is known to be valid
@@ -220,81 +221,14 @@ def keygen(private_key: Path) -> None:
     click.echo(f"wrote private key {private_key} and public key {public}")
 
 
-JSONL_FIELDS = {
-    "prompt": (str,), "prompt_ids": (list,), "max_new_tokens": (int,), "temperature": (int, float),
-    "top_k": (int,), "top_p": (int, float), "seed": (int,),
-}
-
-
-def _check_jsonl_item(item, where: str) -> dict:
-    """One --prompts-file line: 'prompt' or 'prompt_ids', optional per-request overrides, typed."""
-    from graphc.sampling import SAMPLING_RULES, sampling_error
-
-    optional = ", ".join(k for k in JSONL_FIELDS if k not in ("prompt", "prompt_ids"))
-    if not isinstance(item, dict) or not ({"prompt", "prompt_ids"} & set(item)) or set(item) - set(JSONL_FIELDS):
-        raise GraphcError(f"{where}: expected an object with 'prompt' or 'prompt_ids' and optionally {optional}")
-    if {"prompt", "prompt_ids"} <= set(item):
-        raise GraphcError(f"{where}: give 'prompt' or 'prompt_ids', not both")
-    for key, value in item.items():
-        # bool is an int in Python; JSON true must not pass as a count.
-        if isinstance(value, bool) or not isinstance(value, JSONL_FIELDS[key]):
-            raise GraphcError(f"{where}: {key} is {value!r}; expected {JSONL_FIELDS[key][0].__name__}")
-    ids = item.get("prompt_ids", [])
-    if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-        raise GraphcError(f"{where}: prompt_ids must be a list of integers, got {ids!r}")
-    if item.get("max_new_tokens", 1) < 1:
-        raise GraphcError(f"{where}: max_new_tokens is {item['max_new_tokens']!r}; it must be >= 1")
-    for key in SAMPLING_RULES.keys() & item.keys():
-        problem = sampling_error(key, item[key])
-        if problem:
-            raise GraphcError(f"{where}: {key} {problem}")
-    return item
-
-
-def _read_prompts(prompt_ids, prompts, prompts_file, tokenizer, vocab: int) -> list[dict]:
-    """Each prompt as token ids, with its per-request overrides from a JSONL file. A bad prompts
-    file line (or a prompt outside the vocabulary) becomes an item with an "error" of its own, so
-    the other requests are still served; a bad command-line option fails the command."""
-    items = [({"prompt_ids": _parse_ids(p)}) for p in prompt_ids]
-    items += [{"prompt": p} for p in prompts]
-    if prompts_file is not None:
-        try:
-            lines = prompts_file.read_bytes().decode("utf-8").splitlines()
-        except UnicodeDecodeError as e:
-            raise GraphcError(f"--prompts-file {prompts_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        for number, line in enumerate(lines, start=1):
-            if line.strip():
-                items.append(_file_item(line, f"{prompts_file}:{number}"))
-    if not items:
-        raise click.UsageError("give at least one prompt: --prompt-ids, --prompt or --prompts-file")
-    for i, item in enumerate(items):
-        if "prompt" in item:
-            if tokenizer is None:
-                raise GraphcError("text prompts need a tokenizer.json in the checkpoint directory; use --prompt-ids")
-            item["prompt_ids"] = tokenizer.encode(item["prompt"]).ids
-        bad = [t for t in item.get("prompt_ids", []) if not 0 <= t < vocab]
-        if bad and "error" not in item:
-            item["error"] = f"{item.get('where', f'prompt {i}')}: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}"
-    return items
-
-
-def _file_item(line: str, where: str) -> dict:
-    """One prompts-file line as a request item, or {"error": ...} naming the line."""
-    try:
-        return {**_check_jsonl_item(json.loads(line), where), "where": where}
-    except json.JSONDecodeError as e:
-        return {"error": f"{where}: not valid JSON ({e})", "prompt_ids": []}
-    except GraphcError as e:
-        return {"error": str(e), "prompt_ids": []}
-
-
 @cli.command()
 @click.argument("artifacts", type=click.Path(path_type=Path))
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="Comma-separated token ids; repeatable.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (needs the checkpoint's tokenizer.json); repeatable.")
 @click.option("--prompts-file", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
               help="JSONL: one object per line with 'prompt' or 'prompt_ids' and optional sampling overrides.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="Default: the manifest's.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
+              help="Default: the manifest's, clipped to the room the context leaves.")
 @click.option("--temperature", type=float, default=None, help="0 is greedy (default: the manifest's).")
 @click.option("--top-k", type=int, default=None, help="Keep the k most likely tokens; 0 keeps all.")
 @click.option("--top-p", type=float, default=None, help="Nucleus sampling mass, in (0, 1].")
@@ -309,17 +243,15 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
     """Generate from precompiled ARTIFACTS (no compilation at serve time); artifacts compiled for
     several ranks run as one process per rank (torchrun's agent), the leader printing."""
     from graphc.artifacts.directory import read_manifest
-    from graphc.runtime import Request
+    from graphc.request import Asked, first_sampling_error, read_prompts_file, run_request
     from graphc.runtime.launch import serve
     from graphc.runtime.scheduler import Result
-    from graphc.sampling import Sampling, sampling_error
 
     overrides = {k: v for k, v in {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}.items()
                  if v is not None}
-    for name, value in overrides.items():  # before any file is read
-        problem = sampling_error(name, value)
-        if problem:
-            raise GraphcError(f"--{name.replace('_', '-')} {problem}")
+    bad = first_sampling_error(overrides)  # before any file is read
+    if bad:
+        raise GraphcError(f"--{bad[0].replace('_', '-')} {bad[1]}")
     manifest = read_manifest(artifacts, trusted_key)
     world = manifest.topology.world
     tokenizer = None
@@ -327,19 +259,16 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(artifacts / manifest.tokenizer))
-    items = _read_prompts(prompt_ids, prompts, prompts_file, tokenizer, manifest.model.vocab_size)
-    defaults = {**dataclasses.asdict(manifest.runtime.sampling), **overrides}
-    requests = []
-    for item in items:
-        sampling = Sampling(**{k: item.get(k, v) for k, v in defaults.items()})
-        limit = item.get("max_new_tokens", max_new_tokens or manifest.runtime.max_new_tokens)
-        requests.append(Request(item["prompt_ids"], limit, sampling, stop_at_eos=not ignore_eos))
-    servable = [r for r, item in zip(requests, items) if "error" not in item]
+    asked = [Asked(p, f"prompt {i}") for i, p in enumerate([*map(_parse_ids, prompt_ids), *prompts])]
+    asked += read_prompts_file(prompts_file) if prompts_file is not None else []
+    if not asked:
+        raise click.UsageError("give at least one prompt: --prompt-ids, --prompt or --prompts-file")
+    resolved = [run_request(a, manifest, tokenizer, max_new_tokens, overrides, not ignore_eos) for a in asked]
+    servable = [request for request, error in resolved if error is None]
     click.echo(f"loading {artifacts}: {world} rank(s), backend {manifest.backend}", err=True)
     [outcome] = serve(artifacts, [servable], manifest, trusted_key, verbose) if servable else [None]
     served = iter(outcome.results if outcome else [])
-    results = [Result(request, [], "error", item["error"]) if "error" in item else next(served)
-               for request, item in zip(requests, items)]
+    results = [Result(request, [], "error", error) if error else next(served) for request, error in resolved]
     failed = 0
     for result in results:
         failed += result.error is not None
@@ -372,7 +301,7 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
 def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_key) -> None:
     """Serve ARTIFACTS over HTTP with OpenAI's API: /v1/completions (streaming too), /v1/models,
     /health, /metrics (Prometheus). Requests are batched continuously as they arrive."""
-    from graphc.server.app import serve_http
+    from graphc.server.launch import serve_http
 
     serve_http(artifacts, host, port, max_waiting, grace_period, model_name, trusted_key)
 
@@ -485,13 +414,14 @@ def compare(model_yaml, artifacts, prompt_ids, new_tokens, seeds, json_path) -> 
     logits cosine and relative error per step, the worst step, the reference's noise floor and
     how many golden tokens the perturbed reference itself keeps. Exits 1 when a mismatch lies outside the floor."""
     from graphc.config import load_config
+    from graphc.request import vocabulary_error
     from graphc.tools import compare as comparing
 
     config = load_config(model_yaml)
     vocab = config.model_args.vocab_size
     prompts = [_parse_ids(text) for text in prompt_ids] or comparing.DEFAULT_PROMPTS
     for ids in prompts:
-        if not all(0 <= i < vocab for i in ids):
+        if vocabulary_error(ids, vocab):
             raise GraphcError(f"--prompt-ids: token ids must be in 0..{vocab - 1}; got {ids}")
     reports = comparing.compare(config, artifacts, prompts, new_tokens, seeds)
     for line in comparing.summary_lines(reports):

@@ -128,7 +128,8 @@ class RuntimeSection:
     """Prompt tokens prefilled per step across requests (not divided by cp: chunks run
     replicated on every CP rank)."""
     max_new_tokens: int = 32
-    """Default cap on generated tokens per request."""
+    """Default cap on generated tokens per request; `run` and `serve` clip it to what context_limit
+    leaves after the prompt (`graphc.request.default_max_new_tokens`)."""
     sampling: Sampling = field(default_factory=Sampling)
     """Default sampling parameters of a request."""
 

@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI API subset graphc serves, and its error body.
+"""Request bodies of the OpenAI API subset graphc serves, and its error body and response.
 
 Unknown fields and values of the wrong JSON type are refused (HTTP 400) rather than ignored: a
 client that sends a parameter graphc does not implement learns so at once. Strict types: `5` is
@@ -7,6 +7,7 @@ not `"5"`, `true` is not `1`.
 
 from __future__ import annotations
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -61,3 +62,9 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
                code: str | None = None) -> dict:
     """OpenAI's error object: what its clients parse into exceptions."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    """`error_body` as a response with HTTP `status`."""
+    return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)

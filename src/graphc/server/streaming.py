@@ -1,0 +1,194 @@
+"""A request's tokens as text deltas cut at stop strings, sent as server-sent events or as one
+JSON body; either way the generation is cancelled when the response ends early."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from graphc.runtime.online import OnlineEngine, Ticket
+from graphc.runtime.scheduler import Request as GenerationRequest
+from graphc.server.metrics import ServerMetrics
+from graphc.server.schemas import error_body, error_response
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context_limit": "length"}
+"""graphc's finish reasons as OpenAI's."""
+
+
+class Generation:
+    """One request's tokens as they arrive, as text deltas cut at stop strings.
+
+    Text is decoded from every token so far (a tokenizer may merge bytes across tokens); a tail
+    that is an incomplete UTF-8 character, or that could still become a stop string, is held
+    back until the next token or the end.
+    """
+
+    def __init__(self, online: OnlineEngine, metrics: ServerMetrics, request: GenerationRequest, tokenizer,
+                 stop: list[str]):
+        self.online, self.metrics, self.request = online, metrics, request
+        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.ids: list[int] = []
+        self.text, self.sent = "", 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.arrived = self.last_token = time.monotonic()
+        loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        def deliver(token, result):  # on the engine thread
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self.events.put_nowait, (token, result))
+
+        self.ticket: Ticket = online.submit(request, deliver)
+
+    def cancel(self) -> None:
+        """End the request early (a stop string, or its client left); its blocks are freed."""
+        self.online.cancel(self.ticket)
+        if self.finish_reason is None:
+            self._end("cancelled")
+
+    def _end(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.metrics.requests.labels(reason).inc()
+
+    async def deltas(self):
+        """Yield (text delta, token ids) until the request ends; then `finish_reason` is set."""
+        while self.finish_reason is None:
+            token, result = await self.events.get()
+            new_ids = []
+            if token is not None:
+                self._record_token()
+                self.ids.append(token)
+                new_ids.append(token)
+                self._decode()
+            if self._stopped():
+                self._end("stop")
+                if result is None:
+                    self.online.cancel(self.ticket)  # its blocks go back now; later tokens would be cut anyway
+            elif result is not None:
+                if result.finish_reason == "error":
+                    self.error = result.error
+                self._end(FINISH_REASONS.get(result.finish_reason, result.finish_reason))
+            end = len(self.text) if self.finish_reason else self._safe_end()
+            delta, self.sent = self.text[self.sent:end], max(self.sent, end)
+            if delta or new_ids or self.finish_reason:
+                yield delta, new_ids
+
+    def _record_token(self) -> None:
+        now = time.monotonic()
+        (self.metrics.first_token if not self.ids else self.metrics.inter_token).observe(
+            now - (self.arrived if not self.ids else self.last_token))
+        self.last_token = now
+        self.metrics.token()
+
+    def _decode(self) -> None:
+        if self.tokenizer is not None:
+            self.text = self.tokenizer.decode(self.ids)
+
+    def _stopped(self) -> bool:
+        if not self.stop or len(self.ids) < self.request.min_new_tokens:
+            return False
+        found = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
+        if found:
+            self.text = self.text[:min(found)]
+        return bool(found)
+
+    def _safe_end(self) -> int:
+        end = len(self.text)
+        while end > self.sent and self.text[end - 1] == "\ufffd":
+            end -= 1  # an incomplete UTF-8 character: its bytes are still arriving
+        if self.stop:  # the last len(stop) - 1 characters could still begin a stop string
+            end = max(self.sent, end - max(len(s) for s in self.stop) + 1)
+        return end
+
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How a response is laid out: a completion's choices carry `text`, a chat's a `message`
+    (streamed as `delta`s, the first naming the role)."""
+
+    prefix: str
+    object: str
+    chunk_object: str
+    chat: bool
+
+    def choice(self, text: str, ids: list[int], finish_reason: str | None, first: bool = False,
+               whole: bool = False) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "token_ids": ids}
+        content = {"role": "assistant", "content": text} if whole or first else ({"content": text} if text else {})
+        return {"index": 0, "message" if whole else "delta": content, "logprobs": None,
+                "finish_reason": finish_reason, "token_ids": ids}
+
+
+TEXT = Shape("cmpl", "text_completion", "text_completion", chat=False)
+CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
+
+
+def _usage(generation: Generation) -> dict:
+    prompt, completion = len(generation.request.prompt), len(generation.ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class GenerationStream(StreamingResponse):
+    """The events of one generation, which is cancelled however the response ends early: a
+    client that disconnects, even before the first event, or a server past its grace period."""
+
+    def __init__(self, generation: Generation, events):
+        super().__init__(events, media_type="text/event-stream")
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.generation.finish_reason is None:
+                self.generation.cancel()
+
+
+async def complete(generation: Generation, head: dict, shape: Shape, http: Request) -> JSONResponse:
+    """The whole completion; cancelled if the client goes away first (or the handler is)."""
+    collect = asyncio.ensure_future(_collect(generation))
+    try:
+        while not collect.done():
+            await asyncio.wait([collect], timeout=0.25)
+            if not collect.done() and await http.is_disconnected():
+                return JSONResponse({}, status_code=499)
+    finally:
+        if not collect.done():
+            generation.cancel()
+            collect.cancel()
+    if generation.error:
+        return error_response(500, f"the request failed: {generation.error}", kind="server_error")
+    choice = shape.choice(generation.text, generation.ids, generation.finish_reason, whole=True)
+    return JSONResponse({**head, "object": shape.object, "choices": [choice], "usage": _usage(generation)})
+
+
+async def _collect(generation: Generation) -> None:
+    async for _ in generation.deltas():
+        pass
+
+
+async def stream(generation: Generation, head: dict, shape: Shape, include_usage: bool):
+    """Server-sent events in OpenAI's format."""
+    first = True
+    async for delta, ids in generation.deltas():
+        if generation.error:
+            yield _event(error_body(f"the request failed: {generation.error}", kind="server_error"))
+            break
+        choice = shape.choice(delta, ids, generation.finish_reason, first=first)
+        first = False
+        yield _event({**head, "object": shape.chunk_object, "choices": [choice]})
+    if include_usage:
+        yield _event({**head, "object": shape.chunk_object, "choices": [], "usage": _usage(generation)})
+    yield "data: [DONE]\n\n"
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
