@@ -316,6 +316,8 @@ MALFORMED_LINES = [
     ('{"prompt_ids": [1], "top_k": 99999999999999999999999}', "top_k 99999999999999999999999 must be an integer"),
     ('{"prompt_ids": [1], "temperature": NaN}', "temperature nan must be a finite number"),
     ('{"prompt_ids": [999]}', "token id 999 is outside the vocabulary"),
+    # refused by the scheduler, not the line's schema: named by file:line all the same
+    ('{"prompt": "' + "x" * 200 + '"}', "prompt of 200 tokens leaves no room under context_limit 128"),
 ]
 
 

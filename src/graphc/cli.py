@@ -268,7 +268,8 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
     click.echo(f"loading {artifacts}: {world} rank(s), backend {manifest.backend}", err=True)
     [outcome] = serve(artifacts, [servable], manifest, trusted_key, verbose) if servable else [None]
     served = iter(outcome.results if outcome else [])
-    results = [Result(request, [], "error", error) if error else next(served) for request, error in resolved]
+    results = [Result(request, [], "error", error) if error else _named(next(served), where.where)
+               for (request, error), where in zip(resolved, asked)]
     failed = 0
     for result in results:
         failed += result.error is not None
@@ -285,6 +286,11 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
             click.echo(" ".join(map(str, result.output_ids)) + (f"\t{text!r}" if text is not None else ""))
     if failed:
         raise click.exceptions.Exit(EXIT_BAD_INPUT)
+
+
+def _named(result, where: str):
+    """A served request's result, its error (the scheduler's refusal) naming the prompt or line."""
+    return dataclasses.replace(result, error=f"{where}: {result.error}") if result.error else result
 
 
 @cli.command()

@@ -6,6 +6,7 @@ Everything here uses the `export` backend; artifacts that a test modifies are pr
 
 from __future__ import annotations
 
+import errno
 import filecmp
 import os
 import re
@@ -259,6 +260,28 @@ def test_an_interrupted_forced_compile_keeps_the_previous_artifacts(artifacts, t
         compile(config, artifacts, CompileOptions(show_progress=False, workers=1, force=True))
     after = {p.relative_to(artifacts): p.read_bytes() for p in artifacts.rglob("*") if p.is_file()}
     assert after == before
+    assert leftovers(artifacts.parent, artifacts.name) == []
+
+
+def _full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device", "weights-0.safetensors")
+
+
+def test_a_full_disk_is_one_line_and_a_forced_compile_keeps_the_previous_artifacts(artifacts, tiny_checkpoints,
+                                                                                  tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from graphc.cli import cli
+
+    config = write_model_yaml(tmp_path / "cfg", tiny_checkpoints[PRESET])
+    before = {p.relative_to(artifacts): p.read_bytes() for p in artifacts.rglob("*") if p.is_file()}
+    monkeypatch.setattr(graphc.compiler.pipeline, "write_weights", _full_disk)
+    result = CliRunner().invoke(cli, ["compile", str(config), "-o", str(artifacts), "--force"])
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines()[-1] == (f"error: {artifacts}: writing the artifacts failed: No space left on "
+                                              "device (weights-0.safetensors); nothing was written and the old "
+                                              "artifacts are kept")
+    assert {p.relative_to(artifacts): p.read_bytes() for p in artifacts.rglob("*") if p.is_file()} == before
     assert leftovers(artifacts.parent, artifacts.name) == []
 
 

@@ -254,6 +254,29 @@ def test_keygen_writes_a_private_key_only_its_owner_reads_and_never_overwrites(k
         generate_key(private)
 
 
+def test_keygen_into_a_missing_directory_is_one_line_and_writes_nothing(tmp_path):
+    from click.testing import CliRunner
+
+    from graphc.cli import cli
+
+    result = CliRunner().invoke(cli, ["keygen", str(tmp_path / "missing" / "x.key")])
+    assert result.exit_code == 2
+    assert result.output.strip() == f"error: {tmp_path / 'missing' / 'x.key'}: cannot write the key (No such file or directory)"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_signing_key_others_can_read_is_refused(keys, tmp_path):
+    from graphc.artifacts.signing import SignatureError, private_key
+
+    exposed = Path(shutil.copy(keys["builder"][0], tmp_path / "exposed.key"))
+    exposed.chmod(0o644)
+    with pytest.raises(SignatureError, match=rf"^--sign-key {exposed}: mode 0644 lets others read the private key; "
+                                             rf"make it the owner's alone \(chmod 600 {exposed}\)$"):
+        private_key(exposed)
+    exposed.chmod(0o600)
+    private_key(exposed)  # the same key, once private: accepted
+
+
 def test_signed_artifacts_serve_under_their_key(signed, keys):
     from graphc.runtime import Request
 

@@ -14,6 +14,7 @@ Layout:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -29,6 +30,10 @@ from graphc import __version__
 from graphc.artifacts.manifest import FORMAT_VERSION, MANIFEST, ArtifactError, Manifest
 from graphc.artifacts.schema import parse_manifest
 from graphc.artifacts.signing import SIGNATURE, verify
+
+WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+"""What the device holding the artifacts can answer a write with (a full disk, a quota, a file too
+large for it, a read-only mount): refused in one line, the staging directory removed."""
 
 
 def sha256_file(path: Path) -> str:
@@ -109,7 +114,14 @@ def atomic_directory(out: Path, force: bool) -> Iterator[Path]:
 def _staged(out: Path) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
     try:
-        yield staging
+        try:
+            yield staging
+        except OSError as e:
+            if e.errno not in WRITE_ERRORS:
+                raise
+            raise ArtifactError(f"{out}: writing the artifacts failed: {e.strerror} ({e.filename or out.parent}); "
+                                f"nothing was written{' and the old artifacts are kept' if out.exists() else ''}") \
+                from None
         _follow_umask(staging)
         if out.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

@@ -35,10 +35,14 @@ def generate_key(private_path: Path) -> Path:
     private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
     public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    descriptor = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "wb") as f:
-        f.write(private)
-    public_path.write_bytes(public)
+    try:
+        descriptor = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "wb") as f:
+            f.write(private)
+        public_path.write_bytes(public)
+    except OSError as e:
+        private_path.unlink(missing_ok=True)  # never half a pair
+        raise SignatureError(f"{e.filename}: cannot write the key ({e.strerror})") from None
     return public_path
 
 
@@ -47,8 +51,15 @@ def private_key(path: Path):
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+    raw = _read_key(path, "--sign-key")
+    # As OpenSSH refuses an unprotected key: whoever can read it can sign artifacts that every
+    # serving host trusts, so a key others can read is no longer this host's alone.
+    mode = Path(path).stat().st_mode & 0o777
+    if mode & 0o077:
+        raise SignatureError(f"--sign-key {path}: mode {mode:04o} lets others read the private key; make it the "
+                             f"owner's alone (chmod 600 {path})")
     try:
-        key = serialization.load_pem_private_key(_read_key(path, "--sign-key"), password=None)
+        key = serialization.load_pem_private_key(raw, password=None)
     except (ValueError, TypeError):  # not PEM, another algorithm's encoding, or encrypted
         key = None
     if not isinstance(key, Ed25519PrivateKey):

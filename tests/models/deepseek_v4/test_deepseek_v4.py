@@ -134,6 +134,10 @@ def _float_token_table(tensors):
     tensors["layers.0.ffn.gate.tid2eid"] = tensors["layers.0.ffn.gate.tid2eid"].float()
 
 
+def _expert_out_of_range(tensors):  # n_routed_experts is 8
+    tensors["layers.1.ffn.gate.tid2eid"][3, 1] = 8
+
+
 def _kv_norm_twice(tensors):  # the released and the save_pretrained names of one parameter
     tensors["model.layers.0.attn.norm.weight"] = tensors["layers.0.attn.kv_norm.weight"].clone()
 
@@ -142,6 +146,8 @@ def _kv_norm_twice(tensors):  # the released and the save_pretrained names of on
     (_drop_an_expert, r"missing tensor\(s\) layers\.2\.ffn\.experts\.5\.w3\.weight"),
     (_float_token_table, r"tid2eid has dtype torch.float32; supported: int64, int32"),
     (_kv_norm_twice, r"are both model\.layers\.0\.self_attn\.kv_norm\.weight"),
+    (_expert_out_of_range, r"^model\.safetensors: tensor layers\.1\.ffn\.gate\.tid2eid names expert 8; expected routed "
+                           r"experts 0\.\.7 \(n_routed_experts 8\)$"),
 ])
 def test_a_broken_checkpoint_is_refused_by_name(break_it, says, tiny_checkpoints, tmp_path):
     path = shutil.copytree(tiny_checkpoints["v4"], tmp_path / "ckpt")
@@ -158,6 +164,11 @@ def test_a_broken_checkpoint_is_refused_by_name(break_it, says, tiny_checkpoints
     ({"layer_types": ["full_attention"] * 4}, r"layer_types \['full_attention'\] unknown"),
     ({"num_key_value_heads": 2}, "num_key_value_heads is 2"),
     ({"o_groups": 3}, r"o_groups \(3\) must divide"),
+    ({"layer_types": "sliding_attention"}, r"layer_types is 'sliding_attention'; expected a list of layer kinds"),
+    ({"mlp_layer_types": [["moe"]] * 4}, r"mlp_layer_types is \[\['moe'\], .*expected a list of layer kinds"),
+    ({"compress_rates": {"compressed_sparse_attention": "4"}}, r"compress_rates is .*expected \{kind: tokens"),
+    ({"compress_ratios": [0, 4, -1, 128], "layer_types": None}, r"compress_ratios is \[0, 4, -1, 128\]; expected a list"),
+    ({"sliding_window": 0}, r"sliding_window is 0; expected an integer >= 1"),
 ])
 def test_bad_v4_configs_are_refused(change, message, tiny_checkpoints):
     config = {**json.loads((tiny_checkpoints["v4"] / "config.json").read_text()), **change}
