@@ -85,7 +85,7 @@ def _refuse_lone_surrogates(value) -> None:
         path, item, what = stack.pop()
         if isinstance(item, dict):
             # Keys last, so popped first: a bad key is named by its object's path, not by itself.
-            stack += [((*path, key), v, "") for key, v in item.items()] + [(path, key, "a key ") for key in item]
+            stack += [((*path, key), v, "") for key, v in item.items()] + [(path, key, "a key is ") for key in item]
         elif isinstance(item, list):
             stack += [((*path, index), v, "") for index, v in enumerate(item)]
         elif isinstance(item, str):

@@ -107,7 +107,8 @@ def bound_listener(host: str, port: int) -> socket.socket:
         hint = {errno.EADDRINUSE: "another process holds the port: choose another --port (0: any free one)",
                 errno.EACCES: "ports below 1024 need privileges: choose another --port"}.get(
             e.errno, "--host must name an address of this host (127.0.0.1, 0.0.0.0, ...)")
-        raise GraphcError(f"cannot listen on {host}:{port}: {e.strerror or e}; {hint}") from None
+        reason = (e.strerror or str(e)).partition(" (while attempting")[0]  # create_server appends the address
+        raise GraphcError(f"cannot listen on {host}:{port}: {reason}; {hint}") from None
 
 
 def serve_http(artifacts: Path, host: str, port: int, max_waiting: int, grace_seconds: float,
