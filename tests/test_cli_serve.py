@@ -1,4 +1,5 @@
-"""`graphc compile`, `graphc run` and `graphc inspect`: the serving side of the command line.
+"""`graphc compile`, `graphc run`, `graphc inspect` and `graphc serve`'s start-up: the serving side
+of the command line.
 
 `run` must print what the in-process `Engine` generates; bad input is one `error: ...` line and
 exit status 2; a request that cannot be served fails alone. Export backend only.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -33,8 +35,8 @@ EOS_PROMPT = [8, 15]
 """Greedy generation from this prompt hits EOS (id 1) at its second token with the tiny model."""
 
 
-def invoke(*args) -> Result:
-    return CliRunner().invoke(cli, [str(a) for a in args])
+def invoke(*args, env: dict | None = None) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args], env=env)
 
 
 def ok(result: Result) -> Result:
@@ -360,6 +362,27 @@ def test_run_prompts_file_values_of_the_wrong_type(artifacts, tmp_path, graphs_n
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text(bad_line + "\n")
     error_line(invoke("run", artifacts, "--prompts-file", prompts_file))
+
+
+def test_serve_on_a_port_taken_fails_before_loading(artifacts, graphs_never_run):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        line = error_line(invoke("serve", artifacts, "--port", port))
+    assert line == (f"error: cannot listen on 127.0.0.1:{port}: Address already in use; another process holds the "
+                    "port: choose another --port (0: any free one)")
+
+
+def test_serve_on_a_host_it_cannot_bind_fails_before_loading(artifacts, graphs_never_run):
+    line = error_line(invoke("serve", artifacts, "--host", "192.0.2.1", "--port", 0))  # TEST-NET-1: no host's
+    assert line == ("error: cannot listen on 192.0.2.1:0: Cannot assign requested address; --host must name an "
+                    "address of this host (127.0.0.1, 0.0.0.0, ...)")
+
+
+@pytest.mark.parametrize("how", ["option", "environment"])
+def test_serve_refuses_an_api_key_no_bearer_token_can_carry(artifacts, graphs_never_run, how):
+    args, env = (["--api-key", "two words"], None) if how == "option" else ([], {"GRAPHC_API_KEY": "two words"})
+    line = error_line(invoke("serve", artifacts, *args, env=env))
+    assert line == "error: --api-key / GRAPHC_API_KEY must be printable ASCII without spaces (a Bearer token)"
 
 
 def test_compile_unknown_pass(tiny_checkpoints, tmp_path):

@@ -16,6 +16,7 @@ import click
 from graphc.backends import BACKENDS
 from graphc.errors import GraphcError, Interrupted
 from graphc.models.moe_forms import MOE_LOWERING_CHOICES
+from graphc.server.limits import MAX_BODY_BYTES, TEMPLATE_SECONDS
 
 EXIT_BAD_INPUT = 2
 
@@ -304,12 +305,22 @@ def _named(result, where: str):
               help="Seconds SIGTERM gives in-flight requests before cancelling them.")
 @click.option("--trusted-key", type=click.Path(path_type=Path), default=None,
               help="Ed25519 public key (PEM): refuse artifacts it did not sign, before loading anything.")
-def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_key) -> None:
+@click.option("--api-key", envvar="GRAPHC_API_KEY", default=None,
+              help="Every route but /health needs Authorization: Bearer KEY, 401 otherwise "
+                   "(prefer GRAPHC_API_KEY: a command line is visible to every user of the host).")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=MAX_BODY_BYTES, show_default=True,
+              help="The largest request body; past it, HTTP 413 before the body is read.")
+@click.option("--template-timeout", type=click.FloatRange(min=0, min_open=True), default=TEMPLATE_SECONDS,
+              show_default=True, help="Seconds a chat template may take to render a request; past it, HTTP 400.")
+def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_key, api_key, max_body_bytes,
+          template_timeout) -> None:
     """Serve ARTIFACTS over HTTP with OpenAI's API: /v1/completions (streaming too), /v1/models,
     /health, /metrics (Prometheus). Requests are batched continuously as they arrive."""
     from graphc.server.launch import serve_http
+    from graphc.server.limits import RequestLimits
 
-    serve_http(artifacts, host, port, max_waiting, grace_period, model_name, trusted_key)
+    serve_http(artifacts, host, port, max_waiting, grace_period, model_name, trusted_key,
+               RequestLimits(max_body_bytes, template_timeout), api_key)
 
 
 @cli.command()

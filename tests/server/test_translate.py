@@ -9,7 +9,7 @@ import pytest
 from graphc.artifacts.manifest import RuntimeInfo
 from graphc.sampling import Sampling
 from graphc.server.schemas import CompletionRequest
-from graphc.server.translate import BadRequest, generation_request
+from graphc.server.translate import BadRequest, encode, generation_request, prompt_char_limit
 
 MANIFEST = SimpleNamespace(  # what a request reads of the manifest
     model=SimpleNamespace(vocab_size=256),
@@ -40,3 +40,43 @@ def test_a_refusal_names_its_field(prompt, fields, param, says):
     with pytest.raises(BadRequest) as refused:
         translated(prompt, **fields)
     assert (str(refused.value), refused.value.param) == (says, param)
+
+
+def tokenizer(pre_tokenizer=None, normalizer=None, model=None, added: tuple[str, ...] = ()):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    made = Tokenizer(model or models.BPE({"a": 0, "b": 1, "ab": 2, "abab": 3}, [("a", "b"), ("ab", "ab")]))
+    made.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel()
+    if normalizer is not None:
+        made.normalizer = normalizer
+    made.add_special_tokens(list(added))
+    return made
+
+
+def test_a_prompt_is_bounded_by_its_longest_token_where_nothing_drops_characters():
+    from tokenizers import normalizers, pre_tokenizers
+
+    assert prompt_char_limit(tokenizer(), 128) == 127 * 4  # "abab"
+    assert prompt_char_limit(tokenizer(added=("<|begin_of_sentence|>",)), 128) == 127 * 21
+    split = pre_tokenizers.Sequence([pre_tokenizers.Split(" ", "isolated"), pre_tokenizers.ByteLevel()])
+    assert prompt_char_limit(tokenizer(split, normalizers.Sequence([normalizers.Prepend("_")])), 10) == 9 * 4
+
+
+def test_no_bound_where_a_tokenizer_can_drop_characters():
+    from tokenizers import models, normalizers, pre_tokenizers
+
+    assert prompt_char_limit(tokenizer(pre_tokenizers.Whitespace()), 128) is None  # spaces vanish
+    assert prompt_char_limit(tokenizer(pre_tokenizers.Split(" ", "removed")), 128) is None
+    assert prompt_char_limit(tokenizer(normalizer=normalizers.NFC()), 128) is None  # composing shortens
+    assert prompt_char_limit(tokenizer(normalizer=normalizers.Sequence([normalizers.Strip()])), 128) is None
+    fused = models.BPE({"a": 0, "<unk>": 1}, [], unk_token="<unk>", fuse_unk=True)  # many unknowns, one token
+    assert prompt_char_limit(tokenizer(model=fused), 128) is None
+    assert prompt_char_limit(tokenizer(model=models.WordPiece({"a": 0, "[UNK]": 1})), 128) is None
+
+
+def test_a_text_longer_than_the_bound_is_refused_before_it_is_tokenised():
+    with pytest.raises(BadRequest) as refused:
+        encode("abab" * 150, None, 127 * 4, 128, "prompt", add_special_tokens=True)  # no tokenizer: never reached
+    assert (str(refused.value), refused.value.param) == (
+        "this model's maximum context length is 128 tokens; a prompt of 600 characters cannot fit it (no 127 tokens "
+        "of this tokenizer hold more than 508)", "prompt")

@@ -68,6 +68,7 @@ class OnlineEngine:
         self._tickets: dict[int, Ticket] = {}
         self._wake = threading.Condition()
         self._stopping = False
+        self._aborted: str | None = None
         self.state = EngineState(num_blocks=sum(a.num_blocks for a in self.session.scheduler.allocators))
         self._thread = threading.Thread(target=self._loop, name="graphc-engine", daemon=True)
         self._thread.start()
@@ -85,8 +86,8 @@ class OnlineEngine:
             GraphcError: the engine has stopped or failed.
         """
         with self._wake:
-            if self._stopping or self.state.failure:
-                raise GraphcError(self.state.failure or "the engine is stopping")
+            if self._stopping or self.state.failure or self._aborted:
+                raise GraphcError(self.state.failure or self._aborted or "the engine is stopping")
             if self.state.waiting + sum(kind == "submit" for kind, _ in self._commands) >= self.max_waiting:
                 raise QueueFull(f"{self.max_waiting} requests are already waiting")
             ticket = Ticket(request, listener)
@@ -101,6 +102,13 @@ class OnlineEngine:
                 ticket.cancelled = True
                 self._commands.append(("cancel", ticket))
                 self._wake.notify()
+
+    def abort(self, message: str) -> None:
+        """End every request in flight with `message` as its error (finish reason "error"), and
+        refuse new ones as `submit` does once stopping: a server whose grace period is over."""
+        with self._wake:
+            self._aborted = message
+            self._wake.notify()
 
     def stop(self, timeout: float | None = None) -> None:
         """Cancel whatever is in flight and end the thread."""
@@ -119,9 +127,11 @@ class OnlineEngine:
                     while not self._commands and self.session.idle and not self._stopping:
                         self._wake.wait()
                     commands, self._commands = list(self._commands), deque()
-                    stopping = self._stopping
+                    stopping, aborted = self._stopping, self._aborted
                 for kind, ticket in commands:
                     self._apply(kind, ticket)
+                for ticket in list(self._tickets.values()) if aborted else []:
+                    _notify(ticket, None, Result(ticket.request, self._end(ticket).output_ids, "error", aborted))
                 self._publish_state(scheduler)  # admission control counts what was just queued
                 if stopping:
                     for ticket in list(self._tickets.values()):
@@ -150,10 +160,14 @@ class OnlineEngine:
             else:
                 self._tickets[ticket.index] = ticket
         elif ticket.index is not None and ticket.index in self._tickets:
-            del self._tickets[ticket.index]
-            result = scheduler.cancel(ticket.index)
-            del scheduler.results[ticket.index]
-            _notify(ticket, None, result)
+            _notify(ticket, None, self._end(ticket))
+
+    def _end(self, ticket: Ticket) -> Result:
+        """Cancel `ticket`'s request in the scheduler; its result, which no one else will read."""
+        del self._tickets[ticket.index]
+        result = self.session.scheduler.cancel(ticket.index)
+        del self.session.scheduler.results[ticket.index]
+        return result
 
     def _publish_state(self, scheduler) -> None:
         with self._wake:

@@ -1,10 +1,14 @@
 """`serve_http`: the routes served by uvicorn until SIGTERM (or Ctrl-C), on one rank or on the
 leader of several. A stop signal stops accepting connections, lets in-flight requests finish
-within the grace period, cancels the rest, and exits 0.
+within the grace period, ends the rest with an error (a stream: an error event, then [DONE]),
+and exits 0.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import re
 import signal
 import socket
 import sys
@@ -13,9 +17,15 @@ from pathlib import Path
 
 import uvicorn
 
+from graphc.errors import GraphcError
 from graphc.runtime.engine import Engine
 from graphc.runtime.online import OnlineEngine
+from graphc.server.limits import RequestLimits
 from graphc.server.routes import create_app
+
+CUT_SECONDS = 5.0
+"""Past the grace period, how long the requests ended with an error have to send their last
+events before uvicorn cancels what is left."""
 
 
 @dataclass(frozen=True)
@@ -29,30 +39,35 @@ class HttpJob:
     max_waiting: int
     grace_seconds: float
     model_name: str
+    limits: RequestLimits = RequestLimits()
+    api_key: str | None = None
     follower_timeout: float | None = None  # followers idle between requests as long as the server does
     ends_on_signal: bool = True
 
     @property
     def shutdown_seconds(self) -> int:
         """The agent waits the grace period (and the ranks' teardown) before killing them."""
-        return int(self.grace_seconds) + 15
+        return int(self.grace_seconds + CUT_SECONDS) + 15
 
-    def lead(self, engine: Engine) -> None:
+    def lead(self, engine: Engine, listener: socket.socket | None = None) -> None:
+        """Serve on `listener` (by default, one bound here to host and port) until a stop signal."""
         from tokenizers import Tokenizer
 
         manifest = engine.manifest
         tokenizer = Tokenizer.from_file(str(Path(self.artifacts) / manifest.tokenizer)) if manifest.tokenizer else None
         online = OnlineEngine(engine, self.max_waiting)
-        listener = socket.create_server((self.host, self.port))
-        config = uvicorn.Config(create_app(online, manifest, tokenizer, self.model_name), log_level="warning",
-                                timeout_graceful_shutdown=self.grace_seconds, lifespan="off")
+        listener = listener or bound_listener(self.host, self.port)
+        app = create_app(online, manifest, tokenizer, self.model_name, self.limits, self.api_key)
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=self.grace_seconds + CUT_SECONDS,
+                                lifespan="off")
         # uvicorn handles SIGTERM / SIGINT while it serves, then re-raises them: to a handler that
         # does nothing, so a graceful stop ends here (before this point they stop the command).
         previous = {signum: signal.signal(signum, lambda *_: None) for signum in (signal.SIGTERM, signal.SIGINT)}
-        print(f"serving {self.artifacts} on http://{self.host}:{listener.getsockname()[1]}", file=sys.stderr,
+        key = " (API key required)" if self.api_key is not None else ""
+        print(f"serving {self.artifacts} on http://{self.host}:{listener.getsockname()[1]}{key}", file=sys.stderr,
               flush=True)
         try:
-            _DrainingServer(config).run(sockets=[listener])
+            _DrainingServer(config, online, self.grace_seconds).run(sockets=[listener])
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -62,26 +77,60 @@ class HttpJob:
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server, draining on the first SIGTERM / SIGINT and not cut short by a second:
-    with several ranks the leader gets a Ctrl-C twice (from the terminal, then from the agent)."""
+    with several ranks the leader gets a Ctrl-C twice (from the terminal, then from the agent).
+    When the grace period ends, the requests still running end with an error of their own, which
+    they send, rather than being cancelled by uvicorn (a CancelledError traceback each, a stream
+    cut without its end)."""
+
+    def __init__(self, config: uvicorn.Config, online: OnlineEngine, grace_seconds: float):
+        super().__init__(config)
+        self.online, self.grace_seconds = online, grace_seconds
 
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
             super().handle_exit(sig, frame)
 
+    async def shutdown(self, sockets=None) -> None:
+        message = f"the server is shutting down and its grace period ({self.grace_seconds:g} s) has ended"
+        cut = asyncio.get_running_loop().call_later(self.grace_seconds, self.online.abort, message)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
+
+
+def bound_listener(host: str, port: int) -> socket.socket:
+    """A socket listening on (host, port), or GraphcError saying why there can be none."""
+    try:
+        return socket.create_server((host, port))
+    except OSError as e:
+        hint = {errno.EADDRINUSE: "another process holds the port: choose another --port (0: any free one)",
+                errno.EACCES: "ports below 1024 need privileges: choose another --port"}.get(
+            e.errno, "--host must name an address of this host (127.0.0.1, 0.0.0.0, ...)")
+        reason = (e.strerror or str(e)).partition(" (while attempting")[0]  # create_server appends the address
+        raise GraphcError(f"cannot listen on {host}:{port}: {reason}; {hint}") from None
+
 
 def serve_http(artifacts: Path, host: str, port: int, max_waiting: int, grace_seconds: float,
-               model_name: str | None = None, trusted_key: Path | None = None) -> None:
+               model_name: str | None = None, trusted_key: Path | None = None,
+               limits: RequestLimits = RequestLimits(), api_key: str | None = None) -> None:
     """Serve `artifacts` on (host, port) (0: any free port) until SIGTERM or Ctrl-C: in this
     process on one rank; with several, this process is torchrun's agent, the server runs in the
-    leader rank's process and the followers run its steps."""
+    leader rank's process and the followers run its steps. The address is bound (or refused)
+    before any graph loads."""
     from graphc.artifacts.directory import read_manifest
     from graphc.runtime.launch import launch_ranks
     from graphc.runtime.loader import kv_pool_blocks
 
+    if api_key is not None and not re.fullmatch(r"[!-~]+", api_key):
+        raise GraphcError("--api-key / GRAPHC_API_KEY must be printable ASCII without spaces (a Bearer token)")
     manifest = read_manifest(artifacts, trusted_key)
-    job = HttpJob(str(artifacts), host, port, max_waiting, grace_seconds, model_name or Path(artifacts).resolve().name)
+    job = HttpJob(str(artifacts), host, port, max_waiting, grace_seconds, model_name or Path(artifacts).resolve().name,
+                  limits, api_key)
+    listener = bound_listener(host, port)
     if manifest.topology.world == 1:
-        job.lead(Engine(artifacts, manifest=manifest))
+        job.lead(Engine(artifacts, manifest=manifest), listener)
         return
+    listener.close()  # the leader rank binds it again; here it only showed the address can be bound
     kv_pool_blocks(manifest)  # GRAPHC_NUM_KV_BLOCKS checked here, not once per rank after start-up
     launch_ranks(Path(artifacts), job, manifest.topology.world, trusted_key=trusted_key)

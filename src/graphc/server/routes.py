@@ -1,47 +1,76 @@
 """The OpenAI-compatible routes over an `OnlineEngine`.
 
-Every bad request gets HTTP 400 with OpenAI's error body and changes nothing; past the admission
-queue's bound, 429 with Retry-After. A client that disconnects cancels its request, whose KV
-blocks return to the pool before the next step.
+Every bad request gets a 4xx with OpenAI's error body and changes nothing (400; 413 for a body
+over the bound; 401 without the API key, where one is set); past the admission queue's bound,
+429 with Retry-After. A client that disconnects cancels its request, whose KV blocks return to
+the pool before the next step. The event loop only routes: a request's CPU work (parsing its
+body, tokenising, checking its ids) runs in a few worker threads, a chat template in a worker
+process (`templates`).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 
+import anyio
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from graphc.artifacts.manifest import Manifest
 from graphc.errors import GraphcError
 from graphc.runtime.online import OnlineEngine, QueueFull
+from graphc.server.auth import ApiKeyRequired
+from graphc.server.body import BodyTooLarge, parse_body, read_body
+from graphc.server.limits import RequestLimits
 from graphc.server.metrics import ServerMetrics
 from graphc.server.schemas import ChatCompletionRequest, CompletionRequest, error_response
 from graphc.server.streaming import CHAT, TEXT, Generation, GenerationStream, Shape, complete, stream
-from graphc.server.translate import BadRequest, check_model, generation_request, prompt_ids, render_chat
+from graphc.server.templates import TemplateRenderer
+from graphc.server.translate import (BadRequest, check_model, encode, generation_request, prompt_char_limit,
+                                     prompt_ids, prompt_too_long)
 
 RETRY_AFTER_SECONDS = 1
+WORK_THREADS = 4
+"""Requests prepared at a time (their bodies parsed, prompts tokenised); the rest wait their turn."""
 
 
-def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: str) -> FastAPI:
+def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: str,
+               limits: RequestLimits = RequestLimits(), api_key: str | None = None) -> FastAPI:
     """The app: its routes and error handlers are closures over the engine and the manifest, so
-    they read as one listing (hence one function of about 60 lines)."""
+    they read as one listing (hence one function of about 80 lines)."""
     app = FastAPI(title="graphc", docs_url=None, redoc_url=None)
+    if api_key is not None:
+        app.add_middleware(ApiKeyRequired, key=api_key)
     metrics = ServerMetrics(online)
+    context_limit = manifest.buckets.context_limit
+    char_limit = prompt_char_limit(tokenizer, context_limit) if tokenizer is not None else None
+    renderer = _renderer(manifest, limits, char_limit)
+    threads = anyio.CapacityLimiter(WORK_THREADS)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, error: RequestValidationError):
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-        message = f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}"
-        return error_response(400, message, param=where or None)
+    async def off_loop(function, *args):
+        return await anyio.to_thread.run_sync(functools.partial(function, *args), limiter=threads)
+
+    async def parsed(http: Request, schema):
+        raw = await read_body(http, limits.max_body_bytes)
+        body = await off_loop(parse_body, raw, http.headers.get("content-type"), schema)
+        check_model(body.model, model_name)
+        return body
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):  # an unknown route, a wrong method
+        return error_response(error.status_code, str(error.detail), headers=error.headers)
 
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, error: BadRequest):
         return error_response(400, str(error), param=error.param, code=error.code)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request: Request, error: BodyTooLarge):
+        return error_response(413, str(error))
 
     @app.exception_handler(GraphcError)
     async def unavailable(request: Request, error: GraphcError):  # the engine failed or is stopping
@@ -68,7 +97,7 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
                                             "max_model_len": manifest.buckets.context_limit}]}
 
     async def respond(body, prompt: list[int], shape: Shape, http: Request):
-        request = generation_request(body, prompt, manifest)
+        request = await off_loop(generation_request, body, prompt, manifest)
         refusal = online.refusal(request)
         if refusal:
             raise BadRequest(refusal, param="prompt")
@@ -81,20 +110,34 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         return await complete(generation, head, shape, http)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: Request):
-        check_model(body.model, model_name)
-        return await respond(body, prompt_ids(body.prompt, tokenizer), TEXT, http)
+    async def completions(http: Request):
+        body = await parsed(http, CompletionRequest)
+        return await respond(body, await off_loop(prompt_ids, body.prompt, tokenizer, char_limit, context_limit),
+                             TEXT, http)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, http: Request):
-        check_model(body.model, model_name)
-        template = manifest.model.chat_template
-        if template is None or tokenizer is None:
+    async def chat(http: Request):
+        body = await parsed(http, ChatCompletionRequest)
+        if renderer is None or tokenizer is None:
             raise BadRequest(f"model {model_name!r} has no chat template (its checkpoint's tokenizer_config.json "
                              "has none); use /v1/completions", param="messages", code="no_chat_template")
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
-        text = render_chat(template, [m.model_dump() for m in body.messages])
-        return await respond(body, tokenizer.encode(text, add_special_tokens=False).ids, CHAT, http)
+        text = await renderer.render([m.model_dump(exclude_unset=True) for m in body.messages])
+        ids = await off_loop(encode, text, tokenizer, char_limit, context_limit, "messages", False)
+        return await respond(body, ids, CHAT, http)
 
     return app
+
+
+def _renderer(manifest: Manifest, limits: RequestLimits, char_limit: int | None) -> TemplateRenderer | None:
+    """The chat template's renderer, refusing a render longer than any prompt that fits (or,
+    where the tokenizer gives no such bound, than the largest body)."""
+    template, context_limit = manifest.model.chat_template, manifest.buckets.context_limit
+    if template is None:
+        return None
+    if char_limit is None:
+        return TemplateRenderer(template, limits.template_seconds, limits.max_body_bytes, lambda chars: (
+            f"the chat template rendered {chars} characters, more than the {limits.max_body_bytes} this server takes"))
+    return TemplateRenderer(template, limits.template_seconds, char_limit,
+                            lambda chars: prompt_too_long(chars, char_limit, context_limit))

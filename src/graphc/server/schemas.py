@@ -7,8 +7,13 @@ not `"5"`, `true` is not `1`.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from graphc.server.limits import MAX_STOP_BYTES, MAX_STOP_STRINGS
 
 
 class _Strict(BaseModel):
@@ -41,15 +46,71 @@ class _Generation(_Strict):
     """vLLM's extension: EOS and stop strings do not end the request before this many tokens."""
     user: str | None = None
 
+    @field_validator("stop")
+    @classmethod
+    def _bounded(cls, stop: str | list[str] | None):
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise PydanticCustomError("stop_count", f"{len(strings)} stop strings are more than the {MAX_STOP_STRINGS} "
+                                                    "a request may give")
+        size = sum(len(s.encode("utf-8")) for s in strings)
+        if size > MAX_STOP_BYTES:
+            raise PydanticCustomError("stop_bytes", f"the stop strings are {size} bytes (UTF-8) together, more than the "
+                                                    f"{MAX_STOP_BYTES} a request may give")
+        return stop
+
 
 class CompletionRequest(_Generation):
     prompt: str | list[int]
     """Text (encoded with the artifacts' tokenizer) or token ids."""
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+    """JSON text, as the model wrote it."""
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
+    """A message as OpenAI's API defines it, for a model that reads text: its content a string or
+    a list of text parts, null only on an assistant turn that made tool calls."""
+
     role: str
-    content: str
+    content: str | None
+    """Text parts are joined with newlines, as vLLM does for templates that take a string."""
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    """On a tool message: the call it answers."""
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_of_parts(cls, content):
+        if not isinstance(content, list):
+            return content
+        for index, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                what = f"has type {kind!r}" if isinstance(part, dict) else "is not an object"
+                raise PydanticCustomError("content_part", f"part {index} {what}; graphc serves text models and takes "
+                                                          "only parts of type 'text'")
+            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                raise PydanticCustomError("content_part", f"part {index}: a text part has exactly a type and a string "
+                                                          "text")
+        return "\n".join(part["text"] for part in content)
+
+    @model_validator(mode="after")
+    def _content_or_tool_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("content_null", "content is null; only an assistant message with tool_calls "
+                                                      "may have none")
+        return self
 
 
 class ChatCompletionRequest(_Generation):

@@ -1,15 +1,13 @@
-"""An OpenAI request body as the engine's request: its prompt's token ids (text encoded, a chat
-rendered with the checkpoint's template) and its parameters, checked by `graphc.request`'s rules
+"""An OpenAI request body as the engine's request: its prompt's token ids (text encoded, bounded
+by its length in characters first) and its parameters, checked by `graphc.request`'s rules
 (the same as `graphc run`'s) plus OpenAI's refusal of a `max_tokens` the context cannot hold.
 Every refusal is a `BadRequest` naming the field."""
 
 from __future__ import annotations
 
-import functools
+import json
 
-from jinja2 import TemplateError
-
-from graphc.artifacts.manifest import ChatTemplate, Manifest
+from graphc.artifacts.manifest import Manifest
 from graphc.errors import GraphcError
 from graphc.request import default_max_new_tokens, engine_request, first_sampling_error, vocabulary_error
 from graphc.runtime.scheduler import Request as GenerationRequest
@@ -22,43 +20,70 @@ class BadRequest(GraphcError):
         self.param, self.code = param, code
 
 
-@functools.cache
-def _compiled_template(source: str):
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str):
-        raise TemplateError(message)
-
-    # As transformers builds it: trimmed blocks, {% break %} / {% continue %}, raise_exception.
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    environment.globals["raise_exception"] = raise_exception
-    return environment.from_string(source)
-
-
-def render_chat(template: ChatTemplate, messages: list[dict]) -> str:
-    """The prompt text of `messages`, as transformers' `apply_chat_template` renders it: the
-    template runs in Jinja's immutable sandbox (it came with the artifacts: input, not code)."""
-    try:
-        return _compiled_template(template.template).render(
-            messages=messages, add_generation_prompt=True, bos_token=template.bos_token, eos_token=template.eos_token)
-    except TemplateError as e:
-        raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
-
-
 def check_model(name: str, model_name: str) -> None:
     if name != model_name:
         raise BadRequest(f"model {name!r} does not exist; this server serves {model_name!r}", param="model",
                          code="model_not_found")
 
 
-def prompt_ids(prompt: str | list[int], tokenizer) -> list[int]:
+def prompt_ids(prompt: str | list[int], tokenizer, char_limit: int | None, context_limit: int) -> list[int]:
     if isinstance(prompt, list):
         return prompt
     if tokenizer is None:
         raise BadRequest("a text prompt needs a tokenizer and these artifacts have none; send token ids",
                          param="prompt")
-    return tokenizer.encode(prompt).ids
+    return encode(prompt, tokenizer, char_limit, context_limit, "prompt", add_special_tokens=True)
+
+
+def encode(text: str, tokenizer, char_limit: int | None, context_limit: int, param: str,
+           add_special_tokens: bool) -> list[int]:
+    """`text`'s token ids, or BadRequest when its length alone shows they cannot fit the context
+    (see `prompt_char_limit`): a 50 MB prompt is refused without being tokenised."""
+    if char_limit is not None and len(text) > char_limit:
+        raise BadRequest(prompt_too_long(len(text), char_limit, context_limit), param=param)
+    # encode_batch releases the GIL while it works (encode does not): the event loop runs meanwhile.
+    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def prompt_too_long(chars: int, char_limit: int, context_limit: int) -> str:
+    return (f"this model's maximum context length is {context_limit} tokens; a prompt of {chars} characters cannot "
+            f"fit it (no {context_limit - 1} tokens of this tokenizer hold more than {char_limit})")
+
+
+def prompt_char_limit(tokenizer, context_limit: int) -> int | None:
+    """The most characters a prompt that leaves room under `context_limit` can have, or None where
+    this tokenizer gives no such bound.
+
+    Each token stands for at most as many characters as its longest vocabulary entry (byte-level
+    entries spell their bytes; added tokens match their content), so context_limit - 1 tokens hold
+    at most that many times as many. That holds only if nothing drops characters before the
+    model sees them: a BPE model that does not fuse unknown characters into one token, and
+    normalizers and pre-tokenizers from the kinds below, which keep every character.
+    """
+    spec = json.loads(tokenizer.to_str())
+    model = spec["model"]
+    if model.get("type") != "BPE" or (model.get("fuse_unk") and model.get("unk_token")):
+        return None
+    if not (_keeps_characters(spec.get("normalizer"), _KEEPING_NORMALIZERS)
+            and _keeps_characters(spec.get("pre_tokenizer"), _KEEPING_PRE_TOKENIZERS)):
+        return None
+    longest = max(len(entry) for entry in tokenizer.get_vocab(with_added_tokens=True))
+    return (context_limit - 1) * longest
+
+
+_KEEPING_NORMALIZERS = {"Prepend", "Lowercase"}
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+"""Kinds that never drop a character (Split and Punctuation unless their behavior is "Removed");
+NFC and its kin are left out: composing characters shortens a text."""
+
+
+def _keeps_characters(step: dict | None, kinds: set[str]) -> bool:
+    if step is None:
+        return True
+    if step["type"] == "Sequence":
+        parts = step.get("normalizers", step.get("pretokenizers", []))
+        return all(_keeps_characters(part, kinds) for part in parts)
+    return step["type"] in kinds and step.get("behavior") != "Removed"
 
 
 def generation_request(body, prompt: list[int], manifest: Manifest) -> GenerationRequest:

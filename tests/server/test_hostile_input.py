@@ -1,0 +1,271 @@
+"""`graphc serve` against hostile clients: every bad request a 4xx with OpenAI's error body, an
+API key, bodies and prompts bounded before they cost anything, chat templates that raise, recurse,
+blow up or never end, and streams cut when the grace period ends.
+
+One server process serves every case: an API key, a 1 MB body bound, a 1 s template limit, a
+template that misbehaves on cue (the last message names how), a pool that holds one long request
+at a time, and a grace period of 1 s, which the last test ends.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2
+import openai
+import pytest
+import yaml
+
+from graphc.artifacts.manifest import MANIFEST
+from servers import Server
+
+pytestmark = pytest.mark.compiles
+
+PRESET, BUCKETS = "lora-groups", "prompt_as_decode"  # the artifacts test_openai_server serves
+KEY = "test-key-0123"
+AUTH = {"authorization": f"Bearer {KEY}"}
+MAX_BODY_BYTES = 1_000_000
+
+CHAT_TEMPLATE = """{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] or '' }}
+{%- for call in message['tool_calls'] or [] %}[{{ call['function']['name'] }}({{ call['function']['arguments'] }})]
+{%- endfor %}
+{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"""
+"""What the template renders unless cued. Only this part is compiled in the tests' process:
+Jinja folds constants as it compiles, and would build `'x' * 4000000000` here."""
+TEMPLATE = """{% set cue = messages[-1]['content'] %}
+{%- if cue == 'divide' %}{{ 1 / 0 }}
+{%- elif cue == 'raise' %}{{ raise_exception('no such role') }}
+{%- elif cue == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}
+{%- elif cue == 'recurse' %}{% macro down(n) %}{{ down(n + 1) }}{% endmacro %}{{ down(0) }}
+{%- elif cue == 'memory' %}{{ 'x' * 4000000000 }}
+{%- elif cue == 'long' %}{{ 'y' * 100000 }}
+{%- elif cue == 'surrogate' %}{{ '\\ud800' }}
+{%- else %}""" + CHAT_TEMPLATE + "{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def hostile(compiled, tmp_path_factory):
+    artifacts = shutil.copytree(compiled(PRESET, "export", BUCKETS), tmp_path_factory.mktemp("hostile") / "artifacts")
+    manifest = yaml.safe_load((artifacts / MANIFEST).read_text())
+    manifest["model"]["chat_template"]["template"] = TEMPLATE
+    (artifacts / MANIFEST).write_text(yaml.safe_dump(manifest, sort_keys=False))
+    # 17 blocks of 8 tokens: one request of 127 tokens at a time (the grace-period test's queue).
+    server = Server(artifacts, "--max-body-bytes", str(MAX_BODY_BYTES), "--template-timeout", "1",
+                    "--grace-period", "1", env={"GRAPHC_API_KEY": KEY, "GRAPHC_NUM_KV_BLOCKS": "17"}, api_key=KEY)
+    yield server
+    assert server.stop() == 0, "".join(server.lines)
+
+
+def post(server: Server, path: str, body, headers: dict | None = None) -> httpx2.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx2.post(f"{server.url}{path}", content=content, timeout=60,
+                       headers={"content-type": "application/json", **AUTH, **(headers or {})})
+
+
+def openai_error(response: httpx2.Response, status: int) -> dict:
+    """The response's OpenAI error object, asserting its status and shape."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def chat(cue: str, **fields) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": cue}], "max_tokens": 2, **fields}
+
+
+def test_every_route_but_health_needs_the_api_key(hostile):
+    assert httpx2.get(f"{hostile.url}/health").json() == {"status": "ok"}
+    for path in ("/v1/models", "/metrics", "/v1/nothing"):
+        missing = openai_error(httpx2.get(f"{hostile.url}{path}"), 401)
+        assert missing["message"] == "this server needs an API key: send it as Authorization: Bearer KEY"
+        assert missing["code"] == "invalid_api_key"
+    wrong = httpx2.post(f"{hostile.url}/v1/completions", json={"model": "tiny", "prompt": [5, 6]},
+                        headers={"authorization": f"Bearer {KEY}x"})
+    assert openai_error(wrong, 401)["message"] == "the API key given is not this server's"
+    assert wrong.headers["www-authenticate"] == "Bearer"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{hostile.url}/v1", api_key="guess", max_retries=0).models.list()
+    assert [m.id for m in hostile.client.models.list().data] == ["tiny"]
+    assert "graphc_requests_waiting" in httpx2.get(f"{hostile.url}/metrics", headers=AUTH).text
+
+
+BAD_BODIES = [
+    # (path, body, content type, message, param)
+    ("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b"}', None,
+     "prompt: not valid Unicode: a lone surrogate '\\ud800' at character 1", "prompt"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', None,
+     "messages.0.content: not valid Unicode: a lone surrogate '\\udfff' at character 0", "messages.0.content"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [5], "\\ud800": 1}', None,
+     "the request body: a key is not valid Unicode: a lone surrogate '\\ud800' at character 0", None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "caf\xe9"}', None,
+     "the request body is not UTF-8 text (invalid continuation byte at byte 32)", None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [5, 6', None,
+     "the request body is not valid JSON: Expecting ',' delimiter (line 1, column 34)", None),
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, None,
+     "the request body nests arrays or objects too deeply to be a request", None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [5], "seed": ' + b"9" * 5000 + b"}", None,
+     "the request body holds an integer of more than 4300 digits", None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [5]}', "text/plain",
+     "the request body must be JSON (Content-Type: application/json), not text/plain", None),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look:"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, None,
+     "messages.0.content: part 1 has type 'image_url'; graphc serves text models and takes only parts of type "
+     "'text'", "messages.0.content"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": ["hi"]}]}, None,
+     "messages.0.content: part 0 is not an object; graphc serves text models and takes only parts of type 'text'",
+     "messages.0.content"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": None}]}, None,
+     "messages.0: content is null; only an assistant message with tool_calls may have none", "messages.0"),
+    ("/v1/completions", {"model": "tiny", "prompt": [5], "stop": ["s"] * 33}, None,
+     "stop: 33 stop strings are more than the 32 a request may give", "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": [5], "stop": ["é" * 2049]}, None,
+     "stop: the stop strings are 4098 bytes (UTF-8) together, more than the 4096 a request may give", "stop"),
+]
+
+
+@pytest.mark.parametrize("path, body, content_type, message, param", BAD_BODIES)
+def test_a_bad_body_gets_400_with_an_openai_error(hostile, path, body, content_type, message, param):
+    error = openai_error(post(hostile, path, body, {"content-type": content_type} if content_type else {}), 400)
+    assert (error["message"], error["param"], error["type"]) == (message, param, "invalid_request_error")
+
+
+def test_unknown_routes_and_methods_get_openai_errors(hostile):
+    assert openai_error(httpx2.get(f"{hostile.url}/v1/nothing", headers=AUTH), 404)["message"] == "Not Found"
+    assert openai_error(httpx2.get(f"{hostile.url}/v1/completions", headers=AUTH), 405)["message"] == \
+        "Method Not Allowed"
+
+
+def test_a_body_over_the_bound_gets_413_before_it_is_read(hostile):
+    host, port = hostile.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as connection:  # headers only: no body follows
+        connection.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {KEY}\r\n"
+                           "content-type: application/json\r\ncontent-length: 50000000\r\n\r\n".encode())
+        response = http.client.HTTPResponse(connection)
+        response.begin()
+        assert response.status == 413
+        body = response.read()
+    assert json.loads(body)["error"]["message"] == ("the request body is 50000000 bytes; this server takes at most "
+                                                    f"{MAX_BODY_BYTES} (--max-body-bytes)")
+    chunked = httpx2.post(f"{hostile.url}/v1/completions", content=iter([b" " * 65536] * 20), headers=AUTH)  # chunked
+    assert openai_error(chunked, 413)["message"] == (f"the request body is over {MAX_BODY_BYTES} bytes, the most "
+                                                     "this server takes (--max-body-bytes)")
+    with pytest.raises(openai.APIStatusError) as refused:
+        hostile.client.completions.create(model="tiny", prompt="x" * (2 * MAX_BODY_BYTES))
+    assert refused.value.status_code == 413
+
+
+def test_a_prompt_longer_than_any_that_fits_is_refused_by_its_length(hostile):
+    # The tokenizer is byte-level: no 127 tokens hold more than 127 characters.
+    error = openai_error(post(hostile, "/v1/completions", {"model": "tiny", "prompt": "a" * 900_000}), 400)
+    assert error["message"] == ("this model's maximum context length is 128 tokens; a prompt of 900000 characters "
+                                "cannot fit it (no 127 tokens of this tokenizer hold more than 127)")
+    assert hostile.client.completions.create(model="tiny", prompt="a" * 100, max_tokens=2).usage.prompt_tokens == 100
+
+
+@pytest.mark.parametrize("cue, message", [
+    ("divide", "the chat template cannot render these messages: ZeroDivisionError: division by zero"),
+    ("raise", "the chat template cannot render these messages: no such role"),
+    ("recurse", "the chat template cannot render these messages: RecursionError: maximum recursion depth exceeded"),
+    ("memory", "the chat template cannot render these messages: MemoryError"),
+    ("surrogate", "the chat template cannot render these messages: UnicodeEncodeError: 'utf-8' codec can't encode "
+                  "character '\\ud800' in position 0: surrogates not allowed"),
+    ("loop", "the chat template did not finish rendering these messages within 1 s (--template-timeout)"),
+    ("long", "this model's maximum context length is 128 tokens; a prompt of 100000 characters cannot fit it (no 127 "
+             "tokens of this tokenizer hold more than 127)"),
+])
+def test_a_template_that_fails_or_never_ends_gets_400_and_the_next_chat_is_served(hostile, cue, message):
+    error = openai_error(post(hostile, "/v1/chat/completions", chat(cue)), 400)
+    assert (error["message"], error["param"]) == (message, "messages")
+    served = hostile.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2)
+    assert served.usage.completion_tokens == 2
+
+
+def rendered_tokens(messages: list[dict]) -> int:
+    """The prompt tokens of `messages` under the template (byte-level: one token a byte)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(CHAT_TEMPLATE)
+    return len(template.render(messages=messages, add_generation_prompt=True).encode())
+
+
+def test_text_parts_and_an_assistant_turn_of_tool_calls_are_taken_as_openai_defines_them(hostile):
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    as_parts = hostile.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}],
+                                                      max_tokens=4, temperature=0)
+    as_text = hostile.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello\nthere"}], max_tokens=4, temperature=0)
+    assert as_parts.choices[0].model_extra["token_ids"] == as_text.choices[0].model_extra["token_ids"]
+    assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]}]
+    done = hostile.client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert done.usage.prompt_tokens == rendered_tokens([*messages[:2], {**messages[2], "content": "sunny"}])
+
+
+def test_a_50mb_prompt_and_a_template_that_never_ends_leave_streams_and_health_served(hostile):
+    """Both refused while four streams run and /health is polled: everything completes (the
+    latencies are bench/bench_hostile.py's to measure, not a test's)."""
+    done = threading.Event()
+
+    def health() -> list[int]:
+        statuses = []
+        while not done.is_set() or not statuses:
+            statuses.append(httpx2.get(f"{hostile.url}/health", timeout=60).status_code)
+            time.sleep(0.05)
+        return statuses
+
+    def stream(n: int) -> int:
+        chunks = hostile.client.completions.create(model="tiny", prompt=[5 + n, 6, 7], max_tokens=20, stream=True,
+                                                   extra_body={"ignore_eos": True})
+        return sum(len(c.choices[0].model_extra["token_ids"]) for c in chunks)
+
+    with ThreadPoolExecutor(7) as pool:
+        polls = pool.submit(health)
+        big = pool.submit(post, hostile, "/v1/completions", json.dumps({"model": "tiny", "prompt": "x" * 50_000_000}).encode())
+        loop = pool.submit(post, hostile, "/v1/chat/completions", chat("loop"))
+        streams = [pool.submit(stream, n) for n in range(4)]
+        assert [s.result() for s in streams] == [20] * 4
+        assert big.result().status_code == 413 and loop.result().status_code == 400
+        done.set()
+        assert set(polls.result()) == {200}
+
+
+def test_when_the_grace_period_ends_cut_streams_end_with_an_error_event_and_done(hostile):
+    """Last: it stops the module's server. Sixteen streams that the pool serves one at a time
+    (119 tokens each) outlast its 1 s grace period; each ends with its own last events."""
+    first_token = threading.Event()
+
+    def stream(n: int) -> list[str]:
+        body = {"model": "tiny", "prompt": [5 + n, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 119, "stream": True,
+                "ignore_eos": True}
+        lines = []
+        with httpx2.stream("POST", f"{hostile.url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+            for line in filter(None, response.iter_lines()):
+                lines.append(line)
+                first_token.set()
+        return lines
+
+    with ThreadPoolExecutor(16) as pool:
+        streams = [pool.submit(stream, n) for n in range(16)]
+        assert first_token.wait(60)  # one of them is generating, the others wait for the pool
+        hostile.process.send_signal(signal.SIGTERM)
+        ends = [s.result() for s in streams]
+    assert hostile.process.wait(60) == 0
+    cut = [lines for lines in ends if '"finish_reason": "length"' not in lines[-2]]
+    assert cut and all(lines[-1] == "data: [DONE]" for lines in ends)
+    for lines in cut:
+        assert json.loads(lines[-2].removeprefix("data: "))["error"] == {
+            "message": "the request failed: the server is shutting down and its grace period (1 s) has ended",
+            "type": "server_error", "param": None, "code": None}
+    log = "".join(hostile.lines)
+    assert "Traceback" not in log and "CancelledError" not in log, log
