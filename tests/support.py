@@ -7,7 +7,10 @@ import json
 from pathlib import Path
 
 import torch
+import yaml
 
+from graphc.artifacts.directory import sha256_file
+from graphc.artifacts.manifest import MANIFEST
 from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import capture_bucket, example_step_inputs, model_weights
 from graphc.models.checkpoint import load_model
@@ -31,6 +34,28 @@ def override(data: dict, **changes) -> dict:
         else:
             node[last] = value
     return data
+
+
+def rehash(artifacts: Path, relative: str) -> None:
+    """Record the tampered file's new hash in the manifest, as an attacker who controls it would."""
+    data = yaml.safe_load((artifacts / MANIFEST).read_text())
+    digest = sha256_file(artifacts / relative)
+    for rank in data["ranks"]:
+        for graph in rank["graphs"]:
+            if graph["file"] == relative:
+                graph["sha256"] = digest
+    if data.get("tokenizer") == relative:
+        data["tokenizer_sha256"] = digest
+    (artifacts / MANIFEST).write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def one_line_refusal(result) -> str:
+    """The `error: ...` line of a CLI run (click's CliRunner) refused as bad input: exit status 2,
+    and nothing else on stderr but the progress lines."""
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("loading ")]
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
 
 SPARSE_V32 = "v32-sparse"
 """The `tiny_checkpoints` entry of the v32 preset with index_topk = SPARSE_TOPK."""

@@ -119,7 +119,7 @@ def artifacts(compiled) -> Path:
 def graphs_never_run(monkeypatch):
     """Input validation must fail before any step runs: stand the graphs in with ones that refuse
     to run (this also skips loading them, which keeps these tests fast)."""
-    def load(path, collectives):
+    def load(path, collectives, context):
         def call(*args, **kwargs):
             raise AssertionError(f"a graph ran although the input was invalid ({path.name})")
         return call

@@ -22,6 +22,7 @@ from graphc.artifacts.directory import read_manifest, sha256_file
 from graphc.artifacts.manifest import MANIFEST, ArtifactError
 from graphc.runtime import Engine
 from graphc.runtime.archive_check import check_export_archive
+from support import one_line_refusal, rehash
 
 pytestmark = pytest.mark.compiles
 
@@ -53,19 +54,6 @@ def _rewrite_archive(path: Path, change) -> None:
             archive.writestr(name, data)
 
 
-def _rehash(artifacts: Path, relative: str, key: str = "sha256") -> None:
-    """Record the tampered file's new hash, as an attacker who controls the manifest would."""
-    data = yaml.safe_load((artifacts / MANIFEST).read_text())
-    digest = sha256_file(artifacts / relative)
-    for rank in data["ranks"]:
-        for graph in rank["graphs"]:
-            if graph["file"] == relative:
-                graph[key] = digest
-    if data.get("tokenizer") == relative:
-        data["tokenizer_sha256"] = digest
-    (artifacts / MANIFEST).write_text(yaml.safe_dump(data, sort_keys=False))
-
-
 def _pickled_constant(marker: Path):
     def change(entries):
         config_name = next(n for n in entries if n.endswith("_constants_config.json"))
@@ -89,7 +77,7 @@ def test_a_graph_that_asks_for_pickle_is_refused_and_its_payload_never_runs(arti
     marker = tmp_path / "payload-ran"
     graph = read_manifest(artifacts).ranks[0].graphs[0].file
     _rewrite_archive(artifacts / graph, tamper(marker))
-    _rehash(artifacts, graph)
+    rehash(artifacts, graph)
     read_manifest(artifacts)  # every hash matches: only the archive check stands in the way
     with pytest.raises(ArtifactError, match="unpickle"):
         Engine(artifacts)
@@ -418,7 +406,6 @@ def test_mutated_artifacts_are_refused_in_one_line_or_serve_the_same_tokens(pris
         if result.exit_code == 0:
             assert result.stdout == expected
         else:
-            lines = [line for line in result.stderr.splitlines() if not line.startswith("loading ")]
-            assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+            one_line_refusal(result)
         assert sorted(p.name for p in outside.iterdir()) == ["sentinel"]
         assert (outside / "sentinel").read_text() == "untouched"

@@ -19,7 +19,22 @@ from graphc.errors import GraphcError
 from graphc.topology import Topology
 
 if TYPE_CHECKING:
-    from graphc.artifacts.manifest import Manifest
+    from graphc.artifacts.manifest import GraphEntry, Manifest, RankEntry
+
+
+@dataclass(frozen=True)
+class GraphContext:
+    """One graph file as the verified manifest describes it: what a loader checks a file that
+    declares its own signature (a neuron archive) against, before running any of it."""
+
+    manifest: Manifest
+    rank: RankEntry
+    """A rank that runs the file."""
+    graph: GraphEntry
+    """That rank's entry naming the file."""
+    weights: list | None = None
+    """The rank's weight tensors the graph is called with; None where nothing runs (the lint,
+    neuron-finish)."""
 
 
 @dataclass(frozen=True)
@@ -36,8 +51,9 @@ class Backend:
     compiler: str
     """`module:function(program, out, topology)` compiling one saved program into `out`."""
     loader: str
-    """`module:function(path, collectives)` loading one graph file as a callable of (weights, inputs):
-    a runtime module, as the runtime imports no compiler."""
+    """`module:function(path, collectives, context)` loading one graph file as a callable of
+    (weights, inputs), the file checked against its `GraphContext` first: a runtime module, as the
+    runtime imports no compiler."""
     fixed_pool: bool = False
     """Whether the KV pool's block count is fixed when compiling (static shapes everywhere), its
     last block a scratch slot that padding tokens write instead of being dropped: the runtime
@@ -86,8 +102,8 @@ class Backend:
     def compile(self, program: Path, out: Path, topology: Topology) -> None:
         _imported(self.compiler)(program, out, topology)
 
-    def load(self, path: Path, collectives: bool) -> Callable:
-        return _imported(self.loader)(path, collectives)
+    def load(self, path: Path, collectives: bool, context: GraphContext) -> Callable:
+        return _imported(self.loader)(path, collectives, context)
 
     def cache_toolchain(self) -> str:
         return _imported(self.toolchain)() if self.toolchain else ""

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
-from graphc.backends.neuron_archive import (CPU_HLO, NEFF, NEURON_HLO, available, neff_of, neuronx_cc_command,
-                                           write_archive)
+from graphc.backends.neuron_archive import (CPU_HLO, NEFF, NEURON_HLO, ProgramDescription, available, neff_of,
+                                           neuronx_cc_command, write_archive)
 from graphc.backends.xla.lint import check_neuron_module
 from graphc.backends.xla.lower import lower_to_hlo
 from graphc.backends.xla.variants import CPU, NEURON
@@ -25,6 +25,6 @@ def compile_program(program: Path, out: Path, topology: Topology) -> None:
     check_neuron_module(neuron_hlo, topology, signature.parameters.index("kv_pool"))
     cpu_hlo, _ = lower_to_hlo(exported, topology, CPU)
     command = neuronx_cc_command()
-    description = {"signature": signature.to_json(), "world": topology.world, "neuronx_cc": command}
+    description = ProgramDescription(signature, topology.world, command)
     neff = neff_of(neuron_hlo, command) if available() else None
     write_archive(out, description, {NEURON_HLO: neuron_hlo, CPU_HLO: cpu_hlo, **({NEFF: neff} if neff else {})})

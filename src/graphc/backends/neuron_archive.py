@@ -1,33 +1,119 @@
 """A neuron program's archive (a stored zip: hashed and shipped as one file) and neuronx-cc, which
 turns its Neuron HLO into a NEFF.
 
-    program.json     the parameter / result names, shapes and dtypes (`xla.lower.ProgramSignature`),
-                     the world size, and the neuronx-cc command that makes (or made) the NEFF
+    program.json     the parameter / result names, shapes and dtypes (`ProgramSignature`), the
+                     world size, and the neuronx-cc command that makes (or made) the NEFF
     neuron.hlo.pb    the HloModuleProto for neuronx-cc (`xla.variants.NEURON`)
     cpu.hlo.pb       the same module in the form XLA:CPU runs (`xla.variants.CPU`): what `graphc
                      run` serves here, to validate the graphs token for token
     neuron.neff      where `neuronx-cc` was on PATH at compile time, or after `graphc
                      neuron-finish` on a Neuron host
 
-Light on purpose (no torch, no jax): the compiler, the XLA:CPU runner and `graphc neuron-finish`
-share it.
+An archive is input (artifacts travel between hosts, and whoever tampers with one can update the
+manifest's hash), so `read_archive` trusts nothing in it: the zip's directory is checked before
+zipfile parses it (entries, size), members by name and declared size before any is read (bounds
+derived from the manifest's program: `member_limits`), each read size-limited; program.json
+through its schema (`graphc.typed.build`) and against the manifest (world, parameter names, the
+step inputs' shapes and dtypes, the vocabulary, the weights being bound); each HLO member read is
+parsed, its program shape must be the signature's, and the CPU one may reach nothing beyond itself
+(`HOST_OPCODES`). Every refusal is one ArtifactError line.
+
+Light on purpose (no torch; jaxlib imported only to parse an HLO member): the compiler, the
+runners, the lint and `graphc neuron-finish` share it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import os
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
+import threading
 import zipfile
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Literal
 
+from graphc.artifacts.manifest import ArtifactError
+from graphc.backends import GraphContext
 from graphc.errors import GraphcError
+from graphc.step import STEP_INPUTS
+from graphc.typed import build
+
+if TYPE_CHECKING:
+    from graphc.artifacts.manifest import Manifest
 
 NEURONX_CC = "neuronx-cc"
 NEURON_TARGET = "trn1"
 """The Neuron generation NEFFs are compiled for (`neuronx-cc --target`)."""
 PROGRAM_JSON, NEURON_HLO, CPU_HLO, NEFF = "program.json", "neuron.hlo.pb", "cpu.hlo.pb", "neuron.neff"
+REQUIRED = (PROGRAM_JSON, NEURON_HLO, CPU_HLO)
+MEMBERS = (*REQUIRED, NEFF)
+DIRECTORY_BYTES = 4096
+"""The most bytes a program archive's zip directory may declare (an entry takes some 60)."""
+JSON_BYTES, JSON_BYTES_PER_PARAMETER = 64 * 2**10, 2**10
+HLO_BYTES, HLO_BYTES_PER_PARAMETER = 16 * 2**20, 256 * 2**10
+"""program.json and each HLO member may declare a base plus an allowance per parameter: the
+compiler writes some 60 and 3,000 bytes per parameter (the module grows with the layers, as the
+weights do; its constants are small), so the allowances are some 15 and 85 times that."""
+NEFF_BYTES = 2 * 2**30
+"""The most bytes a NEFF may declare: a step program's code and the constants neuronx-cc folds
+(weights are parameters, never folded), tens to hundreds of MB for a full model."""
+
+NOISE = "noise"
+OUTPUTS = ("kv_pool", "tokens", "logits")
+"""A step program's results, in order."""
+Dtype = Literal["float32", "bfloat16", "int32", "bool"]
+"""A parameter's or result's dtype: what the lowering emits and the XLA:CPU runner binds."""
+_PROGRAM_DTYPES = {"int64": "int32"}
+"""A torch dtype's name -> its values' dtype in a program (`xla.lower.JAX_DTYPES`: no jax x64 mode)."""
+HOST_OPCODES = ("custom-call", "infeed", "outfeed", "send", "send-done", "recv", "recv-done")
+"""Instructions that reach beyond the module: a custom call runs whatever native function its
+target names (jaxlib registers Python callbacks among them), the others move data to or from the
+host. No CPU variant holds one (`xla.variants`), so none is ever run."""
+_HOST_CALL = re.compile(r"(?<![\w.\-])(" + "|".join(HOST_OPCODES) + r")\(")
+"""One of them anywhere in a module's text: an instruction's own line could be split by a name
+that holds a line break, and no name or metadata of a compiled program spells one."""
+_STDERR_HELD = threading.Lock()
+_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
+@dataclass(frozen=True)
+class ProgramSignature:
+    """What the runtime binds to the module's parameters and reads from its results."""
+
+    parameters: list[str]
+    """Input names in parameter order: `weight.<i>` for each weight, then the step inputs
+    (`graphc.step.STEP_INPUTS`), then `noise` if sampling (`parameter_names`)."""
+    shapes: list[list[int]]
+    dtypes: list[Dtype]
+    outputs: list[str]
+    """Result names in order: `OUTPUTS`."""
+    output_dtypes: list[Dtype]
+    samples: bool
+    """Whether the program has the sampler (and so the `noise` input)."""
+
+
+@dataclass(frozen=True)
+class ProgramDescription:
+    """program.json."""
+
+    signature: ProgramSignature
+    world: int
+    """The ranks the module's collectives span (the manifest's topology.world)."""
+    neuronx_cc: list[str]
+    """The command that makes (or made) the NEFF, run in a folder holding neuron.hlo.pb."""
+
+
+def parameter_names(weights: int, samples: bool) -> list[str]:
+    """A program's parameter names: its `weights` weights, the step inputs, and `noise` if it samples."""
+    return [f"weight.{i}" for i in range(weights)] + list(STEP_INPUTS) + ([NOISE] if samples else [])
 
 
 def neuronx_cc_command(target: str = NEURON_TARGET) -> list[str]:
@@ -69,15 +155,223 @@ def run_neuronx_cc(folder: Path, command: list[str]) -> bytes:
     return (folder / NEFF).read_bytes()
 
 
-def write_archive(out: Path, description: dict, files: dict[str, bytes]) -> None:
+def write_archive(out: Path, description: ProgramDescription, files: dict[str, bytes]) -> None:
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as archive:
-        archive.writestr(PROGRAM_JSON, json.dumps(description, indent=1))
+        archive.writestr(PROGRAM_JSON, json.dumps(dataclasses.asdict(description), indent=1))
         for name, data in files.items():
             archive.writestr(name, data)
 
 
-def read_archive(path: Path) -> tuple[dict, dict[str, bytes]]:
-    """(program.json, the other files by name)."""
-    with zipfile.ZipFile(path) as archive:
-        files = {name: archive.read(name) for name in archive.namelist()}
-    return json.loads(files.pop(PROGRAM_JSON)), files
+def program_contexts(manifest: Manifest) -> dict[str, GraphContext]:
+    """Each distinct program archive of `manifest` (file -> the first rank and graph naming it),
+    for what reads archives without running them (the lint, neuron-finish)."""
+    contexts: dict[str, GraphContext] = {}
+    for rank in manifest.ranks:
+        for graph in rank.graphs:
+            contexts.setdefault(graph.file, GraphContext(manifest, rank, graph))
+    return dict(sorted(contexts.items()))
+
+
+def member_limits(context: GraphContext) -> dict[str, int]:
+    """The most bytes each member may declare, for the program of `context` (see `HLO_BYTES`)."""
+    parameters = len(context.rank.weight_names) + len(STEP_INPUTS) + 1
+    hlo = HLO_BYTES + HLO_BYTES_PER_PARAMETER * parameters
+    return {PROGRAM_JSON: JSON_BYTES + JSON_BYTES_PER_PARAMETER * parameters, NEURON_HLO: hlo, CPU_HLO: hlo,
+            NEFF: NEFF_BYTES}
+
+
+def read_archive(path: Path, context: GraphContext,
+                 members: tuple[str, ...]) -> tuple[ProgramDescription, dict[str, bytes]]:
+    """program.json, checked against `context`, and each of `members` the archive holds (by name),
+    an HLO member parsed and checked against the signature; otherwise one ArtifactError line."""
+    limits = member_limits(context)
+    try:
+        with open(path, "rb") as handle:
+            _check_directory(path, handle)
+            with zipfile.ZipFile(handle) as archive:
+                infos = _check_members(path, archive, limits)
+                description = _description(path, _read(path, archive, infos[PROGRAM_JSON]), context)
+                files = {name: _read(path, archive, infos[name]) for name in members if name in infos}
+    # zipfile's refusals of a damaged directory, header or stream: what it cannot parse, decode (a
+    # UTF-8 name), seek to, decompress, or does not implement (a version or flag beyond deflate).
+    except (zipfile.BadZipFile, UnicodeDecodeError, zlib.error, EOFError, OSError, NotImplementedError) as e:
+        raise _refused(path, f"not a readable zip archive ({e})") from None
+    for name in (NEURON_HLO, CPU_HLO):
+        if name in files:
+            _check_module(path, name, files[name], description.signature, context)
+    return description, files
+
+
+def _refused(path: Path, message: str) -> ArtifactError:
+    # A key program.json spells may hold a line break: the refusal stays one line.
+    return ArtifactError(f"{path}: {message}".translate(_LINE_BREAKS))
+
+
+def _check_directory(path: Path, handle) -> None:
+    """Refuse a zip directory larger than a program archive's before zipfile reads it whole (one
+    of millions of entries would cost seconds and gigabytes)."""
+    end = zipfile._EndRecData(handle)  # zipfile's own reader of the end record, zip64 included
+    if end is None:
+        raise _refused(path, "not a zip archive (no end of central directory record)")
+    entries, size = end[zipfile._ECD_ENTRIES_TOTAL], end[zipfile._ECD_SIZE]
+    if entries > len(MEMBERS) or size > DIRECTORY_BYTES:
+        raise _refused(path, f"the zip directory declares {entries} entries in {size} bytes; a program archive "
+                             f"has at most {len(MEMBERS)} ({', '.join(MEMBERS)}) in {DIRECTORY_BYTES}")
+
+
+def _check_members(path: Path, archive: zipfile.ZipFile, limits: dict[str, int]) -> dict[str, zipfile.ZipInfo]:
+    """The members by name, once each, only the known ones, stored or deflated, each declaring at
+    most its limit."""
+    infos = archive.infolist()
+    names = [info.filename for info in infos]
+    if len(set(names)) != len(names) or not set(REQUIRED) <= set(names) <= set(MEMBERS):
+        raise _refused(path, f"members {names}; a program archive holds {', '.join(REQUIRED)} and optionally "
+                             f"{NEFF}, each once")
+    for info in infos:
+        if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or info.flag_bits & 0x1:
+            raise _refused(path, f"{info.filename}: compression method {info.compress_type}"
+                                 f"{' (encrypted)' if info.flag_bits & 0x1 else ''}; members are stored or deflated")
+        if info.file_size > limits[info.filename]:
+            raise _refused(path, f"{info.filename}: declares {info.file_size} bytes; at most "
+                                 f"{limits[info.filename]} for this manifest's program")
+    return dict(zip(names, infos))
+
+
+def _read(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+    # Never more than the declared size (already bounded), whatever the data holds.
+    with archive.open(info) as member:
+        data = member.read(info.file_size + 1)
+    if len(data) != info.file_size:
+        raise _refused(path, f"{info.filename}: holds {len(data)} bytes, not the {info.file_size} it declares")
+    return data
+
+
+def _description(path: Path, data: bytes, context: GraphContext) -> ProgramDescription:
+    try:
+        raw = json.loads(data.decode())  # UTF-8, as written (json.loads would guess among UTF-16 and -32)
+    except (ValueError, RecursionError) as e:
+        raise _refused(path, f"{PROGRAM_JSON}: not JSON ({e})") from None
+    try:
+        description = build(ProgramDescription, raw, ArtifactError)
+    except ArtifactError as e:
+        raise _refused(path, f"{PROGRAM_JSON}: {e}") from None
+    problem = _signature_problem(description, context)
+    if problem:
+        raise _refused(path, f"{PROGRAM_JSON}: {problem}")
+    return description
+
+
+def _program_dtype(dtype) -> str:
+    """A torch dtype (or its name, as the manifest writes it) as the program's values have it."""
+    name = str(dtype).removeprefix("torch.")
+    return _PROGRAM_DTYPES.get(name, name)
+
+
+def expected_parameters(context: GraphContext) -> dict[str, tuple[list[int], str] | None]:
+    """Each parameter's shape and dtype as the manifest says the program takes them: the step
+    inputs' from the graph entry (the pool's block count fixed at compile time), noise [rows,
+    vocab] fp32, the weights' from the tensors bound (None where none are: any shape and dtype)."""
+    manifest, rank, graph, weights = context.manifest, context.rank, context.graph, context.weights
+    names = parameter_names(len(rank.weight_names), rank.samples)
+    expected = dict.fromkeys(names[:len(rank.weight_names)]) if weights is None else {
+        name: (list(w.shape), _program_dtype(w.dtype)) for name, w in zip(names, weights)}
+    for name, spec in graph.inputs.items():
+        shape = [manifest.kv_cache.num_blocks if size == -1 else size for size in spec.shape]
+        expected[name] = shape, _program_dtype(spec.dtype)
+    if rank.samples:
+        expected[NOISE] = [graph.inputs["seed"].shape[0], manifest.model.vocab_size], "float32"
+    return expected
+
+
+def _signature_problem(description: ProgramDescription, context: GraphContext) -> str | None:
+    signature, rank, world = description.signature, context.rank, context.manifest.topology.world
+    if description.world != world:
+        return f"world: {description.world}; the manifest's topology has {world} rank(s)"
+    if signature.samples != rank.samples:
+        does = "samples" if rank.samples else "does not sample"
+        return f"signature.samples: {signature.samples}; rank {rank.rank} {does}"
+    expected = expected_parameters(context)
+    names, weights = list(expected), len(rank.weight_names)
+    if signature.parameters != names:
+        at = next((i for i, (a, b) in enumerate(zip(signature.parameters, names)) if a != b),
+                  min(len(names), len(signature.parameters)))
+        return (f"signature.parameters: {len(signature.parameters)} names, [{at}] "
+                f"{signature.parameters[at] if at < len(signature.parameters) else 'missing'!r}; expected "
+                f"{len(names)}: weight.0 .. weight.{weights - 1}, then {', '.join(names[weights:])}")
+    for field in ("shapes", "dtypes"):
+        if len(getattr(signature, field)) != len(names):
+            return f"signature.{field}: {len(getattr(signature, field))} entries for {len(names)} parameters"
+    for i, (name, shape, dtype) in enumerate(zip(names, signature.shapes, signature.dtypes)):
+        if expected[name] is None and not all(0 < size < 2**31 for size in shape):
+            return f"signature.shapes[{i}] ({name}): {shape}; sizes are from 1 to 2**31 - 1"
+        if expected[name] is not None and (shape, dtype) != expected[name]:
+            return (f"signature.shapes[{i}], dtypes[{i}] ({name}): {shape} {dtype}; the manifest's program takes "
+                    f"{expected[name][0]} {expected[name][1]}")
+    pool_dtype = expected["kv_pool"][1]
+    if signature.outputs != list(OUTPUTS) or signature.output_dtypes[:2] != [pool_dtype, "int32"] \
+            or len(signature.output_dtypes) != 3 or signature.output_dtypes[2] not in ("float32", "bfloat16"):
+        return (f"signature.outputs, output_dtypes: {signature.outputs} {signature.output_dtypes}; expected "
+                f"{list(OUTPUTS)} [{pool_dtype}, int32, float32 or bfloat16]")
+    return None
+
+
+def _check_module(path: Path, name: str, data: bytes, signature: ProgramSignature, context: GraphContext) -> None:
+    """Parse an HLO member (jaxlib's HloModuleProto reader, the module built whole) and refuse it
+    unless its parameters and results are the signature's, and the CPU one if it reaches beyond
+    itself (`HOST_OPCODES`)."""
+    from jax._src.lib import xla_client
+
+    try:
+        with native_log_held():
+            computation = xla_client._xla.XlaComputation(data)
+            computation.get_hlo_module()
+            shape = computation.program_shape()
+            parameters = [_shape_of(s) for s in shape.parameter_shapes()]
+            results = [_shape_of(s) for s in shape.result_shape().tuple_shapes()] \
+                if shape.result_shape().is_tuple() else [_shape_of(shape.result_shape())]
+            text = computation.as_hlo_text() if name == CPU_HLO else ""
+    except xla_client.XlaRuntimeError as e:
+        raise _refused(path, f"{name}: not an HLO module XLA reads ({str(e).splitlines()[0]})") from None
+    found = sorted(set(_HOST_CALL.findall(text)))
+    if found:
+        raise _refused(path, f"{name}: holds {', '.join(found)}; the CPU variant runs none of {', '.join(HOST_OPCODES)}")
+    rows, vocab = context.graph.inputs["seed"].shape[0], context.manifest.model.vocab_size
+    pool = signature.shapes[signature.parameters.index("kv_pool")]
+    for kind, names, got, want in (
+            ("parameter", signature.parameters, parameters, [*zip(signature.shapes, signature.dtypes)]),
+            ("result", OUTPUTS, results, [*zip([pool, [rows], [rows, vocab]], signature.output_dtypes)])):
+        if len(got) != len(want):
+            raise _refused(path, f"{name}: the module has {len(got)} {kind}s, program.json's signature {len(want)}")
+        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if at is not None:
+            raise _refused(path, f"{name}: the module's {kind} {at} ({names[at]}) is {_text(got[at])}, program.json's "
+                                 f"signature's {_text(want[at])}")
+
+
+def _shape_of(shape) -> tuple[list[int], str] | str:
+    """An array shape as the signature writes one; anything else (a tuple, a token) as its text."""
+    return (list(shape.dimensions()), shape.numpy_dtype().name) if shape.is_array() else str(shape)
+
+
+def _text(shape: tuple[list[int], str] | str) -> str:
+    return shape if isinstance(shape, str) else f"{shape[1]}{shape[0]}"
+
+
+@contextlib.contextmanager
+def native_log_held() -> Iterator[None]:
+    """Hold what native code writes to file descriptor 2 until the block ends: written out if the
+    block succeeds, dropped if it raises (jaxlib logs a malformed module's RET_CHECK failure
+    with a C++ stack trace there; the refusal says what failed, in one line). One block at a
+    time: the descriptor is the process's (neuron-finish reads archives from several threads)."""
+    with _STDERR_HELD, tempfile.TemporaryFile() as held:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        with open(2, "wb", closefd=False) as stderr:
+            stderr.write(held.read())

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from graphc.artifacts.directory import read_manifest
 from graphc.artifacts.manifest import GraphEntry, Manifest, RankEntry
-from graphc.backends import BACKENDS, backend
+from graphc.backends import BACKENDS, GraphContext, backend
 from graphc.buckets.selection import Bucket
 from graphc.errors import GraphcError
 import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
@@ -108,6 +108,7 @@ def load_rank(artifacts: Path, rank: int = 0, manifest: Manifest | None = None,
     collectives = manifest.topology.world > 1
     runners = {}
     for graph in entry.graphs:
-        runner = GraphRunner(graph, load(artifacts / graph.file, collectives), num_blocks)
+        call = load(artifacts / graph.file, collectives, GraphContext(manifest, entry, graph, weights))
+        runner = GraphRunner(graph, call, num_blocks)
         runners[runner.bucket] = runner
     return LoadedRank(manifest, entry, weights, runners, num_blocks)

@@ -21,7 +21,8 @@ from typing import Callable
 
 import torch
 
-from graphc.backends.neuron_archive import NEFF, read_archive
+from graphc.backends import GraphContext
+from graphc.backends.neuron_archive import NEFF, NOISE, read_archive
 from graphc.errors import GraphcError
 from graphc.ops.sampler import sampling_noise
 
@@ -82,9 +83,10 @@ def _parameter_of(neff_name: str, parameters: list[str]) -> str:
     raise GraphcError(f"NEFF input {neff_name!r} matches no program parameter ({len(parameters)} of them)")
 
 
-def load_neff(path: Path, rank: int, world: int) -> Callable:
-    """The runner of one program archive's NEFF: `(weights, inputs) -> (tokens, logits)`."""
-    description, files = read_archive(path)
+def load_neff(path: Path, rank: int, world: int, context: GraphContext) -> Callable:
+    """The runner of one program archive's NEFF (the archive checked against `context` first):
+    `(weights, inputs) -> (tokens, logits)`."""
+    description, files = read_archive(path, context, (NEFF,))
     if NEFF not in files:
         raise GraphcError(f"{path.name}: no NEFF; run `graphc neuron-finish` on a Neuron host first")
     library, neff, model = _nrt(), files[NEFF], ctypes.c_void_p()
@@ -95,8 +97,8 @@ def load_neff(path: Path, rank: int, world: int) -> Callable:
     _check(library.nrt_get_model_tensor_info(model, ctypes.byref(info)), "nrt_get_model_tensor_info")
     count = ctypes.c_uint64.from_address(info.value).value
     tensors = (TensorInfo * count).from_address(info.value + ctypes.sizeof(ctypes.c_uint64))
-    signature = description["signature"]
-    parameters, results = signature["parameters"], signature["outputs"]
+    signature = description.signature
+    parameters, results = signature.parameters, signature.outputs
     inputs = {t.name.decode(): _parameter_of(t.name.decode(), parameters) for t in tensors if t.usage == NRT_USAGE_INPUT}
     outputs = [(t.name.decode(), t.size) for t in tensors if t.usage != NRT_USAGE_INPUT]
     if len(outputs) != len(results):
@@ -109,8 +111,8 @@ def load_neff(path: Path, rank: int, world: int) -> Callable:
     for (neff_name, size), result in zip(outputs, results):
         if result != "kv_pool":
             step_tensors[result] = _device_tensor(neff_name, size)
-    vocab = signature["shapes"][parameters.index("noise")][-1] if signature["samples"] else 0
-    logits_dtype = getattr(torch, signature["output_dtypes"][results.index("logits")])
+    vocab = signature.shapes[parameters.index(NOISE)][-1] if signature.samples else 0
+    logits_dtype = getattr(torch, signature.output_dtypes[results.index("logits")])
 
     def run(weights: list[torch.Tensor], step: dict[str, torch.Tensor]):
         source, device = _device_tensors.get(id(weights), (None, None))
@@ -123,7 +125,7 @@ def load_neff(path: Path, rank: int, world: int) -> Callable:
             _write(device["kv_pool"], step["kv_pool"])  # once: afterwards the pool lives on the device
             _device_tensors[id(weights)] = weights, device
         values = dict(step)
-        if signature["samples"]:
+        if signature.samples:
             values["noise"] = sampling_noise(step["seed"], vocab)
         input_set, output_set = ctypes.c_void_p(), ctypes.c_void_p()
         _check(library.nrt_allocate_tensor_set(ctypes.byref(input_set)), "nrt_allocate_tensor_set")

@@ -20,7 +20,9 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from graphc.backends.neuron_archive import CPU_HLO, read_archive
+from graphc.artifacts.manifest import ArtifactError
+from graphc.backends import GraphContext
+from graphc.backends.neuron_archive import CPU_HLO, NOISE, native_log_held, read_archive
 from graphc.errors import GraphcError
 from graphc.ops.sampler import sampling_noise
 
@@ -72,32 +74,27 @@ def _to_torch(array, like: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(host.copy()).to(like)
 
 
-def load_xla(path: Path, collectives: bool) -> Callable:
-    """The runner of one program archive: `(weights, inputs) -> (tokens, logits)`, writing the
-    program's KV pool result back into `inputs["kv_pool"]`."""
+def load_xla(path: Path, collectives: bool, context: GraphContext) -> Callable:
+    """The runner of one program archive (checked against `context` first): `(weights, inputs) ->
+    (tokens, logits)`, writing the program's KV pool result back into `inputs["kv_pool"]`."""
     jax = _jax()
-    import jax.extend
     from jax._src.lib import xla_client
 
-    description, files = read_archive(path)
-    hlo = files[CPU_HLO]
-    signature, world = description["signature"], description["world"]
+    description, files = read_archive(path, context, (CPU_HLO,))
+    signature, world = description.signature, description.world
     if collectives:
         start_distributed()
     devices = sorted(jax.devices(), key=lambda d: d.process_index)
     if len(devices) != world:
         raise GraphcError(f"{path.name}: compiled for {world} ranks, but jax sees {len(devices)} devices")
-    options = xla_client.CompileOptions()
-    build = options.executable_build_options
-    build.num_replicas, build.num_partitions = world, 1
-    build.device_assignment = xla_client.DeviceAssignment.create(np.array([[d.id] for d in devices]))
-    backend = jax.extend.backend.get_backend("cpu")
-    executable = backend.compile_and_load(xla_client._xla.mlir.hlo_to_stablehlo(hlo),
-                                          xla_client.DeviceList(tuple(devices)), options)
+    try:
+        executable = _compiled(files[CPU_HLO], devices)
+    except xla_client.XlaRuntimeError as e:
+        raise ArtifactError(f"{path}: {CPU_HLO}: XLA:CPU cannot compile it ({str(e).splitlines()[0]})") from None
     device = jax.local_devices()[0]
-    names, dtypes = signature["parameters"], signature["dtypes"]
+    names, dtypes = signature.parameters, signature.dtypes
     weight_count = sum(name.startswith("weight.") for name in names)
-    vocab = signature["shapes"][names.index("noise")][-1] if signature["samples"] else 0
+    vocab = signature.shapes[names.index(NOISE)][-1] if signature.samples else 0
 
     def run(weights: list[torch.Tensor], inputs: dict[str, torch.Tensor]):
         source, placed = _placed_weights.get(id(weights), (None, None))
@@ -105,7 +102,7 @@ def load_xla(path: Path, collectives: bool) -> Callable:
             placed = [_to_device(w, d, device) for w, d in zip(weights, dtypes)]
             _placed_weights[id(weights)] = weights, placed
         values = dict(inputs)
-        if signature["samples"]:
+        if signature.samples:
             sampling = bool((inputs["temperature"] > 0).any())
             values["noise"] = (sampling_noise(inputs["seed"], vocab) if sampling
                                else torch.zeros(len(inputs["seed"]), vocab))
@@ -117,3 +114,18 @@ def load_xla(path: Path, collectives: bool) -> Callable:
         return _to_torch(tokens, torch.int64), _to_torch(logits, torch.float32)
 
     return run
+
+
+def _compiled(hlo: bytes, devices: list):
+    """XLA:CPU's executable of `hlo` over `devices` (one replica each); what XLA logs of a module it
+    refuses is held back (`native_log_held`)."""
+    import jax.extend
+    from jax._src.lib import xla_client
+
+    options = xla_client.CompileOptions()
+    build = options.executable_build_options
+    build.num_replicas, build.num_partitions = len(devices), 1
+    build.device_assignment = xla_client.DeviceAssignment.create(np.array([[d.id] for d in devices]))
+    with native_log_held():
+        return jax.extend.backend.get_backend("cpu").compile_and_load(
+            xla_client._xla.mlir.hlo_to_stablehlo(hlo), xla_client.DeviceList(tuple(devices)), options)

@@ -18,9 +18,10 @@ from pathlib import Path
 from graphc.artifacts.directory import atomic_directory, read_manifest, sha256_file
 from graphc.artifacts.manifest import MANIFEST
 from graphc.artifacts.signing import SIGNATURE, sign
-from graphc.backends import backend
-from graphc.backends.neuron_archive import (NEFF, NEURON_HLO, NEURON_TARGET, available, manifest_extras, neff_of,
-                                            neuronx_cc_command, read_archive, write_archive)
+from graphc.backends import GraphContext, backend
+from graphc.backends.neuron_archive import (CPU_HLO, NEFF, NEURON_HLO, NEURON_TARGET, available, manifest_extras,
+                                            neff_of, neuronx_cc_command, program_contexts, read_archive,
+                                            write_archive)
 from graphc.errors import GraphcError
 
 
@@ -32,24 +33,25 @@ def finish(artifacts: Path, out: Path, target: str = NEURON_TARGET, force: bool 
         raise GraphcError(f"{artifacts}: backend {manifest.backend!r}; neuron-finish takes neuron artifacts")
     if not available():
         raise GraphcError("neuronx-cc is not on PATH: run neuron-finish on a Neuron host with the Neuron SDK installed")
-    files = sorted({graph.file for rank in manifest.ranks for graph in rank.graphs})
+    contexts = program_contexts(manifest)
     command = neuronx_cc_command(target)
     with atomic_directory(out, force) as staging:
         shutil.copytree(artifacts, staging, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns(MANIFEST, SIGNATURE, ".graphc-*"))
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(lambda name: _add_neff(staging / name, command), files))
-        hashes = {name: sha256_file(staging / name) for name in files}
+            list(pool.map(lambda name: _add_neff(staging / name, contexts[name], command), contexts))
+        hashes = {name: sha256_file(staging / name) for name in contexts}
         ranks = [dataclasses.replace(rank, graphs=[dataclasses.replace(g, sha256=hashes[g.file]) for g in rank.graphs])
                  for rank in manifest.ranks]
         finished = dataclasses.replace(manifest, ranks=ranks, extra={**manifest.extra, **manifest_extras(target)})
         (staging / MANIFEST).write_text(finished.to_yaml())
         if sign_key is not None:
             (staging / SIGNATURE).write_bytes(sign((staging / MANIFEST).read_bytes(), sign_key))
-    return len(files)
+    return len(contexts)
 
 
-def _add_neff(archive: Path, command: list[str]) -> None:
-    description, files = read_archive(archive)
+def _add_neff(archive: Path, context: GraphContext, command: list[str]) -> None:
+    # A NEFF already there is replaced, so never read.
+    description, files = read_archive(archive, context, (NEURON_HLO, CPU_HLO))
     files[NEFF] = neff_of(files[NEURON_HLO], command)
-    write_archive(archive, {**description, "neuronx_cc": command}, files)
+    write_archive(archive, dataclasses.replace(description, neuronx_cc=command), files)

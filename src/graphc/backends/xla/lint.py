@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from jax._src.lib import xla_client
 
-from graphc.backends.neuron_archive import NEURON_HLO, read_archive
+from graphc.backends.neuron_archive import NEURON_HLO, program_contexts, read_archive
 from graphc.errors import GraphcError
 from graphc.topology import GROUPS, Topology
 
@@ -121,8 +121,8 @@ def lint_archives(artifacts: Path, manifest: Manifest) -> list[str]:
     """Every rule broken by the Neuron HLO of each distinct program archive, one line each."""
     topology = manifest.topology.topology()
     problems = []
-    for name in sorted({g.file for r in manifest.ranks for g in r.graphs}):
-        description, files = read_archive(artifacts / name)
-        pool = description["signature"]["parameters"].index("kv_pool")
+    for name, context in program_contexts(manifest).items():
+        description, files = read_archive(artifacts / name, context, (NEURON_HLO,))
+        pool = description.signature.parameters.index("kv_pool")
         problems += [f"{name}: {problem}" for problem in lint_neuron_module(files[NEURON_HLO], topology, pool)]
     return problems

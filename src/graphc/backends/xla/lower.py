@@ -4,10 +4,10 @@ The program is decomposed to core ATen (`run_decompositions`), then interpreted 
 the rules of `aten.py` and `graphc_ops.py` under `jax.jit`, lowered to StableHLO and converted to
 an HLO module: the input neuronx-cc documents (`--framework XLA`), and one XLA:CPU runs here.
 
-The module's signature (`ProgramSignature`, recorded beside it): the weights, then the step
-inputs (`graphc.step.STEP_INPUTS`), then `noise` [B, V] fp32 when the program samples (the
-host draws it from each row's seed); int64 inputs as int32 (the programs run without jax's x64
-mode). Outputs: the written KV pool (aliased to the pool input: donated, updated in place),
+The module's signature (`neuron_archive.ProgramSignature`, recorded beside it): the weights, then
+the step inputs (`graphc.step.STEP_INPUTS`), then `noise` [B, V] fp32 when the program samples
+(the host draws it from each row's seed); int64 inputs as int32 (the programs run without jax's
+x64 mode). Outputs: the written KV pool (aliased to the pool input: donated, updated in place),
 the tokens and the logits. The pool's block count is fixed at compile time: what the capture
 recorded (`kv_cache.num_blocks`), whose last block is the scratch slot of padding tokens.
 """
@@ -26,6 +26,7 @@ from jax._src.lib.mlir import ir
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from graphc.backends.neuron_archive import NOISE, OUTPUTS, ProgramSignature, parameter_names
 from graphc.backends.xla import aten as aten_rules
 from graphc.backends.xla import graphc_ops
 from graphc.backends.xla.aten import Out
@@ -37,29 +38,6 @@ from graphc.topology import Topology
 JAX_DTYPES = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16,
               torch.int64: jnp.int32, torch.int32: jnp.int32, torch.bool: jnp.bool_}
 """torch dtype -> the dtype its values take in the lowered program (no int64: see the module doc)."""
-
-NOISE = "noise"
-OUTPUTS = ("kv_pool", "tokens", "logits")
-"""A step program's results, in order."""
-
-
-@dataclass(frozen=True)
-class ProgramSignature:
-    """What the runtime binds to the module's parameters and reads from its results."""
-
-    parameters: list[str]
-    """Input names in parameter order: weight names, then step inputs, then `noise` if sampling."""
-    shapes: list[list[int]]
-    dtypes: list[str]
-    outputs: list[str]
-    """Result names in order: `kv_pool`, `tokens`, `logits`."""
-    output_dtypes: list[str]
-    samples: bool
-    """Whether the program has the sampler (and so the `noise` input)."""
-
-    def to_json(self) -> dict:
-        return dict(self.__dict__)
-
 
 @dataclass
 class Lowering:
@@ -176,13 +154,12 @@ def lower_to_hlo(program: ExportedProgram, topology: Topology, variant: Variant)
     num_blocks = _num_blocks(program)
     user_inputs = [n for n in program.graph.nodes if n.op == "placeholder"
                    and _input_kind(program, n.name) == InputKind.USER_INPUT]
-    # Weights are one list input and the step inputs follow it.
-    names = [f"weight.{i}" for i in range(len(user_inputs) - len(STEP_INPUTS))] + list(STEP_INPUTS)
-    avals = [_out(n.meta["val"], num_blocks) for n in user_inputs]
     samples = any(n.target is torch.ops.graphc.sample.default for n in program.graph.nodes)
+    # Weights are one list input and the step inputs follow it.
+    names = parameter_names(len(user_inputs) - len(STEP_INPUTS), samples)
+    avals = [_out(n.meta["val"], num_blocks) for n in user_inputs]
     logits = next(n for n in program.graph.nodes if n.op == "output").args[0][-1].meta["val"]
     if samples:
-        names.append(NOISE)
         avals.append(Out(tuple(logits.shape), jnp.float32))
     lowering = Lowering(topology, variant)
     body = interpret(program, lowering, num_blocks)
