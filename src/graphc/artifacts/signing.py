@@ -51,20 +51,19 @@ def private_key(path: Path):
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    raw = _read_key(path, "--sign-key")
+    try:
+        key = serialization.load_pem_private_key(_read_key(path, "--sign-key"), password=None)
+    except (ValueError, TypeError):  # not PEM, another algorithm's encoding, or encrypted
+        key = None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise SignatureError(f"--sign-key {path}: not an unencrypted Ed25519 private key in PEM "
+                             "(make one with `graphc keygen`)")
     # As OpenSSH refuses an unprotected key: whoever can read it can sign artifacts that every
     # serving host trusts, so a key others can read is no longer this host's alone.
     mode = Path(path).stat().st_mode & 0o777
     if mode & 0o077:
         raise SignatureError(f"--sign-key {path}: mode {mode:04o} lets others read the private key; make it the "
                              f"owner's alone (chmod 600 {path})")
-    try:
-        key = serialization.load_pem_private_key(raw, password=None)
-    except (ValueError, TypeError):  # not PEM, another algorithm's encoding, or encrypted
-        key = None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise SignatureError(f"--sign-key {path}: not an unencrypted Ed25519 private key in PEM "
-                             "(make one with `graphc keygen`)")
     return key
 
 
