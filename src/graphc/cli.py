@@ -16,7 +16,7 @@ import click
 from graphc.backends import BACKENDS
 from graphc.errors import GraphcError, Interrupted
 from graphc.models.moe_forms import MOE_LOWERING_CHOICES
-from graphc.server.limits import MAX_BODY_BYTES, TEMPLATE_SECONDS
+from graphc.server.limits import MAX_BODY_BYTES, TEMPLATE_SECONDS, RequestLimits
 
 EXIT_BAD_INPUT = 2
 
@@ -302,7 +302,7 @@ def _named(result, where: str):
 @click.option("--max-waiting", type=click.IntRange(min=1), default=256, show_default=True,
               help="Requests that may wait for admission; past it, HTTP 429 with Retry-After.")
 @click.option("--grace-period", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              help="Seconds SIGTERM gives in-flight requests before cancelling them.")
+              help="Seconds SIGTERM gives in-flight requests before ending them with an error.")
 @click.option("--trusted-key", type=click.Path(path_type=Path), default=None,
               help="Ed25519 public key (PEM): refuse artifacts it did not sign, before loading anything.")
 @click.option("--api-key", envvar="GRAPHC_API_KEY", default=None,
@@ -317,7 +317,6 @@ def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_
     """Serve ARTIFACTS over HTTP with OpenAI's API: /v1/completions (streaming too), /v1/models,
     /health, /metrics (Prometheus). Requests are batched continuously as they arrive."""
     from graphc.server.launch import serve_http
-    from graphc.server.limits import RequestLimits
 
     serve_http(artifacts, host, port, max_waiting, grace_period, model_name, trusted_key,
                RequestLimits(max_body_bytes, template_timeout), api_key)

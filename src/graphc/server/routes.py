@@ -52,6 +52,8 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
     threads = anyio.CapacityLimiter(WORK_THREADS)
 
     async def off_loop(function, *args):
+        # Tokenising releases the GIL (encode_batch), so the loop and the engine thread run on;
+        # JSON parsing and pydantic hold it for one C call each: --max-body-bytes bounds those.
         return await anyio.to_thread.run_sync(functools.partial(function, *args), limiter=threads)
 
     async def parsed(http: Request, schema):

@@ -11,6 +11,7 @@ while the server runs.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import signal
 import sys
@@ -54,6 +55,7 @@ def main() -> None:
     setup = json.loads(sys.stdin.readline())
     # A template can build a string as large as memory: bound this process, not the server.
     resource.setrlimit(resource.RLIMIT_AS, (setup["memory_bytes"], resource.getrlimit(resource.RLIMIT_AS)[1]))
+    os.nice(10)  # a render is one request's work; the server's steps are everyone's: they go first
     compiled: list = []
     print("ready", flush=True)
     for line in sys.stdin:
