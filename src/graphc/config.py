@@ -53,6 +53,12 @@ class ModelSection:
     """Directory of an HF-layout checkpoint (config.json + safetensors); relative to the YAML file."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and activation dtype; the router always runs in float32."""
+    weights: Literal["as-stored", "dequantized"] = "as-stored"
+    """How FP8 block-quantised checkpoint weights (DeepSeek's release format) reach the artifacts:
+    'as-stored' keeps them FP8 with their fp32 block scales, dequantised in each graph next to the
+    op that reads them (a rank stores and reads one byte per weight); 'dequantized' converts them
+    to `dtype` at compile time, as graphc did before. The same logits either way. Weights stored
+    in another dtype are converted to `dtype` in both."""
     sparse_probabilities: Literal["bf16", "fp32"] | None = None
     """DeepSeek-V3.2 sparse attention only: the precision of the softmax probabilities P in the
     P @ V product. 'bf16' rounds P as FlashMLA's sparse kernel does (its denominator still sums the

@@ -9,6 +9,10 @@ soundly turn an all-gathered [T * ep] token batch into a [T] one after the fact.
 `weight_names` order) rather than as lifted parameters, so graphs of every bucket share one
 weight file per rank and identical graphs hash identically whatever the weights.
 
+Weights kept as stored (FP8 with block scales, `load_model(as_stored=True)`) enter as stored and
+are dequantised in the graph, one `graphc::dequantize` node each: the parameter the model reads is
+that node's output (`place_dequantization` then moves it next to its first reader).
+
 The only symbolic dim is the KV pool's block count: it sizes the cache, not any computation,
 and the runtime may change it (`GRAPHC_NUM_KV_BLOCKS`) without recompiling.
 """
@@ -22,8 +26,11 @@ from torch import Tensor
 from torch.export import Dim, ExportedProgram
 
 from graphc.buckets.selection import Bucket
+from graphc.models.checkpoint import QUANTIZED_WEIGHTS
+from graphc.models.fp8 import QuantizedWeight
 from graphc.models.step_model import Parallelism, StepModel
 from graphc.ops import sampler
+from graphc.ops.dequantize import dequantize
 from graphc.step import FLOAT_INPUTS, POOL_BLOCKS_DIM, STEP_INPUTS, kv_pool_shape, step_shapes
 
 
@@ -57,14 +64,19 @@ class StepGraph(torch.nn.Module):
         self.weight_names = weight_names(model)
         self.parallel = parallel
         self.moe_form = moe_form
+        self.quantized: dict[str, QuantizedWeight] = getattr(model, QUANTIZED_WEIGHTS, {})
 
     def forward(self, weights: list[Tensor], input_ids, positions, block_table, slot_mapping, kv_pool,
                 logits_index, temperature, top_k, top_p, seed, coordinates) -> tuple[Tensor, Tensor]:
         # The rank's coordinates are an input, not constants: the graph is the same on every rank.
         cp_rank, ep_rank, samples = coordinates.unbind()
         parallel = dataclasses.replace(self.parallel, cp_rank=cp_rank, ep_rank=ep_rank)
+        parameters = dict(zip(self.weight_names, weights))
+        for name, quantized in self.quantized.items():
+            parameters[name] = dequantize(parameters[name], parameters[quantized.scale], *quantized.block,
+                                          quantized.dtype)
         logits = torch.func.functional_call(
-            self._model[0], dict(zip(self.weight_names, weights)),
+            self._model[0], parameters,
             (input_ids, positions, block_table, slot_mapping, kv_pool, logits_index), {"parallel": parallel, "moe_form": self.moe_form},
         )  # [B, V]
         return sampler.sample(logits, temperature, top_k, top_p, seed, samples), logits

@@ -73,7 +73,9 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
     with atomic_directory(out, options.force) as staging:
         # 1. Model: expert-parallel rank 0's module (every rank's when ep = 1); the other shards
         # are loaded one at a time when their weights are written (step 5).
-        model = load_expert_shard(config.model.checkpoint, topology, 0, dtype, config.model.sparse_probabilities)
+        as_stored = config.model.weights == "as-stored"
+        model = load_expert_shard(config.model.checkpoint, topology, 0, dtype, config.model.sparse_probabilities,
+                                  as_stored)
         args = model.args
         sparse_probabilities = model.sparse_probabilities if args.sparse_attention else None
         # 2. Capture: one rank-agnostic program per bucket, with what changes shapes fixed.
@@ -126,7 +128,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         del model
         for ep_rank in range(1, topology.ep):
             shard = load_expert_shard(config.model.checkpoint, topology, ep_rank, dtype,
-                                      config.model.sparse_probabilities)
+                                      config.model.sparse_probabilities, as_stored)
             shards[ep_rank] = write_weights(model_weights(shard), staging)
             del shard
         # 6. Manifest: graphs, weights and tokenizer by hash, signed on request.

@@ -9,7 +9,8 @@ gate_proj.weight` and `up_proj.weight` for e in 0..E-1 become `model.layers.{i}.
 [E, 2I, D] (each expert's gate rows, then its up rows), and `down_proj.weight` becomes `down_proj`
 [E, D, I]. FP8 block-quantised weights (DeepSeek's
 release format: a float8_e4m3fn `X.weight` with its `X.weight_scale_inv`) are dequantised exactly
-on load (models/fp8.py).
+on load (models/fp8.py), or, for step graphs (`as_stored`), kept as stored: the parameter holds the
+FP8 values and a buffer `<parameter>_scale_inv` their fp32 scales (`fp8.QuantizedWeight`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from torch import Tensor, nn
 
 from graphc.errors import CheckpointError
 from graphc.models.family import Family, Sources
-from graphc.models.fp8 import FP8, SCALE_SUFFIX, UE8M0_SUFFIX, dequantize, scale_grid, scale_name, scaled_weight
+from graphc.models.fp8 import (FP8, SCALE_SUFFIX, UE8M0_SUFFIX, QuantizedWeight, dequantize, scale_grid, scale_name,
+                               scaled_weight)
 from graphc.models.hf_config import read_hf_config
 from graphc.models.layers import STACKED_EXPERT
 from graphc.models.registry import family_of, family_of_config
@@ -117,18 +119,23 @@ def _summarise(names: list[str], limit: int = 5) -> str:
 
 
 def load_expert_shard(checkpoint_dir: Path, topology: Topology, rank: int, dtype: torch.dtype,
-                      sparse_probabilities: str | None = None) -> StepModel:
+                      sparse_probabilities: str | None = None, as_stored: bool = False) -> StepModel:
     """The model of `rank`'s expert-parallel shard: the module holding its routed experts (all of
     them when ep = 1); ranks with the same `topology.ep_rank` hold the same shard."""
     checked = check_checkpoint(Path(checkpoint_dir))
     experts = topology.experts(topology.ep_rank(rank), checked.args.n_routed_experts)
     return load_model(checkpoint_dir, dtype=dtype, experts=experts, sparse_probabilities=sparse_probabilities,
-                      checked=checked)
+                      checked=checked, as_stored=as_stored)
+
+
+QUANTIZED_WEIGHTS = "quantized_weights"
+"""The attribute of a loaded model naming its parameters kept as stored ({name: QuantizedWeight};
+empty where everything was dequantised on load)."""
 
 
 def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                experts: range | None = None, sparse_probabilities: str | None = None,
-               checked: CheckedCheckpoint | None = None) -> StepModel:
+               checked: CheckedCheckpoint | None = None, as_stored: bool = False) -> StepModel:
     """Build the checkpoint's family's step model from it.
 
     Args:
@@ -139,6 +146,8 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
         sparse_probabilities: P's precision in sparse attention (V3.2 only): "bf16" as FlashMLA's
             kernel, "fp32" as the reference; by default "bf16" for a bfloat16 model, else "fp32".
         checked: the checkpoint's `check_checkpoint`, where the caller has it already.
+        as_stored: keep FP8 weights as stored, with their scales (`QUANTIZED_WEIGHTS`): for step
+            graphs, which dequantise them in the graph; the module itself cannot run eagerly then.
 
     Raises:
         CheckpointError: unsupported architecture, missing/unexpected tensor, wrong shape or dtype.
@@ -157,6 +166,7 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     with torch.device("meta"):
         model = build_model(args, len(experts), sparse_probabilities or default_sparse_probabilities(dtype))
     state: dict[str, Tensor] = {}
+    scales: dict[str, tuple[Tensor, QuantizedWeight]] = {}
     with contextlib.ExitStack() as stack:
         # pread, not a mapping: the tensors are copied anyway, and a mapped checkpoint's touched
         # pages would count in this process's resident memory on top of the copies (measured: a
@@ -173,7 +183,12 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
                 return _read_tensor(handles, checked, stored, expected[stored]).to(device=device, dtype=dtype)
 
             groups = sources[name]
-            if name.endswith(family.row_sharded_tables) and len(experts) < args.n_routed_experts:
+            kept = _kept_as_stored(handles, checked, name, groups, experts) if as_stored else None
+            if kept is not None:
+                weight, scale, block = kept
+                state[name] = weight.to(device)
+                scales[name] = scale.to(device), QuantizedWeight(name + SCALE_SUFFIX, block, target)
+            elif name.endswith(family.row_sharded_tables) and len(experts) < args.n_routed_experts:
                 state[name] = _table_rows(handles, checked, groups[0][0], experts).to(device=device, dtype=target)
             elif _stored_per_expert(family, name, groups):
                 state[name] = torch.stack([torch.cat([read(n) for n in groups[e]]) for e in experts])
@@ -184,9 +199,46 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     if args.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
+    for name, (scale, quantized) in scales.items():
+        owner, _, attribute = quantized.scale.rpartition(".")
+        model.get_submodule(owner).register_buffer(attribute, scale)
+    setattr(model, QUANTIZED_WEIGHTS, {name: quantized for name, (_, quantized) in scales.items()})
     model.to(device)  # the buffers built from the config on the CPU (RoPE's, hashes'), not in the state dict
     _check_device(model, torch.device(device))
     return model.requires_grad_(False).eval()  # inference only: no autograd bookkeeping
+
+
+def _kept_as_stored(handles: dict, checked: "CheckedCheckpoint", name: str, groups: list[list[str]],
+                    experts: range) -> tuple[Tensor, Tensor, tuple[int, int]] | None:
+    """Parameter `name` as its FP8 values, fp32 scales and scale block, where every tensor it is
+    made of is stored FP8; None where it is not (it is dequantised on load then). Row-sharded
+    tables (V4.1's Engram) are looked up by row, not multiplied: dequantised on load.
+
+    Stacked experts stack their scales too; where a part's rows are not a whole number of scale
+    blocks (gate and up fused into one matrix), each row gets its block's scale (block rows 1).
+    """
+    parts = [n for group in groups for n in group]
+    if name.endswith(checked.family.row_sharded_tables) or not all(
+            handles[checked.files[n]].get_slice(n).get_dtype() == "F8_E4M3" for n in parts):
+        return None
+    block = checked.fp8_block
+
+    def values(stored: str) -> Tensor:
+        return handles[checked.files[stored]].get_slice(stored)[:]
+
+    def scale(stored: str, rows: int) -> Tensor:
+        name = scale_name(stored, checked.ue8m0)
+        grid = handles[checked.files[name]].get_slice(name)[:].float()
+        return grid if rows == block[0] else grid.repeat_interleave(block[0], dim=0)[:checked.expected[stored][0]]
+
+    if not _stored_per_expert(checked.family, name, groups):
+        if len(parts) != 1 or STACKED_EXPERT.match(name):  # no release stores these FP8: dequantised on load
+            return None
+        return values(parts[0]), scale(parts[0], block[0]), block
+    rows = block[0] if all(checked.expected[n][0] % block[0] == 0 for n in groups[0]) else 1
+    weights = torch.stack([torch.cat([values(n) for n in groups[e]]) for e in experts])
+    grids = torch.stack([torch.cat([scale(n, rows) for n in groups[e]]) for e in experts])
+    return weights, grids, (rows, block[1])
 
 
 def _table_rows(handles: dict, checked: "CheckedCheckpoint", name: str, experts: range) -> Tensor:

@@ -11,6 +11,7 @@ column of blocks are ragged where R or C is not a multiple of the block.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -54,6 +55,19 @@ def quantize(weight: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
     expanded = scale_inv.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
     quantized = (weight.float() / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return quantized, scale_inv
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A parameter kept as stored (`model.weights: as-stored`): its FP8 values, with fp32 block
+    scales in the buffer `scale`; step graphs dequantise it to `dtype` (`graphc::dequantize`)."""
+
+    scale: str
+    """The model buffer holding its scales [..., ceil(R / br), ceil(C / bc)] (fp32)."""
+    block: tuple[int, int]
+    """[br, bc]: the rows and columns one scale covers."""
+    dtype: torch.dtype
+    """What the model computes with: the model dtype, or fp32 for what the family keeps fp32."""
 
 
 UE8M0_SUFFIX = ".scale"

@@ -8,9 +8,10 @@ names them, so the runtime imports it before loading a graph).
     sampler.py          the in-graph sampler
     sparse.py           DeepSeek Sparse Attention's indexer and sparse MLA
     moe.py              the routed experts' sparse forms (expert routes, grouped GEMM)
+    dequantize.py       block-scaled FP8 weights to the compute dtype, in the graph
     hyper_connections.py  DeepSeek-V4's Sinkhorn normalisation of the stream mixes
     distributed.py      semantic group names to process groups
 """
 
-from graphc.ops import (all_to_all, collectives, hyper_connections, moe, paged_attention, sampler,  # noqa: F401
-                        sparse)  # (registration)
+from graphc.ops import (all_to_all, collectives, dequantize, hyper_connections, moe,  # noqa: F401
+                        paged_attention, sampler, sparse)  # (registration)

@@ -1,5 +1,6 @@
-"""Replace the paged attention ops (dense, and V3.2's indexer, top-k candidates and sparse attention)
-and the expert-shard and expert-routes ops with the ATen ops of their reference kernels.
+"""Replace the paged attention ops (dense, and V3.2's indexer, top-k candidates and sparse attention),
+the expert-shard and expert-routes ops and the dequantisation of weights kept as stored with the
+ATen ops of their reference kernels.
 
 For the CPU backends a custom op is a Python kernel: called from an AOTInductor package it costs
 a round trip into the interpreter per layer per step, and inductor cannot fuse across it. Inlined,
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch.fx
 
+from graphc.ops.dequantize import dequantize_reference
 from graphc.ops.moe import expert_routes_reference
 from graphc.ops.paged_attention import paged_mla_attention_reference
 from graphc.ops.sparse import (index_candidates_reference, paged_indexer_logits_reference,
@@ -33,6 +35,8 @@ REFERENCE_KERNELS = {
     "graphc::sparse_mla_attention": sparse_mla_attention_reference,
     # A renumbering of the routes by the rank's coordinates: no reason to leave Python.
     "graphc::expert_routes": expert_routes_reference,
+    # Elementwise scaling of a weight kept as stored: fused into the op that reads it.
+    "graphc::dequantize": dequantize_reference,
 }
 
 

@@ -16,6 +16,7 @@ from graphc.passes.inline_reference_kernels import inline_reference_kernels
 from graphc.passes.lower_matvecs import lower_matvecs
 from graphc.passes.lower_trivial_collectives import lower_trivial_collectives
 from graphc.passes.manager import Pass
+from graphc.passes.place_dequantization import place_dequantization
 from graphc.passes.strip_follower_sampling import strip_follower_sampling
 from graphc.passes.verify_bucket_shapes import verify_bucket_shapes
 
@@ -46,6 +47,9 @@ PIPELINE = (
               "a followers' program takes the leader's tokens instead of sampling", on_layers=False),
     PassEntry("lower_trivial_collectives", lower_trivial_collectives,
               "groups of one rank move no data: backends never see a no-op collective"),
+    PassEntry("place_dequantization", place_dequantization,
+              "each weight kept as stored is dequantised right before its first reader, not at the top of the "
+              "step: one layer's dequantised weights live at a time; before inlining, which keeps the place"),
     PassEntry("inline_reference_kernels", inline_reference_kernels,
               "attention, sparse attention and expert routing as ATen ops: compiled with the rest on the CPU "
               "backends, not Python kernels per layer; lowered to XLA with the rest on neuron"),

@@ -26,7 +26,11 @@ from graphc.backends.neuron_archive import CPU_HLO, NOISE, native_log_held, read
 from graphc.errors import GraphcError
 from graphc.ops.sampler import sampling_noise
 
-_NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int32": np.int32, "bool": np.bool_}
+_NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int32": np.int32, "bool": np.bool_,
+                 "uint8": np.uint8}
+_BIT_VIEWS = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16), torch.float8_e4m3fn: (torch.uint8, np.uint8)}
+"""Tensors numpy cannot take from torch directly, handed over as their bits: bf16 (numpy has it
+through ml_dtypes) and FP8 weights (programs take their bytes: `xla.aten.FP8_BITS`)."""
 _placed_weights: dict[int, tuple[list, list]] = {}
 """By the identity of a rank's weight list: (the list, its tensors placed on the XLA device), shared
 by every bucket's program."""
@@ -60,8 +64,9 @@ def start_distributed() -> None:
 
 def _to_device(tensor: torch.Tensor, dtype: str, device):
     jax = _jax()
-    if tensor.dtype == torch.bfloat16:
-        array = tensor.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if tensor.dtype in _BIT_VIEWS:
+        bits, numpy_dtype = _BIT_VIEWS[tensor.dtype]
+        array = tensor.contiguous().view(bits).numpy().view(numpy_dtype)
     else:
         array = tensor.contiguous().numpy()
     return jax.device_put(np.asarray(array, dtype=_NUMPY_DTYPES[dtype]), device)

@@ -196,8 +196,31 @@ def _native_layer_norm(out, x, normalized_shape, weight, bias, eps):
     return y.astype(out[0].dtype), mean.astype(out[1].dtype), rstd.astype(out[2].dtype)
 
 
+FP8_BITS = jnp.uint8
+"""How a float8_e4m3fn value (a weight kept as stored) enters a lowered program: as its byte.
+neuronx-cc takes no F8E4M3FN operand on trn1 / trn2 (its error NCC_EVRF051), and the flag it
+offers instead, `--experimental-unsafe-fp8e4m3fn-as-fp8e4m3`, reads the bytes as IEEE-style
+e4m3, whose largest finite value is 240: DeepSeek's block quantisation maps every block's
+largest magnitude to e4m3fn's 448, so each block's largest weights would be misread. The byte
+is decoded exactly with integer ops (`fp8_e4m3fn_to_f32`) where the graph converts it, right
+before its scaling and its dot. No other value of a step is a byte (torch.uint8 has no entry in
+`lower.JAX_DTYPES`), so a byte operand is always an FP8 weight."""
+
+
+def fp8_e4m3fn_to_f32(bits):
+    """The float32 value of each float8_e4m3fn byte (sign, 4 exponent bits of bias 7, 3 mantissa
+    bits; exponent 0 subnormal; S.1111.111 NaN, the format's only non-finite value)."""
+    b = bits.astype(jnp.uint32)
+    exponent, mantissa = (b >> 3) & 0xF, b & 0x7
+    normal = jax.lax.bitcast_convert_type(((exponent + 120) << 23) | (mantissa << 20), jnp.float32)
+    magnitude = jnp.where(exponent == 0, mantissa.astype(jnp.float32) * 2.0**-9, normal)
+    magnitude = jnp.where((exponent == 15) & (mantissa == 7), jnp.float32(jnp.nan), magnitude)
+    return jnp.where((b >> 7) == 1, -magnitude, magnitude)
+
+
 def _to_copy(out, x, **_):
-    return x
+    # Every other conversion is the result's cast to `out.dtype` (`lower._cast`).
+    return fp8_e4m3fn_to_f32(x) if x.dtype == FP8_BITS and out.dtype != FP8_BITS else x
 
 
 RULES: dict = {

@@ -3,6 +3,8 @@ checked on the module text before it leaves this host.
 
 Rules (each names the instruction that breaks it):
 - no s64 / u64 values (int32 indices only);
+- no f8e4m3fn values: trn1 / trn2's neuronx-cc refuses them (NCC_EVRF051); FP8 weights enter as
+  their bytes and are decoded with integer ops (`aten.FP8_BITS`);
 - no variadic reduce (a `reduce` producing a tuple: jnp.argmax's form);
 - no `while`, `rng`, `rng-bit-generator` or `rng-get-and-update-state`;
 - `custom-call` targets only from neuronx-cc's recognised list;
@@ -82,6 +84,8 @@ def lint_neuron_module(proto: bytes, topology: Topology, pool_parameter: int) ->
             line, opcode, shape = ins["line"], ins["opcode"], ins["shape"]
             if re.search(r"\b[su]64\[", shape):
                 problems.append(f"64-bit integer value: {line}")
+            if re.search(r"\bf8e4m3fn\[", shape):
+                problems.append(f"f8e4m3fn value (trn1 / trn2 take none): {line}")
             if opcode in FORBIDDEN_OPCODES:
                 problems.append(f"forbidden instruction {opcode}: {line}")
             if opcode == "reduce" and shape.startswith("("):

@@ -36,8 +36,10 @@ from graphc.step import STEP_INPUTS
 from graphc.topology import Topology
 
 JAX_DTYPES = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16,
-              torch.int64: jnp.int32, torch.int32: jnp.int32, torch.bool: jnp.bool_}
-"""torch dtype -> the dtype its values take in the lowered program (no int64: see the module doc)."""
+              torch.int64: jnp.int32, torch.int32: jnp.int32, torch.bool: jnp.bool_,
+              torch.float8_e4m3fn: aten_rules.FP8_BITS}
+"""torch dtype -> the dtype its values take in the lowered program (no int64: see the module doc;
+float8_e4m3fn as its bits: see `aten.FP8_BITS`)."""
 
 @dataclass
 class Lowering:
