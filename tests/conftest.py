@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from graphc.models.tiny import PRESETS, TRANSFORMERS_PRESETS, make_tiny_checkpoint, preset_config
-from support import (SKEWED, SPARSE_TOPK, SPARSE_V32, TEST_BUCKETS, model_yaml, randomise_v4_zero_inits, rewrite_config,
-                     skew_routes_to_first_experts)
+from support import (FP8_BLOCK, FP8_PRESETS, SKEWED, SPARSE_TOPK, SPARSE_V32, TEST_BUCKETS, model_yaml,
+                     randomise_v4_zero_inits, rewrite_config, skew_routes_to_first_experts)
 
 # Lines the tests want a reader of the CI log to see (agreement rates, margins, noise floors).
 _REPORT: list[str] = []
@@ -49,6 +49,13 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     made[SKEWED] = shutil.copytree(made["lora-groups"], root / SKEWED)
     skew_routes_to_first_experts(made[SKEWED], experts=4)
     return made
+
+
+@pytest.fixture(scope="session")
+def fp8_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """`make-tiny --fp8-block FP8_BLOCK` of each of FP8_PRESETS."""
+    root = tmp_path_factory.mktemp("fp8")
+    return {name: make_tiny_checkpoint(root / name, preset=name, seed=0, fp8_block=FP8_BLOCK) for name in FP8_PRESETS}
 
 
 @pytest.fixture(scope="session")

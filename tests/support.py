@@ -57,6 +57,11 @@ def one_line_refusal(result) -> str:
     return lines[0]
 
 
+FP8_PRESETS = ("lora-groups", "v32", "v4", "v41")
+"""A preset of each family (and V3.2's indexer) in its FP8 release layout (`fp8_checkpoints`)."""
+FP8_BLOCK = 32
+"""Scale blocks that tile the tiny matrices raggedly (48 rows of 64 columns: one and a half blocks)."""
+
 SPARSE_V32 = "v32-sparse"
 """The `tiny_checkpoints` entry of the v32 preset with index_topk = SPARSE_TOPK."""
 SPARSE_TOPK = 16
@@ -175,7 +180,7 @@ def run_step(step, model, bucket: Bucket, seed: int = 0, coordinates: tuple[int,
     g = torch.Generator().manual_seed(seed)
     inputs["input_ids"] = torch.randint(0, args.vocab_size, inputs["input_ids"].shape, generator=g)
     inputs["block_table"] = torch.randint(0, NUM_BLOCKS, (bucket.rows, BLOCKS_PER_ROW), generator=g)
-    inputs["kv_pool"] = torch.randn(pool_shape, generator=g)
+    inputs["kv_pool"] = torch.randn(pool_shape, generator=g).to(model.dtype)
     inputs["positions"] = inputs["positions"] + 3
     slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=g)[: bucket.rows * bucket.width]
     inputs["slot_mapping"] = slots.view(bucket.rows, bucket.width)

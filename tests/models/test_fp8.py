@@ -1,5 +1,6 @@
 """FP8 block-quantised checkpoints (DeepSeek's release format): exact dequantisation, including
-ragged edge blocks, and loading a tiny FP8 checkpoint made by `make-tiny --fp8-block`."""
+ragged edge blocks, and loading a tiny FP8 checkpoint made by `make-tiny --fp8-block` (compiled with its
+weights kept as stored: test_weights_as_stored.py)."""
 
 from __future__ import annotations
 
@@ -132,22 +133,3 @@ def test_broken_fp8_checkpoints_are_refused_from_the_headers_naming_the_tensor(f
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=says):
         check_checkpoint(broken)  # what `graphc validate` runs, and `load_model` first
-
-
-@pytest.mark.compiles
-def test_an_fp8_checkpoint_compiles_and_serves_its_eager_tokens(fp8_checkpoint, tmp_path):
-    import yaml
-
-    from graphc.config import load_config
-    from graphc.tools.generate import PagedKV, generate
-    from graphc.compiler.pipeline import CompileOptions, compile
-    from graphc.runtime import Engine, Request
-    from support import TEST_BUCKETS, model_yaml
-
-    (tmp_path / "model.yaml").write_text(yaml.safe_dump(model_yaml(fp8_checkpoint, TEST_BUCKETS["small"])))
-    compile(load_config(tmp_path / "model.yaml"), tmp_path / "artifacts", CompileOptions(show_progress=False))
-    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7]]
-    served = Engine(tmp_path / "artifacts").generate([Request(p, 8, stop_at_eos=False) for p in prompts])
-    eager = generate(load_model(fp8_checkpoint), prompts, max_new_tokens=8, kv=PagedKV(8, 64), prefill_chunk=8,
-                     stop_at_eos=False)
-    assert [r.output_ids for r in served] == eager

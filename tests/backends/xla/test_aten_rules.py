@@ -447,3 +447,18 @@ def test_rules_cover_every_op_of_a_step_program(preset, tiny_checkpoints):
     missing = [str(t) for t in targets if t not in RULES and t not in aten_rules.IGNORED and t not in graphc_ops.RULES
                and t is not torch.ops.higher_order.auto_functionalized_v2]
     assert not missing
+
+
+def test_fp8_bytes_decode_to_torchs_float8_e4m3fn_values_for_every_byte():
+    """Weights kept as stored enter programs as bytes (`aten.FP8_BITS`); their conversion is
+    torch's, bit for bit, over all 256 (both NaNs NaN), and only a byte operand is decoded."""
+    bits = np.arange(256, dtype=np.uint8)
+    want = torch.from_numpy(bits).view(torch.float8_e4m3fn).float()
+    out = Out((256,), np.dtype(np.float32))
+    got = np.asarray(RULES[aten._to_copy.default](out, jnp.asarray(bits), dtype=torch.float32))
+    finite = ~np.isnan(want.numpy())
+    assert np.array_equal(got.view(np.uint32)[finite], want.numpy().view(np.uint32)[finite])
+    assert np.isnan(got[~finite]).all() and (~finite).sum() == 2
+    assert np.float32(-448.0) in got and np.float32(2.0**-9) in got  # the extremes: largest, least subnormal
+    ints = jnp.arange(4, dtype=jnp.int32)
+    assert RULES[aten._to_copy.default](out, ints, dtype=torch.float32) is ints  # others: the result's cast

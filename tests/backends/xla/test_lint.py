@@ -51,6 +51,7 @@ def test_a_clean_module_passes():
 
 BREAKS = {
     "64-bit integer value": ("ids = s32[4]{0} parameter(1)", "ids = s64[4]{0} parameter(1)"),
+    "f8e4m3fn value": ("ids = s32[4]{0} parameter(1)", "ids = s32[4]{0} parameter(1)\n  w = f8e4m3fn[4,8]{1,0} parameter(2)"),
     "variadic reduce": ("ROOT out = ", "m = f32[] constant(0)\n  z = s32[] constant(0)\n"
                         "  r = (f32[4]{0}, s32[4]{0}) reduce(values, iota, m, z), dimensions={1}, to_apply=pick\n"
                         "  ROOT out = "),
