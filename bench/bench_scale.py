@@ -1,6 +1,7 @@
 """A ladder of model sizes: graphc's decode and prefill speed against transformers, with a roofline.
 
     .venv/bin/python bench/bench_scale.py [--sizes tiny,140m,1b] [--repeats 3] [--with-dense] [--dtype bfloat16]
+    .venv/bin/python bench/bench_scale.py --weights [--sizes 140m]   # fp32 / bf16 / FP8-as-stored decode
 
 Sizes (random DeepSeek-V3 checkpoints in the HF layout, written here):
   tiny  the `lora-groups` preset: hidden 64, 8 experts, top-2
@@ -83,8 +84,8 @@ def measure_gemm(dim: int, dtype: torch.dtype) -> float:
 # --- workers: each runs in its own process and prints one JSON line ---------------------------------
 
 
-def _timings(run, vocab: int, repeats: int) -> dict:
-    """Decode tok/s at batch 1 and 8, prefill tok/s of one 512-token and eight 64-token prompts."""
+def _decode_timings(run, vocab: int, repeats: int) -> dict:
+    """Decode tok/s at batch 1 and 8."""
     out = {}
     run(prompts(1, PROMPT, vocab), 2)  # warm-up: first calls load kernels
     for batch in (1, 8):
@@ -93,6 +94,12 @@ def _timings(run, vocab: int, repeats: int) -> dict:
         full = best_of(repeats, lambda: run(short, NEW))
         first = best_of(repeats, lambda: run(short, 1))
         out[f"decode_b{batch}"] = batch * (NEW - 1) / (full - first)
+    return out
+
+
+def _timings(run, vocab: int, repeats: int) -> dict:
+    """Decode tok/s at batch 1 and 8, prefill tok/s of one 512-token and eight 64-token prompts."""
+    out = _decode_timings(run, vocab, repeats)
     long = prompts(1, PREFILL, vocab)
     run(long, 1)
     out["prefill_b1"] = PREFILL / best_of(repeats, lambda: run(long, 1))
@@ -140,11 +147,29 @@ def worker_compile(checkpoint: Path, work: Path, moe_form: str, dtype: str) -> d
     return {"seconds": time.perf_counter() - start, "forms": forms}
 
 
-def worker_graphc(artifacts: Path, vocab: int, repeats: int) -> dict:
+def worker_weights_compile(checkpoint: Path, work: Path, dtype: str, weights: str) -> dict:
+    """Decode-only artifacts (inductor) of an FP8 checkpoint in `dtype`, its weights `weights`
+    (`model.weights`: as-stored or dequantized)."""
+    from graphc.config import load_config
+    from graphc.compiler.pipeline import CompileOptions, compile
+
+    config = {"model": {"checkpoint": str(checkpoint), "dtype": dtype, "weights": weights},
+              "buckets": {"prefill": [PROMPT], "decode": [1, PREFILL_BATCH], "context_limit": PROMPT + NEW + 16},
+              "kv_cache": {"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS}, "backend": "inductor"}
+    path = work / f"model-{dtype}-{weights}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = work / f"artifacts-{dtype}-{weights}"
+    start = time.perf_counter()
+    manifest = compile(load_config(path), out, CompileOptions(show_progress=False, force=True))
+    return {"seconds": time.perf_counter() - start, "weights_file": str(out / manifest.ranks[0].weights)}
+
+
+def worker_graphc(artifacts: Path, vocab: int, repeats: int, decode_only: bool = False) -> dict:
     from graphc.runtime import Engine, Request
 
     engine = Engine(artifacts)
-    return _timings(lambda ps, new: engine.generate([Request(p, new, stop_at_eos=False) for p in ps]), vocab, repeats)
+    timings = _decode_timings if decode_only else _timings
+    return timings(lambda ps, new: engine.generate([Request(p, new, stop_at_eos=False) for p in ps]), vocab, repeats)
 
 
 def worker_eager(checkpoint: Path, vocab: int, repeats: int, dtype: str) -> dict:
@@ -197,7 +222,7 @@ def worker_routing(checkpoint: Path, vocab: int) -> dict:
 
 
 WORKERS = {"compile": worker_compile, "parallel_compile": worker_parallel_compile, "graphc": worker_graphc, "eager": worker_eager,
-           "transformers": worker_transformers, "routing": worker_routing}
+           "transformers": worker_transformers, "routing": worker_routing, "weights_compile": worker_weights_compile}
 
 
 def run_worker(name: str, *args) -> dict:
@@ -211,8 +236,10 @@ def run_worker(name: str, *args) -> dict:
 
 def _worker_main(spec: str) -> None:
     name, *args = json.loads(spec)
-    typed = {"compile": (Path, Path, str, str), "parallel_compile": (Path, Path, str), "graphc": (Path, int, int), "eager": (Path, int, int, str),
-             "transformers": (Path, int, int, str, lambda s: s == "True"), "routing": (Path, int)}[name]
+    flag = lambda s: s == "True"  # noqa: E731
+    typed = {"compile": (Path, Path, str, str), "parallel_compile": (Path, Path, str), "graphc": (Path, int, int, flag),
+             "eager": (Path, int, int, str), "transformers": (Path, int, int, str, flag), "routing": (Path, int),
+             "weights_compile": (Path, Path, str, str)}[name]
     result = WORKERS[name](*(cast(a) for cast, a in zip(typed, args)))
     result["peak_rss"] = peak_rss()
     print(json.dumps(result))
@@ -245,6 +272,74 @@ def step_bytes(args, batch: int, distinct_experts: float, context: int, dtype: s
     expert = 3 * d * args.moe_intermediate_size
     kv = args.num_hidden_layers * batch * context * args.kv_cache_dim
     return torch.finfo(getattr(torch, dtype)).bits // 8 * (total + batch * d + distinct_experts * expert + kv)
+
+
+def stored_step_bytes(weights_file: Path, args, batch: int, distinct_experts: float, context: int,
+                      kv_dtype: str) -> dict[str, float]:
+    """`step_bytes` from the bytes the artifacts store, by dtype: every tensor of the rank's
+    weights file (scales included) read whole, except one embedding row per token and, of the
+    stacked routed experts, the `distinct_experts` chosen (their share of every expert tensor);
+    the KV cache in the model dtype."""
+    from safetensors import safe_open
+
+    moe_layers = args.num_hidden_layers - args.first_k_dense_replace
+    by_dtype: dict[str, float] = {}
+    with safe_open(weights_file, "pt") as f:
+        for name in f.keys():
+            tensor = f.get_slice(name)
+            nbytes = math.prod(tensor.get_shape()) * SAFETENSORS_BYTES[tensor.get_dtype()]
+            if "mlp.experts." in name:
+                nbytes *= distinct_experts / (moe_layers * args.n_routed_experts)
+            elif "embed_tokens" in name:
+                nbytes *= batch / args.vocab_size
+            by_dtype[tensor.get_dtype()] = by_dtype.get(tensor.get_dtype(), 0) + nbytes
+    kv = args.num_hidden_layers * batch * context * args.kv_cache_dim * torch.finfo(getattr(torch, kv_dtype)).bits // 8
+    by_dtype["KV"] = kv
+    return by_dtype
+
+
+SAFETENSORS_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4}
+
+
+def bench_weights(size: str, work: Path, repeats: int) -> None:
+    """Decode with the weights of one FP8 checkpoint (128 x 128 blocks) stored fp32, bf16, and FP8
+    as stored (bf16 compute): tok/s, the bytes a step reads by dtype, the roofline and the
+    fraction of it reached, each measured in this run."""
+    from graphc.models.registry import model_args_from_hf_config
+    from graphc.models.tiny import preset_config, write_random_checkpoint
+
+    config = {**preset_config("lora-groups"), **SIZES[size],
+              "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}}
+    args = model_args_from_hf_config(config)
+    work.mkdir(parents=True, exist_ok=True)
+    checkpoint = work / "checkpoint-fp8"
+    if not (checkpoint / "config.json").is_file() or json.loads((checkpoint / "config.json").read_text()) != config:
+        write_random_checkpoint(checkpoint, config, seed=0)
+    bandwidth = measure_bandwidth()
+    print(f"\n== {size}, weights of an FP8 checkpoint three ways; bandwidth {bandwidth / 1e9:.1f} GB/s (measured now)")
+    routing = run_worker("routing", checkpoint, args.vocab_size)
+    ways = {"fp32": ("float32", "dequantized"), "bf16": ("bfloat16", "dequantized"), "fp8 as stored": ("bfloat16", "as-stored")}
+    rows = {}
+    for label, (dtype, weights) in ways.items():
+        compiled = run_worker("weights_compile", checkpoint, work, dtype, weights)
+        timed = run_worker("graphc", work / f"artifacts-{dtype}-{weights}", args.vocab_size, repeats, True)
+        rows[label] = (dtype, compiled, timed)
+        print(f"compile ({label}): {compiled['seconds']:.0f} s; weights file "
+              f"{_gb(Path(compiled['weights_file']).stat().st_size)}")
+    bf16 = rows["bf16"][2]
+    print(f"{'':16s} {'batch':>5s} {'tok/s':>8s} {'vs bf16':>8s} {'MB/step':>8s} {'by dtype (MB)':40s} {'roofline':>9s} {'reached':>8s}")
+    for label, (dtype, compiled, timed) in rows.items():
+        for batch in (1, 8):
+            context = PROMPT + NEW // 2
+            parts = stored_step_bytes(Path(compiled["weights_file"]), args, batch, routing[f"distinct_b{batch}"],
+                                      context, dtype)
+            needed = sum(parts.values())
+            roofline = bandwidth / needed * batch
+            speed = timed[f"decode_b{batch}"]
+            split = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in parts.items())
+            print(f"{label:16s} {batch:5d} {speed:8.1f} {speed / bf16[f'decode_b{batch}']:7.2f}x {needed / 1e6:8.1f} "
+                  f"{split:40s} {roofline:9.0f} {speed / roofline:8.0%}")
 
 
 def prefill_flops(args, tokens: int) -> float:
@@ -339,6 +434,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--with-dense", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--weights", action="store_true",
+                        help="instead of the ladder: decode with one FP8 checkpoint's weights stored fp32, bf16 and "
+                             "FP8 as stored, against each other and the roofline")
     # Absolute: the workers run in bench/.
     parser.add_argument("--work", type=lambda p: Path(p).resolve(), default=ROOT / "build" / "bench-scale")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -349,7 +447,10 @@ def main() -> None:
     for size in options.sizes.split(","):
         if size not in SIZES:
             raise SystemExit(f"--sizes: {size!r} is unknown; sizes: {', '.join(SIZES)}")
-        bench_size(size, options.work / size, options.repeats, options.with_dense, options.dtype)
+        if options.weights:
+            bench_weights(size, options.work / size, options.repeats)
+        else:
+            bench_size(size, options.work / size, options.repeats, options.with_dense, options.dtype)
 
 
 if __name__ == "__main__":

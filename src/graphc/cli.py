@@ -363,18 +363,33 @@ def inspect(artifacts: Path, lint: bool) -> None:
 @click.argument("model_yaml", type=click.Path(path_type=Path))
 @click.option("--workload", type=click.Path(path_type=Path),
               help="Prompt lengths (one per line, or `length count`); default: buckets.auto.workload.")
-@click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a PNG of the lengths, buckets and waste.")
-def plan(model_yaml, workload, plot_path) -> None:
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path),
+              help="Write a PNG of the lengths, buckets and waste (with --workload) and of a rank's memory (with --device).")
+@click.option("--device", "device_name", type=str, default=None,
+              help="Per rank on this device (trn1, trn2, trn3): weights, KV, activations, fits, decode roofline.")
+@click.option("--device-memory", type=float, default=None, help="A rank's memory in GiB (a custom device, or overriding --device's).")
+@click.option("--device-bandwidth", type=float, default=None,
+              help="A rank's HBM bandwidth in GB/s (a custom device, or overriding --device's).")
+@click.option("--json", "as_json", is_flag=True, help="Print the device plan as JSON on stdout (with --device).")
+def plan(model_yaml, workload, plot_path, device_name, device_memory, device_bandwidth, as_json) -> None:
     """Dry run before any capture: the bucket table, expected padding, graphs per rank and in
-    all, and the collectives each rank issues per step."""
+    all, the collectives each rank issues per step; with --device, what a rank holds and reads."""
+    import json
+
+    from graphc.tools import device_plan
     from graphc.tools import plan as planning
     from graphc.buckets.planner import read_workload
     from graphc.config import load_config
 
+    on_device = device_name is not None or device_memory is not None or device_bandwidth is not None
+    target = device_plan.device(device_name, device_memory, device_bandwidth) if on_device else None
+    if as_json and target is None:
+        raise GraphcError("--json prints the device plan: pass --device (or --device-memory and --device-bandwidth)")
     config = load_config(model_yaml)
     source = workload or (config.buckets.auto.workload if config.buckets.auto else None)
-    if plot_path is not None and source is None:
-        raise GraphcError("--plot needs a workload: pass --workload or set buckets.auto.workload")
+    if plot_path is not None and source is None and target is None:
+        raise GraphcError("--plot needs a workload or a device: pass --workload (or set buckets.auto.workload) "
+                          "or --device")
     lengths = None
     if source is not None:
         try:
@@ -383,12 +398,19 @@ def plan(model_yaml, workload, plot_path) -> None:
             raise GraphcError(f"--workload: cannot read {str(source)!r}: {e.strerror}") from None
         except ValueError as e:
             raise GraphcError(f"--workload: {e}") from None
-    click.echo(_describe_config(config))
-    for line in planning.describe(config, lengths):
-        click.echo(line)
-    if plot_path is not None:
-        planning.plot(plot_path, config, lengths)
-        click.echo(f"wrote {plot_path}")
+    memory = device_plan.plan_device(config, target) if target is not None else None
+    if as_json:
+        click.echo(json.dumps(memory.to_json(), indent=2))
+    else:
+        click.echo(_describe_config(config))
+        for line in planning.describe(config, lengths) + (device_plan.describe(memory) if memory else []):
+            click.echo(line)
+        if plot_path is not None:
+            planning.plot(plot_path, config, lengths, memory)
+            click.echo(f"wrote {plot_path}")
+    if memory is not None and not memory.fits:  # the report stands; the status says it cannot be served
+        raise GraphcError(f"a rank does not fit the {memory.device} device ({planning.format_bytes(memory.device_bytes)}): "
+                          f"{memory.reason}")
 
 
 @cli.command()

@@ -109,7 +109,8 @@ def test_plot_without_a_workload_is_an_error(tmp_path, tiny_checkpoints):
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(model_yaml(tiny_checkpoints["lora-groups"], TEST_BUCKETS["standard"])))
     result = CliRunner().invoke(cli, ["plan", str(tmp_path / "model.yaml"), "--plot", str(tmp_path / "p.png")])
     assert result.exit_code == EXIT_BAD_INPUT
-    assert result.stderr.strip() == "error: --plot needs a workload: pass --workload or set buckets.auto.workload"
+    assert result.stderr.strip() == ("error: --plot needs a workload or a device: pass --workload (or set "
+                                     "buckets.auto.workload) or --device")
     assert result.stdout == ""  # refused before any report
     assert not (tmp_path / "p.png").exists()
 

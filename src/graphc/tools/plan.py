@@ -10,6 +10,7 @@ compiled graphs.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from graphc.backends import backend
 from graphc.buckets.selection import Bucket, all_buckets, max_prefill_chunk
@@ -23,6 +24,9 @@ from graphc.models.registry import family_of
 from graphc.models.step_model import ModelArgs
 from graphc.step import blocks_per_row
 from graphc.topology import GROUPS, Topology
+
+if TYPE_CHECKING:
+    from graphc.tools.device_plan import DevicePlan
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -64,7 +68,7 @@ def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype:
     return out
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -102,7 +106,7 @@ def describe(config: GraphcConfig, workload: Histogram | None) -> list[str]:
     for bucket in buckets:
         slots = blocks_per_row(config.buckets.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
         calls = step_collectives(args, topology, bucket, config.model.dtype, exchange, context_slots=slots)
-        text = ", ".join(f"{c.count} x {c.op}({c.group}) of {_bytes(c.bytes_in)}" for c in calls) or "none"
+        text = ", ".join(f"{c.count} x {c.op}({c.group}) of {format_bytes(c.bytes_in)}" for c in calls) or "none"
         form = step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
                              args.n_routed_experts, topology.ep, exchange)
         lines.append(f"  {bucket.name:14s} MoE {form:8s} {text}")
@@ -131,8 +135,9 @@ def _chunks(config: GraphcConfig, workload: Histogram) -> Histogram:
     return chunk_histogram(workload, max_prefill_chunk(config.buckets.prefill, config.runtime.max_num_prefilling_tokens))
 
 
-def plot(path: Path, config: GraphcConfig, workload: Histogram) -> None:
-    """The prompt-length distribution with the prefill bucket edges and each bucket's padding."""
+def plot(path: Path, config: GraphcConfig, workload: Histogram | None, memory: "DevicePlan | None" = None) -> None:
+    """The prompt-length distribution with the prefill bucket edges and each bucket's padding
+    (given a workload), and a rank's memory against its device (given a device plan), side by side."""
     try:
         import matplotlib
 
@@ -140,10 +145,24 @@ def plot(path: Path, config: GraphcConfig, workload: Histogram) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise GraphcError("--plot needs matplotlib (pip install matplotlib)") from None
+    panels = [p for p in (workload, memory) if p is not None]
+    figure, axes = plt.subplots(1, len(panels), figsize=(9 * len(panels), 4.5), squeeze=False)
+    if workload is not None:
+        _plot_workload(axes[0][0], config, workload)
+    if memory is not None:
+        from graphc.tools.device_plan import plot as plot_memory
+
+        plot_memory(axes[0][-1], memory)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _plot_workload(axis, config: GraphcConfig, workload: Histogram) -> None:
     b = config.buckets
     chunks = _chunks(config, workload)
     waste = padding_waste(chunks, b.prefill)
-    figure, axis = plt.subplots(figsize=(9, 4.5))
     lengths = sorted(chunks)
     axis.bar(lengths, [chunks[n] for n in lengths], width=max(1.0, max(lengths) / 300), color="tab:blue",
              label="prefill chunks")
@@ -157,7 +176,3 @@ def plot(path: Path, config: GraphcConfig, workload: Histogram) -> None:
     axis.set_ylabel("count")
     axis.set_title("prompt chunks and prefill buckets (padded tokens per request)")
     axis.legend(loc="upper center")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)

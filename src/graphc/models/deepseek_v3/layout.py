@@ -14,7 +14,7 @@ FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "self_at
 """Parameters that stay fp32 whatever the model dtype, as DeepSeek (and transformers) keep them:
 the router, and the indexer's per-head weights."""
 LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
-FP8_QUANTISED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(?!weights_proj)(\w+_proj|wq_b|wk)\.weight$")
+FP8_QUANTISED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(?!weights_proj)(\w+_proj|kv_a_proj_with_mqa|wq_b|wk)\.weight$")
 """The weights DeepSeek's FP8 releases quantise: the decoder layers' linear projections (the
 indexer's too, but not its per-head weights, which stay in full precision)."""
 MTP_EXTRA_TENSORS = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",

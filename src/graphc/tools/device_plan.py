@@ -1,0 +1,321 @@
+"""`graphc plan --device`: what one rank holds and reads on a Trainium device, before any capture.
+
+Arithmetic on the config, config.json and the family's module built on the meta device (shapes,
+no data), so it runs on a config.json alone (a released model's). Per rank:
+
+- `weights_bytes`, by dtype: the rank's share of every tensor its graphs take (the routed experts
+  of its EP shard, a row-sharded table's rows), each in the dtype the artifacts store it: FP8 plus
+  fp32 block scales where `model.weights` is as-stored and the family's releases quantise the
+  tensor (`Family.fp8_quantised`, config.json's `quantization_config`), fp32 where the family
+  keeps it so, int64 index tables, the model dtype otherwise. Tests hold it to compiled weights
+  files byte for byte.
+- `kv_bytes`: the configured pool (`kv_cache.num_blocks`), and `kv_tokens_fit`: the tokens of KV
+  the memory left after weights and activations holds (per rank; a replica holds cp times as many,
+  its sequences' blocks being spread over its cp ranks).
+- `activation_bytes`: an estimate of the largest bucket's peak (no buffer assignment exists before
+  lowering): its tokens through the widest projection and the routed experts' rows, four hidden
+  vectors a token, attention's fp32 scores over the block table's slots, and the fp32 logits.
+- per decode bucket, on the busiest rank: `step_bytes` read from HBM (every weight but the routed
+  experts, the embedding and the row-sharded tables (V4.1's Engram: a few rows a token, not
+  counted), one embedding row a token, the routed experts the step's routes reach
+  under uniform routing and in the worst case, every cached value of each row's context at the
+  context limit: an upper bound for sparse attention) and the roofline `step_ms` / tok/s at the
+  device's bandwidth; its collective bytes beside it (over links, not HBM: not in the roofline).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from graphc.buckets.selection import all_buckets
+from graphc.config import GraphcConfig
+from graphc.errors import GraphcError
+from graphc.models.checkpoint import build_model
+from graphc.models.fp8 import scale_grid
+from graphc.models.hf_config import read_hf_config
+from graphc.models.layers import STACKED_EXPERT
+from graphc.models.moe_forms import moe_exchange
+from graphc.models.registry import family_of
+from graphc.models.step_model import ModelArgs
+from graphc.step import blocks_per_row, kv_pool_shape
+from graphc.tools.plan import format_bytes as size, step_collectives
+
+GiB = 2**30
+EMBEDDING = "model.embed_tokens.weight"
+"""Every family's token embedding in graphc's module: a step reads one row of it a token."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """One rank of a Trainium instance: the unit graphc shards over."""
+
+    name: str
+    memory_bytes: int
+    bandwidth: float
+    """HBM bytes/s."""
+    describes: str
+    """The chip and instance behind the numbers, with the Neuron documentation page they come from."""
+
+
+DEVICES = {
+    "trn1": Device("trn1", 16 * GiB, 820 * GiB / 2,
+                   "a NeuronCore-v2 of a Trainium chip (2 a chip: 32 GiB, 820 GiB/s; trn1.32xlarge: 16 chips, "
+                   "32 ranks; Neuron docs, 'Trainium Architecture')"),
+    "trn2": Device("trn2", 96 * GiB // 4, 2.9e12 / 4,
+                   "a logical NeuronCore of a Trainium2 chip at LNC 2 (4 a chip: 96 GiB, 2.9 TB/s; trn2.48xlarge: "
+                   "16 chips, 64 ranks; Neuron docs, 'Trainium2 Architecture')"),
+    "trn3": Device("trn3", 144 * GiB // 4, 4.9e12 / 4,
+                   "a logical NeuronCore of a Trainium3 chip at LNC 2 (4 a chip: 144 GiB, 4.9 TB/s; Neuron docs, "
+                   "'Trainium3 Architecture')"),
+}
+"""Per rank, before the runtime's own reservation (not modelled)."""
+
+
+def device(name: str | None, memory_gib: float | None = None, bandwidth_gbs: float | None = None) -> Device:
+    """A device of `DEVICES`, or a custom one (`--device-memory` GiB, `--device-bandwidth` GB/s),
+    each of which also overrides a named device's figure."""
+    if name is not None and name not in DEVICES:
+        raise GraphcError(f"--device {name!r}: unknown device; devices: {', '.join(DEVICES)} (or --device-memory "
+                          "and --device-bandwidth for another)")
+    for flag, value in (("--device-memory", memory_gib), ("--device-bandwidth", bandwidth_gbs)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise GraphcError(f"{flag} {value}: must be a positive number")
+    if name is None:
+        if memory_gib is None or bandwidth_gbs is None:
+            raise GraphcError("a custom device needs both --device-memory (GiB) and --device-bandwidth (GB/s); "
+                              f"or --device {' | '.join(DEVICES)}")
+        return Device("custom", int(memory_gib * GiB), bandwidth_gbs * 1e9, "custom")
+    known = DEVICES[name]
+    return Device(name, int(memory_gib * GiB) if memory_gib is not None else known.memory_bytes,
+                  bandwidth_gbs * 1e9 if bandwidth_gbs is not None else known.bandwidth, known.describes)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor a rank's graphs take, as the artifacts store it."""
+
+    name: str
+    elements: int
+    dtype: str
+    scale_elements: int = 0
+    """fp32 block scales beside an FP8 tensor kept as stored."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.elements * torch.empty(0, dtype=getattr(torch, self.dtype)).element_size() + 4 * self.scale_elements
+
+
+def _released_fp8(config: GraphcConfig) -> tuple[int, int] | None:
+    """The FP8 scale block of config.json's `quantization_config`, if the checkpoint is FP8."""
+    quantization = read_hf_config(config.model.checkpoint).get("quantization_config") or {}
+    block = quantization.get("weight_block_size")
+    return (block[0], block[1]) if quantization.get("quant_method") == "fp8" and isinstance(block, list) else None
+
+
+def fp8_block(config: GraphcConfig) -> tuple[int, int] | None:
+    """The FP8 scale block where the artifacts keep FP8 weights as stored, else None."""
+    return _released_fp8(config) if config.model.weights == "as-stored" else None
+
+
+def rank_tensors(config: GraphcConfig) -> list[StoredTensor]:
+    """Every tensor of one rank's weights file (the largest: every EP shard is the same size),
+    mirroring the loader: `checkpoint.load_model(as_stored=...)` and `_kept_as_stored`."""
+    args = config.model_args
+    family = family_of(args)
+    topology = config.topology.topology()
+    local = args.n_routed_experts // topology.ep
+    with torch.device("meta"):
+        model = build_model(args, local)
+    names = [n for n in model.state_dict() if not (n == "lm_head.weight" and args.tie_word_embeddings)]
+    with torch.device("meta"):
+        whole = build_model(args)
+    sources = family.released_sources(args, [n for n in whole.state_dict()
+                                             if not (n == "lm_head.weight" and args.tie_word_embeddings)])
+    block = fp8_block(config)
+    tensors = []
+    for name in names:
+        shape = tuple(model.state_dict()[name].shape)
+        elements = math.prod(shape)
+        stored = [n for group in sources.get(name, []) for n in group]
+        if name.endswith(family.index_tensors):
+            tensors.append(StoredTensor(name, elements, "int64"))
+        elif family.keeps_fp32(name, args):
+            tensors.append(StoredTensor(name, elements, "float32"))
+        elif (block is not None and stored and all(family.fp8_quantised.match(n) for n in stored)
+              and not name.endswith(family.row_sharded_tables) and len(shape) in (2, 3)):
+            tensors.append(StoredTensor(name, elements, "float8_e4m3fn", _scale_elements(name, shape, block, sources)))
+        else:  # (a row-sharded table's module holds the shard's rows already)
+            tensors.append(StoredTensor(name, elements, config.model.dtype))
+    return tensors
+
+
+def _scale_elements(name: str, shape: tuple[int, ...], block: tuple[int, int], sources) -> int:
+    if len(shape) == 2:
+        return math.prod(scale_grid(shape, block))
+    experts, rows, cols = shape
+    parts = len(sources[name][0])
+    row_block = block[0] if (rows // parts) % block[0] == 0 else 1  # as `_kept_as_stored` stacks them
+    return experts * math.ceil(rows / row_block) * math.ceil(cols / block[1])
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    bucket: str
+    rows: int
+    weights_read: int
+    """Every weight but the routed experts and the embedding, plus one embedding row a token."""
+    experts_expected: float
+    """Routed experts' bytes the step's routes reach on the busiest rank, uniform routing."""
+    experts_worst: float
+    """The same when every route lands on a different local expert."""
+    kv_read: int
+    collective_bytes: int
+    step_bytes: float
+    """weights_read + experts_expected + kv_read."""
+    step_ms: float
+    tokens_per_second: float
+    step_ms_worst: float
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    device: str
+    device_bytes: int
+    bandwidth: float
+    weights_bytes: dict[str, int]
+    """By dtype ("float8_e4m3fn" with its scales)."""
+    kv_bytes: int
+    kv_tokens_fit: int
+    activation_bytes: int
+    total_bytes: int
+    fits: bool
+    reason: str
+    decode: list[DecodeStep]
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "weights_total_bytes": sum(self.weights_bytes.values())}
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def activation_bytes(config: GraphcConfig, args: ModelArgs) -> int:
+    """The estimate of the module docstring for the largest bucket."""
+    b = config.buckets
+    slots = blocks_per_row(b.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
+    width = _dtype_bytes(config.model.dtype)
+    with torch.device("meta"):
+        model = build_model(args, args.n_routed_experts // config.topology.topology().ep)
+    widest = max((t.shape[-2] for n, t in model.state_dict().items() if t.dim() >= 2 and "embed" not in n
+                  and n != "lm_head.weight"), default=args.hidden_size)
+    heads = getattr(args, "num_attention_heads", 1)
+    peak = 0
+    for bucket in all_buckets(b.prefill, b.decode, b.prompt_as_decode):
+        tokens = bucket.rows * bucket.width
+        routed = tokens * args.num_experts_per_tok * 2 * args.moe_intermediate_size
+        per_step = (width * (tokens * (4 * args.hidden_size + widest) + routed) + 4 * tokens * heads * slots
+                    + 8 * bucket.rows * args.vocab_size)
+        peak = max(peak, per_step)
+    return peak
+
+
+def plan_device(config: GraphcConfig, target: Device) -> DevicePlan:
+    args = config.model_args
+    topology = config.topology.topology()
+    kv = config.kv_cache
+    tensors = rank_tensors(config)
+    by_dtype: dict[str, int] = {}
+    for t in tensors:
+        by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.nbytes
+    weights = sum(by_dtype.values())
+    width = _dtype_bytes(config.model.dtype)
+    per_token = args.cache_layers * args.kv_cache_dim * width
+    pool = math.prod(kv_pool_shape(args.cache_layers, kv.num_blocks, kv.block_size, args.kv_cache_dim)) * width
+    activations = activation_bytes(config, args)
+    left = target.memory_bytes - weights - activations
+    total = weights + pool + activations
+    if weights > target.memory_bytes:
+        experts = sum(t.nbytes for t in tensors if STACKED_EXPERT.match(t.name))
+        reason = (f"the rank's weights alone ({size(weights)}: {size(experts)} of its routed experts, "
+                  f"{size(weights - experts)} that every rank holds whole) exceed the device's {size(target.memory_bytes)}")
+        if config.model.weights == "dequantized" and _released_fp8(config):
+            reason += "; keep the FP8 weights as stored (model.weights: as-stored)"
+    elif total > target.memory_bytes:
+        reason = (f"weights {size(weights)} + KV pool {size(pool)} + activations {size(activations)} "
+                  f"exceed the device's {size(target.memory_bytes)}; the pool fits "
+                  f"{max(0, left) // per_token} tokens (kv_cache.num_blocks <= "
+                  f"{max(0, left) // (per_token * kv.block_size)})")
+    else:
+        reason = f"{size(target.memory_bytes - total)} to spare"
+    return DevicePlan(target.name, target.memory_bytes, target.bandwidth, by_dtype, pool, max(0, left) // per_token,
+                      activations, total, total <= target.memory_bytes, reason,
+                      [_decode_step(config, args, topology, tensors, target, size, per_token)
+                       for size in config.buckets.decode])
+
+
+def _decode_step(config, args, topology, tensors, target: Device, rows: int, per_token: int) -> DecodeStep:
+    from graphc.buckets.selection import Bucket
+
+    family = family_of(args)
+    expert_bytes = sum(t.nbytes for t in tensors if STACKED_EXPERT.match(t.name))
+    embedding = sum(t.nbytes for t in tensors if t.name == EMBEDDING)
+    tables = sum(t.nbytes for t in tensors if t.name.endswith(family.row_sharded_tables))
+    others = sum(t.nbytes for t in tensors) - expert_bytes - embedding - tables
+    embedding_row = embedding // args.vocab_size * rows
+    moe_layers = args.num_hidden_layers - args.first_k_dense_replace
+    local = args.n_routed_experts // topology.ep
+    per_expert = expert_bytes / (moe_layers * local) if moe_layers and local else 0
+    replicas = 1 if topology.tokens_replicated else max(1, topology.ep // topology.cp)
+    routes = rows * args.num_experts_per_tok * replicas
+    # Uniform routing: each local expert is missed by all `routes` with probability (1 - 1/E)^routes.
+    expected = local * (1 - (1 - 1 / args.n_routed_experts) ** routes) * per_expert * moe_layers
+    worst = min(local, routes) * per_expert * moe_layers
+    context = blocks_per_row(config.buckets.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
+    kv_read = rows * math.ceil(context / topology.cp) * per_token
+    exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated)
+    collectives = sum(c.count * c.bytes_in for c in step_collectives(args, topology, Bucket("decode", rows),
+                                                                      config.model.dtype, exchange, context))
+    read = others + embedding_row
+    step = read + expected + kv_read
+    seconds = step / target.bandwidth
+    return DecodeStep(f"decode-{rows}", rows, read, expected, worst, kv_read, collectives, step, seconds * 1e3,
+                      rows / seconds, (read + worst + kv_read) / target.bandwidth * 1e3)
+
+
+def describe(plan: DevicePlan) -> list[str]:
+    lines = [f"per rank on {plan.device} ({size(plan.device_bytes)}, {plan.bandwidth / 1e9:.0f} GB/s):",
+             "  weights     " + ", ".join(f"{dtype} {size(n)}" for dtype, n in plan.weights_bytes.items())
+             + f"  (total {size(sum(plan.weights_bytes.values()))})",
+             f"  KV pool     {size(plan.kv_bytes)} (kv_cache.num_blocks); the memory left holds "
+             f"{plan.kv_tokens_fit} tokens of KV",
+             f"  activations {size(plan.activation_bytes)} (estimate: the largest bucket)",
+             f"  total       {size(plan.total_bytes)} of {size(plan.device_bytes)}: "
+             + ("fits" if plan.fits else "does not fit") + f" ({plan.reason})",
+             "decode steps on the busiest rank (HBM roofline; collectives over links, not included):",
+             f"  {'bucket':10s} {'weights':>10s} {'experts':>10s} {'(worst)':>10s} {'KV':>10s} {'step':>10s} "
+             f"{'ms':>8s} {'tok/s':>9s} {'collectives':>11s}"]
+    for d in plan.decode:
+        cells = " ".join(f"{size(n):>10s}" for n in (d.weights_read, d.experts_expected, d.experts_worst, d.kv_read,
+                                                      d.step_bytes))
+        lines.append(f"  {d.bucket:10s} {cells} {d.step_ms:8.2f} {d.tokens_per_second:9.1f} {size(d.collective_bytes):>11s}")
+    return lines
+
+
+def plot(axis, plan: DevicePlan) -> None:
+    """Stacked bars of a rank's memory against the device, and the decode roofline per bucket."""
+    bottom = 0.0
+    parts = [*((f"weights {k}", v) for k, v in plan.weights_bytes.items()), ("KV pool", plan.kv_bytes),
+             ("activations", plan.activation_bytes)]
+    for label, value in parts:
+        axis.bar(["rank memory"], [value / 2**30], bottom=[bottom], label=label)
+        bottom += value / 2**30
+    axis.axhline(plan.device_bytes / 2**30, color="tab:red", linestyle="--", label=f"{plan.device} memory")
+    axis.set_ylabel("GiB")
+    steps = ", ".join(f"{d.bucket}: {d.step_ms:.1f} ms" for d in plan.decode)
+    axis.set_title(f"per rank on {plan.device} ({'fits' if plan.fits else 'does not fit'}); roofline {steps}",
+                   fontsize=8)
+    axis.legend(fontsize=7)

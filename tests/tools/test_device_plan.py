@@ -1,0 +1,102 @@
+"""`graphc plan --device`: a rank's memory and decode bytes. Its weights are held to what the
+compiler writes, byte for byte, for every family, FP8 kept or not, at one and two EP shards; the
+released DeepSeek-V3 config's numbers to the arithmetic of its shapes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from graphc.cli import cli
+from graphc.compiler.capture import model_weights
+from graphc.config import load_config
+from graphc.models.checkpoint import load_expert_shard
+from graphc.tools.device_plan import DEVICES, plan_device, rank_tensors
+from support import FP8_PRESETS, TEST_BUCKETS, model_yaml, one_line_refusal
+
+RELEASED = Path(__file__).resolve().parents[2] / "examples" / "released"
+
+
+@pytest.mark.parametrize("preset", FP8_PRESETS)
+@pytest.mark.parametrize("weights", ["as-stored", "dequantized"])
+@pytest.mark.parametrize("ep", [1, 2])
+def test_the_planned_weights_are_those_the_compiler_writes(fp8_checkpoints, tmp_path, preset, weights, ep):
+    config = model_yaml(fp8_checkpoints[preset], TEST_BUCKETS["small"], dtype="bfloat16")
+    config["model"]["weights"] = weights
+    config["topology"] = {"cp": ep, "ep": ep}
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(config))
+    loaded = load_config(tmp_path / "model.yaml")
+    planned = {t.name: t for t in rank_tensors(loaded)}
+    for ep_rank in range(ep):  # every shard is the size planned
+        model = load_expert_shard(loaded.model.checkpoint, loaded.topology.topology(), ep_rank, torch.bfloat16,
+                                  as_stored=weights == "as-stored")
+        written = model_weights(model)
+        scales = {name: written.pop(q.scale) for name, q in model.quantized_weights.items()}
+        assert sorted(written) == sorted(planned)
+        for name, tensor in written.items():
+            assert (planned[name].elements, planned[name].dtype) == (tensor.numel(), str(tensor.dtype).removeprefix("torch."))
+            assert planned[name].scale_elements == (scales[name].numel() if name in scales else 0), name
+
+
+def _released_arithmetic(cp_ep: int) -> float:
+    """Bytes of one rank of the released DeepSeek-V3 at cp = ep = `cp_ep`, from its shapes: FP8
+    projections (1 byte; scales left out: 1/4096 of them), bf16 embedding and head, fp32 routers."""
+    d, heads, layers, dense, experts, width = 7168, 128, 61, 3, 256, 2048
+    attention = d * 1536 + 1536 * heads * 192 + d * 576 + 512 * heads * 256 + heads * 128 * d
+    routed = (layers - dense) * (experts // cp_ep) * 3 * d * width
+    return (layers * attention + dense * 3 * d * 18432 + (layers - dense) * 3 * d * width + routed
+            + 2 * 2 * 129280 * d + 4 * (layers - dense) * experts * d)
+
+
+def test_the_released_v3_on_trn2_at_cp_ep_64_does_not_fit_and_says_why():
+    plan = plan_device(load_config(RELEASED / "v3-trn2.yaml"), DEVICES["trn2"])
+    weights = sum(plan.weights_bytes.values())
+    assert abs(weights / _released_arithmetic(64) - 1) < 0.02
+    assert 29e9 < weights < 30e9 and plan.weights_bytes["float8_e4m3fn"] > 25e9
+    assert not plan.fits and "exceed the device's 24.0 GiB" in plan.reason and plan.kv_tokens_fit == 0
+    decode = {d.rows: d for d in plan.decode}
+    # Batch 1 reads every replicated weight (~17.4 GB) and few routed experts: a ~24 ms roofline.
+    assert 17e9 < decode[1].weights_read < 18e9 and decode[1].experts_expected < decode[1].experts_worst
+    assert decode[1].step_ms == pytest.approx(decode[1].step_bytes / DEVICES["trn2"].bandwidth * 1e3)
+    dequantized = load_config(RELEASED / "v3-trn2.yaml")
+    object.__setattr__(dequantized.model, "weights", "dequantized")
+    assert sum(plan_device(dequantized, DEVICES["trn2"]).weights_bytes.values()) > 1.8 * weights
+
+
+def test_the_cli_prints_json_and_exits_2_when_a_rank_does_not_fit(tmp_path):
+    result = CliRunner().invoke(cli, ["plan", str(RELEASED / "v3-trn2.yaml"), "--device", "trn2", "--json"])
+    assert result.exit_code == 2
+    report = json.loads(result.stdout)
+    assert report["fits"] is False and report["device"] == "trn2" and report["weights_total_bytes"] > 29e9
+    assert [d["bucket"] for d in report["decode"]] == ["decode-1", "decode-8"]
+    assert result.stderr.startswith("error: a rank does not fit the trn2 device (24.0 GiB): the rank's weights alone")
+
+
+def test_a_device_that_holds_the_tiny_model_fits_and_plots(tiny_checkpoints, tmp_path):
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(model_yaml(tiny_checkpoints["lora-groups"], TEST_BUCKETS["small"])))
+    result = CliRunner().invoke(cli, ["plan", str(tmp_path / "model.yaml"), "--device", "trn1",
+                                      "--plot", str(tmp_path / "plan.png")])
+    assert result.exit_code == 0, result.output
+    assert "per rank on trn1 (16.0 GiB, 440 GB/s):" in result.stdout and ": fits (" in result.stdout
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--device", "trn9"], "error: --device 'trn9': unknown device; devices: trn1, trn2, trn3 (or --device-memory "
+                           "and --device-bandwidth for another)"),
+    (["--device-memory", "16"], "error: a custom device needs both --device-memory (GiB) and --device-bandwidth "
+                                "(GB/s); or --device trn1 | trn2 | trn3"),
+    (["--device", "trn2", "--device-bandwidth", "0"], "error: --device-bandwidth 0.0: must be a positive number"),
+    (["--json"], "error: --json prints the device plan: pass --device (or --device-memory and --device-bandwidth)"),
+    (["--device-memory", "0.001", "--device-bandwidth", "100"],  # the tiny model's weights, not its pool too
+     "error: a rank does not fit the custom device (1.0 MiB): weights 878.8 KiB + KV pool "),
+])
+def test_bad_devices_are_one_line_errors(tiny_checkpoints, tmp_path, flags, says):
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(model_yaml(tiny_checkpoints["lora-groups"], TEST_BUCKETS["small"])))
+    result = CliRunner().invoke(cli, ["plan", str(tmp_path / "model.yaml"), *flags])
+    assert one_line_refusal(result).startswith(says)
