@@ -157,7 +157,7 @@ def test_ep_16_accepted_on_16_expert_preset(tiny_checkpoints):
             {"buckets.prefil": [16], "buckets.prefill": DELETE},
             r"^buckets\.prefil: unknown key; allowed here: context_limit, prefill, decode, prompt_as_decode, auto$",
         ),
-        ({"model.path": "x"}, r"^model\.path: unknown key; allowed here: checkpoint, dtype, sparse_probabilities, moe_form, moe_lowering$"),
+        ({"model.path": "x"}, r"^model\.path: unknown key; allowed here: checkpoint, dtype, weights, sparse_probabilities, moe_form, moe_lowering$"),
         (
             {"runtime.sampling.temprature": 0.5},
             r"^runtime\.sampling\.temprature: unknown key; allowed here: temperature, top_k, top_p, seed$",

@@ -406,7 +406,8 @@ def plan(model_yaml, workload, plot_path, device_name, device_memory, device_ban
         for line in planning.describe(config, lengths) + (device_plan.describe(memory) if memory else []):
             click.echo(line)
         if plot_path is not None:
-            planning.plot(plot_path, config, lengths, memory)
+            planning.plot(plot_path, config, lengths,
+                          (lambda axis: device_plan.plot(axis, memory)) if memory is not None else None)
             click.echo(f"wrote {plot_path}")
     if memory is not None and not memory.fits:  # the report stands; the status says it cannot be served
         raise GraphcError(f"a rank does not fit the {memory.device} device ({planning.format_bytes(memory.device_bytes)}): "

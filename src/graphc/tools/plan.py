@@ -10,7 +10,7 @@ compiled graphs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Callable
 
 from graphc.backends import backend
 from graphc.buckets.selection import Bucket, all_buckets, max_prefill_chunk
@@ -24,9 +24,6 @@ from graphc.models.registry import family_of
 from graphc.models.step_model import ModelArgs
 from graphc.step import blocks_per_row
 from graphc.topology import GROUPS, Topology
-
-if TYPE_CHECKING:
-    from graphc.tools.device_plan import DevicePlan
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -135,9 +132,11 @@ def _chunks(config: GraphcConfig, workload: Histogram) -> Histogram:
     return chunk_histogram(workload, max_prefill_chunk(config.buckets.prefill, config.runtime.max_num_prefilling_tokens))
 
 
-def plot(path: Path, config: GraphcConfig, workload: Histogram | None, memory: "DevicePlan | None" = None) -> None:
+def plot(path: Path, config: GraphcConfig, workload: Histogram | None,
+         memory_panel: Callable[[Any], None] | None = None) -> None:
     """The prompt-length distribution with the prefill bucket edges and each bucket's padding
-    (given a workload), and a rank's memory against its device (given a device plan), side by side."""
+    (given a workload), and beside it `memory_panel`'s drawing on its own axis (a rank's memory
+    against its device: `device_plan.plot`)."""
     try:
         import matplotlib
 
@@ -145,14 +144,12 @@ def plot(path: Path, config: GraphcConfig, workload: Histogram | None, memory: "
         import matplotlib.pyplot as plt
     except ImportError:
         raise GraphcError("--plot needs matplotlib (pip install matplotlib)") from None
-    panels = [p for p in (workload, memory) if p is not None]
+    panels = [p for p in (workload, memory_panel) if p is not None]
     figure, axes = plt.subplots(1, len(panels), figsize=(9 * len(panels), 4.5), squeeze=False)
     if workload is not None:
         _plot_workload(axes[0][0], config, workload)
-    if memory is not None:
-        from graphc.tools.device_plan import plot as plot_memory
-
-        plot_memory(axes[0][-1], memory)
+    if memory_panel is not None:
+        memory_panel(axes[0][-1])
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
