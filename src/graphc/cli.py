@@ -176,8 +176,11 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
               help="Ed25519 private key (PEM, from `graphc keygen`): sign the artifacts.")
 @click.option("--moe-lowering", type=click.Choice(MOE_LOWERING_CHOICES), default=None,
               help="Overrides model.yaml's model.moe_lowering (how exchanged MoE tokens travel).")
+@click.option("--shapes-only", is_flag=True,
+              help="Abstract weights (no weight bytes read): every program, no weights; what a checkpoint of config.json "
+                   "alone compiles to anyway. The artifacts cannot be served.")
 def compile_command(config_path, out, backend, disabled, dump_graphs, verify_passes, jobs, force, sign_key,
-                    moe_lowering) -> None:
+                    moe_lowering, shapes_only) -> None:
     """Capture, rewrite and compile MODEL_YAML's model into per-bucket graphs (at most two per bucket)."""
     from graphc.config import load_config
     from graphc.compiler.pipeline import CompileOptions, compile
@@ -186,12 +189,13 @@ def compile_command(config_path, out, backend, disabled, dump_graphs, verify_pas
     if moe_lowering:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, moe_lowering=moe_lowering))
     options = CompileOptions(backend=backend, disabled_passes=frozenset(disabled), dump_graphs=dump_graphs,
-                             verify_passes=verify_passes, force=force, sign_key=sign_key,
+                             verify_passes=verify_passes, force=force, sign_key=sign_key, shapes_only=shapes_only,
                              **({"workers": jobs} if jobs else {}))
     manifest = compile(config, out, options, on_checked=lambda: click.echo(_describe_config(config, backend), err=True))
     graphs = {g.file for r in manifest.ranks for g in r.graphs}
     click.echo(f"wrote {out}: {sum(len(r.graphs) for r in manifest.ranks)} graphs over {len(manifest.ranks)} "
-               f"rank(s), {len(graphs)} distinct, backend {manifest.backend}" + (", signed" if sign_key else ""))
+               f"rank(s), {len(graphs)} distinct, backend {manifest.backend}" + (", signed" if sign_key else "")
+               + (", shapes only (no weights: not servable)" if manifest.shapes_only else ""))
 
 
 @cli.command("neuron-finish")

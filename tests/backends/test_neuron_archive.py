@@ -156,7 +156,7 @@ CASES = {  # name -> (the change, the refusal after "error: <archive>: ")
                            "program.json: <top level>: expected a mapping, got [1, 2]"),
     "missing key": (_edited_program(lambda d: d["signature"].pop("dtypes")),
                     "program.json: signature.dtypes: required key is missing (a list of one of 'float32', "
-                    "'bfloat16', 'int32', 'bool')"),
+                    "'bfloat16', 'int32', 'bool', 'uint8')"),
     "unknown key": (_edited_program(lambda d: d.update({"entry\nnext": 1})),
                     r"program.json: entry\nnext: unknown key; allowed here: signature, world, neuronx_cc"),
     "truncated parameters": (_edited_program(_truncated_parameters),

@@ -39,8 +39,10 @@ def test_the_planned_weights_are_those_the_compiler_writes(fp8_checkpoints, tmp_
         scales = {name: written.pop(q.scale) for name, q in model.quantized_weights.items()}
         assert sorted(written) == sorted(planned)
         for name, tensor in written.items():
-            assert (planned[name].elements, planned[name].dtype) == (tensor.numel(), str(tensor.dtype).removeprefix("torch."))
-            assert planned[name].scale_elements == (scales[name].numel() if name in scales else 0), name
+            assert (planned[name].shape, planned[name].dtype) == (tuple(tensor.shape), tensor.dtype), name
+            assert planned[name].scale_shape == (tuple(scales[name].shape) if name in scales else None), name
+            if name in scales:
+                assert planned[name].quantized == model.quantized_weights[name]
 
 
 def _released_arithmetic(cp_ep: int) -> float:

@@ -160,6 +160,9 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
     """Compile-time facts kept for `graphc inspect` (op counts per graph, pass log)."""
+    shapes_only: bool = False
+    """Compiled from config.json alone: every program, no weights (each rank's weights entry names
+    a file of their names, shapes and dtypes); `graphc run` and `serve` refuse it."""
 
     def to_yaml(self) -> str:
         # Absent optional model fields (a V3 model's sparse_probabilities) stay absent.

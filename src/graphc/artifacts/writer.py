@@ -62,6 +62,18 @@ def write_weights(tensors: dict[str, torch.Tensor], staging: Path) -> WeightsFil
     return WeightsFile(f"weights/{final.name}", digest, list(tensors))
 
 
+def write_weight_shapes(tensors: dict[str, torch.Tensor], staging: Path) -> WeightsFile:
+    """For shapes-only artifacts: the names, shapes and dtypes of a rank's weights (no data), under
+    `weights/`, named by content."""
+    folder = staging / "weights"
+    folder.mkdir(exist_ok=True)
+    text = json.dumps([{"name": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                       for name, t in tensors.items()], indent=1)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    (folder / f"{digest}.shapes.json").write_text(text)
+    return WeightsFile(f"weights/{digest}.shapes.json", digest, list(tensors))
+
+
 def model_fingerprint(checkpoint: Path) -> str:
     """sha256 of config.json and every safetensors file's header and size.
 
@@ -107,7 +119,7 @@ def read_chat_template(checkpoint: Path) -> ChatTemplate | None:
 
 def write_manifest(staging: Path, config: GraphcConfig, backend: str, args: ModelArgs, sparse_probabilities: str | None,
                    topology: Topology, graphs: dict[int, list[CompiledGraph]], weights: dict[int, WeightsFile],
-                   extra: dict, sign_key: Path | None) -> Manifest:
+                   extra: dict, sign_key: Path | None, shapes_only: bool = False) -> Manifest:
     """Copy each distinct graph file and the tokenizer into `staging`, then write (and with
     `sign_key` sign) the manifest describing them. `graphs` and `weights` are by rank."""
     (staging / "graphs").mkdir(exist_ok=True)
@@ -145,6 +157,7 @@ def write_manifest(staging: Path, config: GraphcConfig, backend: str, args: Mode
         tokenizer="tokenizer.json" if tokenizer.is_file() else None,
         tokenizer_sha256=sha256_file(staging / "tokenizer.json") if tokenizer.is_file() else None,
         extra=extra,
+        shapes_only=shapes_only,
     )
     (staging / MANIFEST).write_text(manifest.to_yaml())
     if sign_key is not None:

@@ -103,19 +103,22 @@ def example_step_inputs(bucket: Bucket, blocks_per_row: int, kv_pool_shape: tupl
 
 
 def capture_bucket(model: StepModel, bucket: Bucket, blocks_per_row: int, num_blocks: int,
-                   block_size: int, parallel: Parallelism = Parallelism(), moe_form: str | None = None) -> ExportedProgram:
+                   block_size: int, parallel: Parallelism = Parallelism(), moe_form: str | None = None,
+                   weights: dict[str, Tensor] | None = None) -> ExportedProgram:
     """Export the step for one bucket shape.
 
     `parallel` fixes what changes shapes (group sizes, static or generic MoE; `model` holds one
     rank's share of the experts, of the shapes every rank's share has); the rank's coordinates
     come from the `coordinates` input. `moe_form` fixes the routed
     experts' formulation (`MOE_FORMS`; by default the model's rule for the bucket's size).
+    `weights` replaces the model's own (`model_weights`): fake tensors of a shapes-only compile
+    (`models/abstract.abstract_shard`).
     """
     step = StepGraph(model, parallel, moe_form)
     args = model.args
     pool_shape = kv_pool_shape(args.cache_layers, num_blocks, block_size, args.kv_cache_dim)
     inputs = example_step_inputs(bucket, blocks_per_row, pool_shape, model.dtype)
-    weights = list(model_weights(model).values())
+    weights = list((weights if weights is not None else model_weights(model)).values())
     dynamic = {name: None for name in STEP_INPUTS}
     dynamic["kv_pool"] = {POOL_BLOCKS_DIM: Dim("num_blocks", min=2)}
     with torch.no_grad():

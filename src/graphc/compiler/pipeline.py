@@ -14,13 +14,14 @@ import torch
 from graphc.artifacts.directory import atomic_directory, check_replaceable
 from graphc.artifacts.manifest import Manifest, TensorSpec
 from graphc.artifacts.signing import private_key
-from graphc.artifacts.writer import CompiledGraph, write_manifest, write_weights
+from graphc.artifacts.writer import CompiledGraph, write_manifest, write_weight_shapes, write_weights
 from graphc.backends import backend as backend_named
 from graphc.buckets.selection import all_buckets
 from graphc.compiler.capture import capture_bucket, model_weights
 from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
 from graphc.config import GraphcConfig
-from graphc.models.checkpoint import load_expert_shard
+from graphc.models.abstract import abstract_shard
+from graphc.models.checkpoint import default_sparse_probabilities, holds_weights, load_expert_shard
 from graphc.models.moe_forms import moe_exchange, step_moe_form
 from graphc.models.step_model import Parallelism
 from graphc.passes.collective_schedule import check_collective_schedule, program_collectives
@@ -43,6 +44,9 @@ class CompileOptions:
     show_progress: bool = True
     sign_key: Path | None = None
     """An Ed25519 private key (PEM): sign the manifest (`manifest.sig`), which covers every file."""
+    shapes_only: bool = False
+    """Compile with abstract weights (no weight bytes read or held) even where the checkpoint has
+    them; a checkpoint of config.json alone always compiles so."""
 
 
 def check_options(config: GraphcConfig, out: Path, options: CompileOptions) -> None:
@@ -70,12 +74,19 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
     b, kv = config.buckets, config.kv_cache
     table_width = blocks_per_row(b.context_limit, kv.block_size)
     dtype = getattr(torch, config.model.dtype)
+    as_stored = config.model.weights == "as-stored"
+    shapes_only = options.shapes_only or not holds_weights(config.model.checkpoint)
     with atomic_directory(out, options.force) as staging:
         # 1. Model: expert-parallel rank 0's module (every rank's when ep = 1); the other shards
-        # are loaded one at a time when their weights are written (step 5).
-        as_stored = config.model.weights == "as-stored"
-        model = load_expert_shard(config.model.checkpoint, topology, 0, dtype, config.model.sparse_probabilities,
-                                  as_stored)
+        # are loaded one at a time when their weights are written (step 5). Shapes-only: the
+        # module on the meta device, its weights fake tensors.
+        if shapes_only:
+            model, weights = abstract_shard(config.model_args, config.model.checkpoint, dtype, as_stored, topology.ep,
+                                            config.model.sparse_probabilities or default_sparse_probabilities(dtype))
+        else:
+            model = load_expert_shard(config.model.checkpoint, topology, 0, dtype, config.model.sparse_probabilities,
+                                      as_stored)
+            weights = model_weights(model)
         args = model.args
         sparse_probabilities = model.sparse_probabilities if args.sparse_attention else None
         # 2. Capture: one rank-agnostic program per bucket, with what changes shapes fixed.
@@ -85,7 +96,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                                            args.n_routed_experts, topology.ep, exchange)
                      for bucket in buckets}
         captured = {bucket: capture_bucket(model, bucket, table_width, kv.num_blocks, kv.block_size, parallel,
-                                           moe_forms[bucket])
+                                           moe_forms[bucket], weights)
                     for bucket in buckets}
         # 3. Rewrite each bucket's programs (passes/registry.py): at most two whatever the world
         # (`Backend.programs`), the rank's coordinates being an input. Then check that no rank's
@@ -123,18 +134,19 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                  "passes": pass_logs, **backend_named(backend).extras()}
         del programs, captured
         # 5. Weights, one expert shard in memory at a time: rank 0's, then each other's, loaded,
-        # written and dropped (the captured programs hold no weights).
-        shards = {0: write_weights(model_weights(model), staging)}
-        del model
-        for ep_rank in range(1, topology.ep):
+        # written and dropped (the captured programs hold no weights). Shapes-only: their shapes,
+        # which every shard shares.
+        shards = {0: (write_weight_shapes if shapes_only else write_weights)(weights, staging)}
+        del model, weights
+        for ep_rank in range(1, 1 if shapes_only else topology.ep):
             shard = load_expert_shard(config.model.checkpoint, topology, ep_rank, dtype,
                                       config.model.sparse_probabilities, as_stored)
             shards[ep_rank] = write_weights(model_weights(shard), staging)
             del shard
         # 6. Manifest: graphs, weights and tokenizer by hash, signed on request.
         return write_manifest(staging, config, backend, args, sparse_probabilities, topology, graphs,
-                              {rank: shards[topology.ep_rank(rank)] for rank in range(topology.world)},
-                              extra, options.sign_key)
+                              {rank: shards[0 if shapes_only else topology.ep_rank(rank)] for rank in range(topology.world)},
+                              extra, options.sign_key, shapes_only)
 
 
 def check_backend_topology(backend: str, config: GraphcConfig, static_enabled: bool) -> None:

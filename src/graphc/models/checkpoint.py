@@ -113,6 +113,12 @@ def _tensor_files(checkpoint_dir: Path) -> dict[str, Path]:
     )
 
 
+def holds_weights(checkpoint_dir: Path) -> bool:
+    """Whether the checkpoint directory has tensors (a safetensors file or a sharded index), not
+    config.json alone (a released config planned or compiled shapes-only)."""
+    return (checkpoint_dir / "model.safetensors").is_file() or (checkpoint_dir / "model.safetensors.index.json").is_file()
+
+
 def _summarise(names: list[str], limit: int = 5) -> str:
     shown = ", ".join(sorted(names)[:limit])
     return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")

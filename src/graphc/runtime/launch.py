@@ -30,7 +30,7 @@ from graphc.artifacts.manifest import Manifest
 from graphc.errors import GraphcError, Interrupted
 from graphc.runtime.channel import StepChannel, remove_segment
 from graphc.runtime.engine import BucketStats, Engine
-from graphc.runtime.loader import kv_pool_blocks
+from graphc.runtime.loader import check_servable, kv_pool_blocks
 from graphc.runtime.scheduler import Request, Result
 
 FAULT_ENV = "GRAPHC_FAULT_INJECTION"
@@ -169,6 +169,7 @@ def serve(artifacts: Path, batches: list[list[Request]], manifest: Manifest | No
         GraphcError: a rank failed (named), after every other rank was stopped.
     """
     manifest = manifest or read_manifest(artifacts, trusted_key)
+    check_servable(Path(artifacts), manifest)  # before any rank starts
     if manifest.topology.world == 1:
         engine = Engine(artifacts, manifest=manifest)
         return [generate_batch(engine, batch) for batch in batches]

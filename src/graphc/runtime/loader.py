@@ -52,6 +52,13 @@ class LoadedRank:
     num_blocks: int
 
 
+def check_servable(artifacts: Path, manifest: Manifest) -> None:
+    """Refuse shapes-only artifacts (programs without weights) before anything starts."""
+    if manifest.shapes_only:
+        raise GraphcError(f"{artifacts}: compiled shapes-only (from a config.json without weights): nothing to serve; "
+                          "compile the checkpoint with its weights to run it")
+
+
 def kv_pool_blocks(manifest: Manifest) -> int:
     """The pool size: the manifest's, unless GRAPHC_NUM_KV_BLOCKS overrides it."""
     override = os.environ.get(NUM_KV_BLOCKS_ENV)
@@ -90,6 +97,7 @@ def load_rank(artifacts: Path, rank: int = 0, manifest: Manifest | None = None,
     under `trusted_key` when given), then load one rank's weights and graphs."""
     artifacts = Path(artifacts)
     manifest = manifest or read_manifest(artifacts, trusted_key)
+    check_servable(artifacts, manifest)
     if not backend(manifest.backend).serves_here:
         raise GraphcError(f"{artifacts}: backend {manifest.backend!r} cannot run on this host; "
                           f"runnable here: {', '.join(name for name, b in BACKENDS.items() if b.serves_here)}")

@@ -120,11 +120,12 @@ def serve_http(artifacts: Path, host: str, port: int, max_waiting: int, grace_se
     before any graph loads."""
     from graphc.artifacts.directory import read_manifest
     from graphc.runtime.launch import launch_ranks
-    from graphc.runtime.loader import kv_pool_blocks
+    from graphc.runtime.loader import check_servable, kv_pool_blocks
 
     if api_key is not None and not re.fullmatch(r"[!-~]+", api_key):
         raise GraphcError("--api-key / GRAPHC_API_KEY must be printable ASCII without spaces (a Bearer token)")
     manifest = read_manifest(artifacts, trusted_key)
+    check_servable(Path(artifacts), manifest)  # before the address is bound or any rank starts
     job = HttpJob(str(artifacts), host, port, max_waiting, grace_seconds, model_name or Path(artifacts).resolve().name,
                   limits, api_key)
     listener = bound_listener(host, port)

@@ -4,11 +4,9 @@ Arithmetic on the config, config.json and the family's module built on the meta 
 no data), so it runs on a config.json alone (a released model's). Per rank:
 
 - `weights_bytes`, by dtype: the rank's share of every tensor its graphs take (the routed experts
-  of its EP shard, a row-sharded table's rows), each in the dtype the artifacts store it: FP8 plus
-  fp32 block scales where `model.weights` is as-stored and the family's releases quantise the
-  tensor (`Family.fp8_quantised`, config.json's `quantization_config`), fp32 where the family
-  keeps it so, int64 index tables, the model dtype otherwise. Tests hold it to compiled weights
-  files byte for byte.
+  of its EP shard, a row-sharded table's rows), each in the dtype the artifacts store it
+  (`models/abstract.stored_tensors`: FP8 plus fp32 block scales where `model.weights` is
+  as-stored and the release quantises the tensor). Tests hold it to loaded shards tensor by tensor.
 - `kv_bytes`: the configured pool (`kv_cache.num_blocks`), and `kv_tokens_fit`: the tokens of KV
   the memory left after weights and activations holds (per rank; a replica holds cp times as many,
   its sequences' blocks being spread over its cp ranks).
@@ -34,8 +32,7 @@ from graphc.buckets.selection import all_buckets
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
 from graphc.models.checkpoint import build_model
-from graphc.models.fp8 import scale_grid
-from graphc.models.hf_config import read_hf_config
+from graphc.models.abstract import StoredTensor, released_fp8_block, stored_tensors
 from graphc.models.layers import STACKED_EXPERT
 from graphc.models.moe_forms import moe_exchange
 from graphc.models.registry import family_of
@@ -93,72 +90,14 @@ def device(name: str | None, memory_gib: float | None = None, bandwidth_gbs: flo
                   bandwidth_gbs * 1e9 if bandwidth_gbs is not None else known.bandwidth, known.describes)
 
 
-@dataclass(frozen=True)
-class StoredTensor:
-    """One tensor a rank's graphs take, as the artifacts store it."""
-
-    name: str
-    elements: int
-    dtype: str
-    scale_elements: int = 0
-    """fp32 block scales beside an FP8 tensor kept as stored."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.elements * torch.empty(0, dtype=getattr(torch, self.dtype)).element_size() + 4 * self.scale_elements
-
-
-def _released_fp8(config: GraphcConfig) -> tuple[int, int] | None:
-    """The FP8 scale block of config.json's `quantization_config`, if the checkpoint is FP8."""
-    quantization = read_hf_config(config.model.checkpoint).get("quantization_config") or {}
-    block = quantization.get("weight_block_size")
-    return (block[0], block[1]) if quantization.get("quant_method") == "fp8" and isinstance(block, list) else None
-
-
-def fp8_block(config: GraphcConfig) -> tuple[int, int] | None:
-    """The FP8 scale block where the artifacts keep FP8 weights as stored, else None."""
-    return _released_fp8(config) if config.model.weights == "as-stored" else None
-
-
 def rank_tensors(config: GraphcConfig) -> list[StoredTensor]:
-    """Every tensor of one rank's weights file (the largest: every EP shard is the same size),
-    mirroring the loader: `checkpoint.load_model(as_stored=...)` and `_kept_as_stored`."""
-    args = config.model_args
-    family = family_of(args)
-    topology = config.topology.topology()
-    local = args.n_routed_experts // topology.ep
-    with torch.device("meta"):
-        model = build_model(args, local)
-    names = [n for n in model.state_dict() if not (n == "lm_head.weight" and args.tie_word_embeddings)]
-    with torch.device("meta"):
-        whole = build_model(args)
-    sources = family.released_sources(args, [n for n in whole.state_dict()
-                                             if not (n == "lm_head.weight" and args.tie_word_embeddings)])
-    block = fp8_block(config)
-    tensors = []
-    for name in names:
-        shape = tuple(model.state_dict()[name].shape)
-        elements = math.prod(shape)
-        stored = [n for group in sources.get(name, []) for n in group]
-        if name.endswith(family.index_tensors):
-            tensors.append(StoredTensor(name, elements, "int64"))
-        elif family.keeps_fp32(name, args):
-            tensors.append(StoredTensor(name, elements, "float32"))
-        elif (block is not None and stored and all(family.fp8_quantised.match(n) for n in stored)
-              and not name.endswith(family.row_sharded_tables) and len(shape) in (2, 3)):
-            tensors.append(StoredTensor(name, elements, "float8_e4m3fn", _scale_elements(name, shape, block, sources)))
-        else:  # (a row-sharded table's module holds the shard's rows already)
-            tensors.append(StoredTensor(name, elements, config.model.dtype))
-    return tensors
+    """Every tensor of one rank's weights file (`abstract.stored_tensors`)."""
+    return stored_tensors(config.model_args, config.model.checkpoint, getattr(torch, config.model.dtype),
+                          config.model.weights == "as-stored", config.topology.topology().ep)
 
 
-def _scale_elements(name: str, shape: tuple[int, ...], block: tuple[int, int], sources) -> int:
-    if len(shape) == 2:
-        return math.prod(scale_grid(shape, block))
-    experts, rows, cols = shape
-    parts = len(sources[name][0])
-    row_block = block[0] if (rows // parts) % block[0] == 0 else 1  # as `_kept_as_stored` stacks them
-    return experts * math.ceil(rows / row_block) * math.ceil(cols / block[1])
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -230,7 +169,7 @@ def plan_device(config: GraphcConfig, target: Device) -> DevicePlan:
     tensors = rank_tensors(config)
     by_dtype: dict[str, int] = {}
     for t in tensors:
-        by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.nbytes
+        by_dtype[_dtype_name(t.dtype)] = by_dtype.get(_dtype_name(t.dtype), 0) + t.nbytes
     weights = sum(by_dtype.values())
     width = _dtype_bytes(config.model.dtype)
     per_token = args.cache_layers * args.kv_cache_dim * width
@@ -242,7 +181,7 @@ def plan_device(config: GraphcConfig, target: Device) -> DevicePlan:
         experts = sum(t.nbytes for t in tensors if STACKED_EXPERT.match(t.name))
         reason = (f"the rank's weights alone ({size(weights)}: {size(experts)} of its routed experts, "
                   f"{size(weights - experts)} that every rank holds whole) exceed the device's {size(target.memory_bytes)}")
-        if config.model.weights == "dequantized" and _released_fp8(config):
+        if config.model.weights == "dequantized" and released_fp8_block(config.model.checkpoint):
             reason += "; keep the FP8 weights as stored (model.weights: as-stored)"
     elif total > target.memory_bytes:
         reason = (f"weights {size(weights)} + KV pool {size(pool)} + activations {size(activations)} "

@@ -1,0 +1,110 @@
+"""A rank's tensors as the artifacts store them, from config.json alone, and shapes-only models.
+
+`stored_tensors` says what one expert-parallel shard's weights file holds (names, shapes, dtypes,
+FP8 scales) without reading any tensor data: it mirrors `checkpoint.load_model` (the stacked
+experts, the family's fp32 parameters and index tables, and, with `as_stored`, the tensors the
+family's FP8 releases quantise (`Family.fp8_quantised`) kept FP8 where config.json's
+`quantization_config` says the checkpoint is FP8, their scales stacked as `_kept_as_stored`
+stacks them). `graphc plan --device` counts its bytes; tests hold it to loaded shards.
+
+`abstract_shard` builds that shard's module on the meta device with fake tensors for its
+weights (no weight bytes in memory): what a shapes-only compile captures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from graphc.models.checkpoint import QUANTIZED_WEIGHTS, build_model
+from graphc.models.fp8 import FP8, SCALE_SUFFIX, QuantizedWeight, scale_grid
+from graphc.models.hf_config import read_hf_config
+from graphc.models.registry import family_of
+from graphc.models.step_model import ModelArgs, StepModel
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a rank's weights file."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    quantized: QuantizedWeight | None = None
+    """Where kept FP8 as stored: its scales' buffer, block and compute dtype."""
+    scale_shape: tuple[int, ...] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        scales = 4 * math.prod(self.scale_shape) if self.scale_shape else 0
+        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size() + scales
+
+
+def released_fp8_block(checkpoint: Path) -> tuple[int, int] | None:
+    """The FP8 scale block of config.json's `quantization_config`, if the checkpoint is FP8."""
+    quantization = read_hf_config(checkpoint).get("quantization_config") or {}
+    block = quantization.get("weight_block_size")
+    return (block[0], block[1]) if quantization.get("quant_method") == "fp8" and isinstance(block, list) else None
+
+
+def stored_tensors(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_stored: bool, ep: int) -> list[StoredTensor]:
+    """Every tensor of one EP shard's weights file, in the model's `state_dict` order (every shard
+    has the same shapes)."""
+    family = family_of(args)
+    with torch.device("meta"):
+        shard, whole = build_model(args, args.n_routed_experts // ep), build_model(args)
+
+    def names(model) -> list[str]:
+        return [n for n in model.state_dict() if not (n == "lm_head.weight" and args.tie_word_embeddings)]
+
+    sources = family.released_sources(args, names(whole))
+    block = released_fp8_block(checkpoint) if as_stored else None
+    tensors, shapes = [], {name: tuple(t.shape) for name, t in shard.state_dict().items()}
+    for name in names(shard):
+        shape = shapes[name]
+        stored = [n for group in sources.get(name, []) for n in group]
+        if name.endswith(family.index_tensors):
+            tensors.append(StoredTensor(name, shape, torch.int64))
+            continue
+        target = torch.float32 if family.keeps_fp32(name, args) else dtype
+        if (block is not None and stored and all(family.fp8_quantised.match(n) for n in stored)
+                and not name.endswith(family.row_sharded_tables) and len(shape) in (2, 3)):
+            rows = block[0] if len(shape) == 2 or (shape[1] // len(sources[name][0])) % block[0] == 0 else 1
+            grid = scale_grid(shape[-2:], (rows, block[1]))
+            tensors.append(StoredTensor(name, shape, FP8, QuantizedWeight(name + SCALE_SUFFIX, (rows, block[1]), target),
+                                        (*shape[:-2], *grid)))
+        else:  # (a row-sharded table's module holds the shard's rows already)
+            tensors.append(StoredTensor(name, shape, target))
+    return tensors
+
+
+def abstract_shard(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_stored: bool, ep: int,
+                   sparse_probabilities: str) -> tuple[StepModel, dict[str, Tensor]]:
+    """One EP shard's module on the meta device, laid out as `load_model` lays it out (FP8 kept
+    with its scale buffers and `QUANTIZED_WEIGHTS`), and its weights as fake CPU tensors in the
+    order step graphs take them (`capture.weight_names`)."""
+    from graphc.compiler.capture import weight_names
+
+    tensors = stored_tensors(args, checkpoint, dtype, as_stored, ep)
+    with torch.device("meta"):
+        model = build_model(args, args.n_routed_experts // ep, sparse_probabilities)
+        state = {t.name: torch.empty(t.shape, dtype=t.dtype) for t in tensors}
+        if args.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        model.load_state_dict(state, strict=True, assign=True)
+        for t in tensors:
+            if t.quantized is not None:
+                owner, _, attribute = t.quantized.scale.rpartition(".")
+                model.get_submodule(owner).register_buffer(attribute, torch.empty(t.scale_shape))
+    setattr(model, QUANTIZED_WEIGHTS, {t.name: t.quantized for t in tensors if t.quantized is not None})
+    model = model.requires_grad_(False).eval()
+    shapes = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        weights = {name: torch.empty(shapes[name].shape, dtype=shapes[name].dtype, device="cpu")
+                   for name in weight_names(model)}
+    return model, weights
