@@ -375,7 +375,7 @@ def test_serve_on_a_port_taken_fails_before_loading(artifacts, graphs_never_run)
 def test_serve_on_a_host_it_cannot_bind_fails_before_loading(artifacts, graphs_never_run):
     line = error_line(invoke("serve", artifacts, "--host", "192.0.2.1", "--port", 0))  # TEST-NET-1: no host's
     assert line == ("error: cannot listen on 192.0.2.1:0: Cannot assign requested address; --host must name an "
-                    "address of this host (127.0.0.1, 0.0.0.0, ...)")
+                    "address of this host (127.0.0.1, 0.0.0.0, ::1, ::, ...)")
 
 
 @pytest.mark.parametrize("how", ["option", "environment"])

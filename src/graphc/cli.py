@@ -16,7 +16,7 @@ import click
 from graphc.backends import BACKENDS
 from graphc.errors import GraphcError, Interrupted
 from graphc.models.moe_forms import MOE_LOWERING_CHOICES
-from graphc.server.limits import MAX_BODY_BYTES, TEMPLATE_SECONDS, RequestLimits
+from graphc.server.limits import BODY_SECONDS, MAX_BODY_BYTES, TEMPLATE_SECONDS, RequestLimits
 
 EXIT_BAD_INPUT = 2
 
@@ -316,14 +316,16 @@ def _named(result, where: str):
               help="The largest request body; past it, HTTP 413 before the body is read.")
 @click.option("--template-timeout", type=click.FloatRange(min=0, min_open=True), default=TEMPLATE_SECONDS,
               show_default=True, help="Seconds a chat template may take to render a request; past it, HTTP 400.")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=BODY_SECONDS, show_default=True,
+              help="Seconds a client has to send a request's body once its headers are in; past it, HTTP 408.")
 def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_key, api_key, max_body_bytes,
-          template_timeout) -> None:
+          template_timeout, body_timeout) -> None:
     """Serve ARTIFACTS over HTTP with OpenAI's API: /v1/completions (streaming too), /v1/models,
     /health, /metrics (Prometheus). Requests are batched continuously as they arrive."""
     from graphc.server.launch import serve_http
 
     serve_http(artifacts, host, port, max_waiting, grace_period, model_name, trusted_key,
-               RequestLimits(max_body_bytes, template_timeout), api_key)
+               RequestLimits(max_body_bytes, template_timeout, body_timeout), api_key)
 
 
 @cli.command()

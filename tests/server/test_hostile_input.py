@@ -2,7 +2,8 @@
 API key, bodies and prompts bounded before they cost anything, chat templates that raise, recurse,
 blow up or never end, and streams cut when the grace period ends.
 
-One server process serves every case: an API key, a 1 MB body bound, a 1 s template limit, a
+One server process serves every case: an API key, a 1 MB body bound, a 2 s body time limit, a
+1 s template limit, a
 template that misbehaves on cue (the last message names how), a pool that holds one long request
 at a time, and a grace period of 1 s, which the last test ends.
 """
@@ -32,6 +33,7 @@ PRESET, BUCKETS = "lora-groups", "prompt_as_decode"  # the artifacts test_openai
 KEY = "test-key-0123"
 AUTH = {"authorization": f"Bearer {KEY}"}
 MAX_BODY_BYTES = 1_000_000
+BODY_SECONDS = 2
 
 CHAT_TEMPLATE = """{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] or '' }}
 {%- for call in message['tool_calls'] or [] %}[{{ call['function']['name'] }}({{ call['function']['arguments'] }})]
@@ -58,7 +60,7 @@ def hostile(compiled, tmp_path_factory):
     (artifacts / MANIFEST).write_text(yaml.safe_dump(manifest, sort_keys=False))
     # 17 blocks of 8 tokens: one request of 127 tokens at a time (the grace-period test's queue).
     server = Server(artifacts, "--max-body-bytes", str(MAX_BODY_BYTES), "--template-timeout", "1",
-                    "--grace-period", "1", env={"GRAPHC_API_KEY": KEY, "GRAPHC_NUM_KV_BLOCKS": "17"}, api_key=KEY)
+                    "--body-timeout", str(BODY_SECONDS), "--grace-period", "1", env={"GRAPHC_API_KEY": KEY, "GRAPHC_NUM_KV_BLOCKS": "17"}, api_key=KEY)
     yield server
     assert server.stop() == 0, "".join(server.lines)
 
@@ -141,6 +143,24 @@ def test_unknown_routes_and_methods_get_openai_errors(hostile):
     assert openai_error(httpx2.get(f"{hostile.url}/v1/nothing", headers=AUTH), 404)["message"] == "Not Found"
     assert openai_error(httpx2.get(f"{hostile.url}/v1/completions", headers=AUTH), 405)["message"] == \
         "Method Not Allowed"
+
+
+def test_a_body_trickled_past_the_time_limit_gets_408_and_the_connection_closes(hostile):
+    host, port = hostile.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {KEY}\r\n"
+                           "content-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\"".encode())
+        started = time.monotonic()
+        response = http.client.HTTPResponse(connection)
+        response.begin()  # the rest of the body never comes
+        waited = time.monotonic() - started
+        assert response.status == 408 and response.getheader("connection") == "close"
+        body = response.read()
+        assert connection.recv(1) == b""  # closed by the server
+    assert waited >= BODY_SECONDS - 0.5
+    assert json.loads(body)["error"]["message"] == (f"the request body was not sent within {BODY_SECONDS} s "
+                                                    "(8 bytes arrived; --body-timeout)")
+    assert httpx2.get(f"{hostile.url}/health").status_code == 200
 
 
 def test_a_body_over_the_bound_gets_413_before_it_is_read(hostile):
@@ -242,7 +262,8 @@ def test_a_50mb_prompt_and_a_template_that_never_ends_leave_streams_and_health_s
 
 def test_when_the_grace_period_ends_cut_streams_end_with_an_error_event_and_done(hostile):
     """Last: it stops the module's server. Sixteen streams that the pool serves one at a time
-    (119 tokens each) outlast its 1 s grace period; each ends with its own last events."""
+    (119 tokens each) outlast its 1 s grace period; each ends with its own last events, and a
+    completion that is not streamed gets a 503."""
     first_token = threading.Event()
 
     def stream(n: int) -> list[str]:
@@ -255,12 +276,18 @@ def test_when_the_grace_period_ends_cut_streams_end_with_an_error_event_and_done
                 first_token.set()
         return lines
 
-    with ThreadPoolExecutor(16) as pool:
+    whole = {"model": "tiny", "prompt": [4, 6, 7, 8], "max_tokens": 119, "ignore_eos": True}
+    with ThreadPoolExecutor(18) as pool:
         streams = [pool.submit(stream, n) for n in range(16)]
         assert first_token.wait(60)  # one of them is generating, the others wait for the pool
+        completions = [pool.submit(post, hostile, "/v1/completions", whole) for _ in range(2)]  # not streamed
+        time.sleep(0.2)  # queued behind the streams
         hostile.process.send_signal(signal.SIGTERM)
         ends = [s.result() for s in streams]
+        unavailable = [openai_error(c.result(), 503) for c in completions]  # the server's going, not the request
     assert hostile.process.wait(60) == 0
+    assert unavailable == [{"message": "the request failed: the server is shutting down and its grace period (1 s) "
+                                       "has ended", "type": "server_error", "param": None, "code": None}] * 2
     cut = [lines for lines in ends if '"finish_reason": "length"' not in lines[-2]]
     assert cut and all(lines[-1] == "data: [DONE]" for lines in ends)
     for lines in cut:

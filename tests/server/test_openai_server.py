@@ -150,8 +150,10 @@ def test_fifty_clients_that_disconnect_mid_stream_free_every_block(server):
 
 def test_past_the_admission_queue_requests_get_429_with_retry_after(artifacts):
     # A pool that holds one of these requests at a time (14 of 17 blocks each), and room for two
-    # waiting: a burst of eight is served in part, the rest told to come back.
-    server = Server(artifacts, "--max-waiting", "2", env={"GRAPHC_NUM_KV_BLOCKS": "17"})
+    # waiting: a burst of eight is served in part, the rest told to come back. On IPv6's loopback,
+    # which the server's address shows in brackets.
+    server = Server(artifacts, "--max-waiting", "2", "--host", "::1", env={"GRAPHC_NUM_KV_BLOCKS": "17"})
+    assert server.url.startswith("http://[::1]:")
     body = {"model": "tiny", "prompt": prompts(1)[0][:8], "max_tokens": 100, "ignore_eos": True}
     try:
         with ThreadPoolExecutor(8) as pool:

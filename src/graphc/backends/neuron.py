@@ -21,9 +21,8 @@ from graphc.topology import Topology
 
 def compile_program(program: Path, out: Path, topology: Topology) -> None:
     exported = load_exported_program(program)
-    neuron_hlo, signature = lower_to_hlo(exported, topology, NEURON)
+    (neuron_hlo, cpu_hlo), signature = lower_to_hlo(exported, topology, (NEURON, CPU))
     check_neuron_module(neuron_hlo, topology, signature.parameters.index("kv_pool"))
-    cpu_hlo, _ = lower_to_hlo(exported, topology, CPU)
     command = neuronx_cc_command()
     description = ProgramDescription(signature, topology.world, command)
     neff = neff_of(neuron_hlo, command) if available() else None

@@ -104,7 +104,7 @@ class OnlineEngine:
                 self._wake.notify()
 
     def abort(self, message: str) -> None:
-        """End every request in flight with `message` as its error (finish reason "error"), and
+        """End every request in flight with `message` as its error (finish reason "aborted"), and
         refuse new ones as `submit` does once stopping: a server whose grace period is over."""
         with self._wake:
             self._aborted = message
@@ -131,7 +131,7 @@ class OnlineEngine:
                 for kind, ticket in commands:
                     self._apply(kind, ticket)
                 for ticket in list(self._tickets.values()) if aborted else []:
-                    _notify(ticket, None, Result(ticket.request, self._end(ticket).output_ids, "error", aborted))
+                    _notify(ticket, None, Result(ticket.request, self._end(ticket).output_ids, "aborted", aborted))
                 self._publish_state(scheduler)  # admission control counts what was just queued
                 if stopping:
                     for ticket in list(self._tickets.values()):

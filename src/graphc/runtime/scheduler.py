@@ -61,7 +61,8 @@ class Result:
     request: Request
     output_ids: list[int]
     finish_reason: str
-    """"eos", "length", "context_limit", "cancelled" or "error"."""
+    """"eos", "length", "context_limit", "cancelled", "error" or (a server past its grace period:
+    `OnlineEngine.abort`) "aborted"."""
     error: str | None = None
     first_token_seconds: float | None = None
     """Time to first token: from the scheduler's start (the `generate` call) to this request's

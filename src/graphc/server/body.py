@@ -1,5 +1,5 @@
 """A request body as the server reads it: bounded in size (HTTP 413, answered before a body over
-the limit is read whole), then parsed as JSON into its schema. Every way a body can be malformed
+the limit is read whole) and in the time its client takes to send it (HTTP 408), then parsed as JSON into its schema. Every way a body can be malformed
 (not UTF-8, not JSON, nested past what the parser takes, a lone surrogate, a field of the wrong
 type) is a `BadRequest`, never FastAPI's {"detail": ...} or a 500."""
 
@@ -10,6 +10,7 @@ import re
 import sys
 from email.message import Message
 
+import anyio
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
@@ -24,19 +25,29 @@ class BodyTooLarge(GraphcError):
     """A request body over the server's bound (HTTP 413)."""
 
 
-async def read_body(http: Request, limit: int) -> bytes:
+class BodyTooSlow(GraphcError):
+    """A request body not sent whole within the server's time (HTTP 408)."""
+
+
+async def read_body(http: Request, limit: int, seconds: float) -> bytes:
     """The request's body, or BodyTooLarge as soon as it is known to be over `limit` bytes: from
-    its Content-Length before a byte of it is read, else once the bytes read pass the limit."""
+    its Content-Length before a byte of it is read, else once the bytes read pass the limit; or
+    BodyTooSlow if the whole of it has not arrived `seconds` after the headers."""
     declared = http.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"the request body is {int(declared)} bytes; this server takes at most {limit} "
                            "(--max-body-bytes)")
     chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"the request body is over {limit} bytes, the most this server takes (--max-body-bytes)")
-        chunks.append(chunk)
+    with anyio.move_on_after(seconds) as deadline:
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"the request body is over {limit} bytes, the most this server takes "
+                                   "(--max-body-bytes)")
+            chunks.append(chunk)
+    if deadline.cancelled_caught:
+        raise BodyTooSlow(f"the request body was not sent within {seconds:g} s ({size} bytes arrived; "
+                          "--body-timeout)")
     return b"".join(chunks)
 
 

@@ -64,7 +64,7 @@ class HttpJob:
         # does nothing, so a graceful stop ends here (before this point they stop the command).
         previous = {signum: signal.signal(signum, lambda *_: None) for signum in (signal.SIGTERM, signal.SIGINT)}
         key = " (API key required)" if self.api_key is not None else ""
-        print(f"serving {self.artifacts} on http://{self.host}:{listener.getsockname()[1]}{key}", file=sys.stderr,
+        print(f"serving {self.artifacts} on {url(self.host, listener.getsockname()[1])}{key}", file=sys.stderr,
               flush=True)
         try:
             _DrainingServer(config, online, self.grace_seconds).run(sockets=[listener])
@@ -99,14 +99,23 @@ class _DrainingServer(uvicorn.Server):
             cut.cancel()
 
 
+def url(host: str, port: int) -> str:
+    """The server's address as a URL (an IPv6 address in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def bound_listener(host: str, port: int) -> socket.socket:
-    """A socket listening on (host, port), or GraphcError saying why there can be none."""
+    """A socket listening on (host, port), of the family the host resolves to first (an IPv6
+    address or a name that resolves to one: IPv6; `::` takes IPv4 clients too where the host
+    allows), or GraphcError saying why there can be none."""
     try:
-        return socket.create_server((host, port))
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        dualstack = family == socket.AF_INET6 and host == "::" and socket.has_dualstack_ipv6()
+        return socket.create_server((host, port), family=family, dualstack_ipv6=dualstack)
     except OSError as e:
         hint = {errno.EADDRINUSE: "another process holds the port: choose another --port (0: any free one)",
                 errno.EACCES: "ports below 1024 need privileges: choose another --port"}.get(
-            e.errno, "--host must name an address of this host (127.0.0.1, 0.0.0.0, ...)")
+            e.errno, "--host must name an address of this host (127.0.0.1, 0.0.0.0, ::1, ::, ...)")
         reason = (e.strerror or str(e)).partition(" (while attempting")[0]  # create_server appends the address
         raise GraphcError(f"cannot listen on {host}:{port}: {reason}; {hint}") from None
 

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 MAX_BODY_BYTES = 8 << 20
 """The default bound on a request body: far above what a context of 128 k tokens takes as text or
 token ids, and a few tens of milliseconds of JSON parsing."""
+BODY_SECONDS = 30.0
+"""The default time a client has to send a request's body: a client that trickles it (a few bytes
+a second, as a slowloris attack does) holds a connection no longer than this."""
 TEMPLATE_SECONDS = 2.0
 """The default time a chat template may take to render a request: real ones take milliseconds."""
 MAX_STOP_STRINGS = 32
@@ -22,3 +25,4 @@ class RequestLimits:
 
     max_body_bytes: int = MAX_BODY_BYTES
     template_seconds: float = TEMPLATE_SECONDS
+    body_seconds: float = BODY_SECONDS

@@ -1,7 +1,7 @@
 """The OpenAI-compatible routes over an `OnlineEngine`.
 
 Every bad request gets a 4xx with OpenAI's error body and changes nothing (400; 413 for a body
-over the bound; 401 without the API key, where one is set); past the admission queue's bound,
+over the bound; 408 for one not sent in time; 401 without the API key, where one is set); past the admission queue's bound,
 429 with Retry-After. A client that disconnects cancels its request, whose KV blocks return to
 the pool before the next step. The event loop only routes: a request's CPU work (parsing its
 body, tokenising, checking its ids) runs in a few worker threads, a chat template in a worker
@@ -24,7 +24,7 @@ from graphc.artifacts.manifest import Manifest
 from graphc.errors import GraphcError
 from graphc.runtime.online import OnlineEngine, QueueFull
 from graphc.server.auth import ApiKeyRequired
-from graphc.server.body import BodyTooLarge, parse_body, read_body
+from graphc.server.body import BodyTooLarge, BodyTooSlow, parse_body, read_body
 from graphc.server.limits import RequestLimits
 from graphc.server.metrics import ServerMetrics
 from graphc.server.schemas import ChatCompletionRequest, CompletionRequest, error_response
@@ -57,7 +57,7 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         return await anyio.to_thread.run_sync(functools.partial(function, *args), limiter=threads)
 
     async def parsed(http: Request, schema):
-        raw = await read_body(http, limits.max_body_bytes)
+        raw = await read_body(http, limits.max_body_bytes, limits.body_seconds)
         body = await off_loop(parse_body, raw, http.headers.get("content-type"), schema)
         check_model(body.model, model_name)
         return body
@@ -73,6 +73,10 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
     @app.exception_handler(BodyTooLarge)
     async def too_large(request: Request, error: BodyTooLarge):
         return error_response(413, str(error))
+
+    @app.exception_handler(BodyTooSlow)
+    async def too_slow(request: Request, error: BodyTooSlow):
+        return error_response(408, str(error), headers={"Connection": "close"})
 
     @app.exception_handler(GraphcError)
     async def unavailable(request: Request, error: GraphcError):  # the engine failed or is stopping

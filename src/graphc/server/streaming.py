@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from graphc.runtime.online import OnlineEngine, Ticket
 from graphc.runtime.scheduler import Request as GenerationRequest
+from graphc.server.detokenize import IncrementalText
 from graphc.server.metrics import ServerMetrics
 from graphc.server.schemas import error_body, error_response
 
@@ -23,19 +24,22 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context_li
 class Generation:
     """One request's tokens as they arrive, as text deltas cut at stop strings.
 
-    Text is decoded from every token so far (a tokenizer may merge bytes across tokens); a tail
-    that is an incomplete UTF-8 character, or that could still become a stop string, is held
-    back until the next token or the end.
+    Text is decoded incrementally (`detokenize.IncrementalText`: a tail that is an incomplete
+    UTF-8 character waits for the bytes that complete it); a tail that could still become a stop
+    string is held back until the next token or the end.
     """
 
     def __init__(self, online: OnlineEngine, metrics: ServerMetrics, request: GenerationRequest, tokenizer,
                  stop: list[str]):
         self.online, self.metrics, self.request = online, metrics, request
-        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.decoded = IncrementalText(tokenizer) if tokenizer is not None else None
+        self.stop = [s for s in stop if s]
         self.ids: list[int] = []
         self.text, self.sent = "", 0
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.unavailable = False
+        """The error is the server's going away (its grace period over), not the request's."""
         self.arrived = self.last_token = time.monotonic()
         loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
@@ -64,14 +68,18 @@ class Generation:
                 self._record_token()
                 self.ids.append(token)
                 new_ids.append(token)
-                self._decode()
+                if self.decoded is not None:
+                    self.decoded.add(token)
+            if result is not None and self.decoded is not None:
+                self.decoded.finish()
+            self.text = self.decoded.text if self.decoded is not None else ""
             if self._stopped():
                 self._end("stop")
                 if result is None:
                     self.online.cancel(self.ticket)  # its blocks go back now; later tokens would be cut anyway
             elif result is not None:
-                if result.finish_reason == "error":
-                    self.error = result.error
+                if result.finish_reason in ("error", "aborted"):
+                    self.error, self.unavailable = result.error, result.finish_reason == "aborted"
                 self._end(FINISH_REASONS.get(result.finish_reason, result.finish_reason))
             end = len(self.text) if self.finish_reason else self._safe_end()
             delta, self.sent = self.text[self.sent:end], max(self.sent, end)
@@ -85,10 +93,6 @@ class Generation:
         self.last_token = now
         self.metrics.token()
 
-    def _decode(self) -> None:
-        if self.tokenizer is not None:
-            self.text = self.tokenizer.decode(self.ids)
-
     def _stopped(self) -> bool:
         if not self.stop or len(self.ids) < self.request.min_new_tokens:
             return False
@@ -99,8 +103,6 @@ class Generation:
 
     def _safe_end(self) -> int:
         end = len(self.text)
-        while end > self.sent and self.text[end - 1] == "\ufffd":
-            end -= 1  # an incomplete UTF-8 character: its bytes are still arriving
         if self.stop:  # the last len(stop) - 1 characters could still begin a stop string
             end = max(self.sent, end - max(len(s) for s in self.stop) + 1)
         return end
@@ -163,8 +165,9 @@ async def complete(generation: Generation, head: dict, shape: Shape, http: Reque
         if not collect.done():
             generation.cancel()
             collect.cancel()
-    if generation.error:
-        return error_response(500, f"the request failed: {generation.error}", kind="server_error")
+    if generation.error:  # 503: the server is going away, which a client may retry elsewhere
+        return error_response(503 if generation.unavailable else 500, f"the request failed: {generation.error}",
+                              kind="server_error")
     choice = shape.choice(generation.text, generation.ids, generation.finish_reason, whole=True)
     return JSONResponse({**head, "object": shape.object, "choices": [choice], "usage": _usage(generation)})
 

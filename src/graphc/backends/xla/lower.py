@@ -150,9 +150,17 @@ def _auto_functionalized(node, value, rules):
     return rules[op](None, bases[0], **value(kwargs))
 
 
-def lower_to_hlo(program: ExportedProgram, topology: Topology, variant: Variant) -> tuple[bytes, ProgramSignature]:
-    """The serialized `HloModuleProto` of `program` for `variant`, and its signature."""
+def lower_to_hlo(program: ExportedProgram, topology: Topology,
+                 variants: tuple[Variant, ...]) -> tuple[list[bytes], ProgramSignature]:
+    """The serialized `HloModuleProto` of `program` for each of `variants` (in their order), and
+    their signature. The program is decomposed once for them all: a decomposition retraces the
+    whole program through AOT autograd, which at DeepSeek-V3's 61 layers takes minutes."""
     program = program.run_decompositions()
+    lowered = [_lower_variant(program, topology, variant) for variant in variants]
+    return [module for module, _ in lowered], lowered[0][1]
+
+
+def _lower_variant(program: ExportedProgram, topology: Topology, variant: Variant) -> tuple[bytes, ProgramSignature]:
     num_blocks = _num_blocks(program)
     user_inputs = [n for n in program.graph.nodes if n.op == "placeholder"
                    and _input_kind(program, n.name) == InputKind.USER_INPUT]
