@@ -67,3 +67,11 @@ def test_each_step_decodes_a_window_not_the_whole_generation():
     counting = Counting(byte_level_tokenizer())
     decoded_as_they_arrive(counting, list(("word " * 400).encode()))  # 2,000 tokens
     assert max(counting.lengths) <= 2 and len(counting.lengths) <= 2 * 2001
+
+
+def test_without_a_tokenizer_the_ids_are_kept_and_the_text_stays_empty():
+    text = IncrementalText(None)
+    for token in (5, 6, 7):
+        text.add(token)
+    text.finish()
+    assert text.ids == [5, 6, 7] and text.text == ""

@@ -17,7 +17,8 @@ INCOMPLETE = "\ufffd"
 
 
 class IncrementalText:
-    """`text` is the decoding of `ids` so far, less a tail still being completed."""
+    """`text` is the decoding of `ids` so far, less a tail still being completed (always empty
+    without a tokenizer: artifacts whose checkpoint had none, served as token ids)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -37,7 +38,7 @@ class IncrementalText:
         self._advance(final=True)
 
     def _advance(self, final: bool) -> None:
-        if self._settled == len(self.ids):
+        if self.tokenizer is None or self._settled == len(self.ids):
             return
         before = self.tokenizer.decode(self.ids[self._context:self._settled])
         after = self.tokenizer.decode(self.ids[self._context:])

@@ -1,8 +1,8 @@
 """The OpenAI-compatible routes over an `OnlineEngine`.
 
 Every bad request gets a 4xx with OpenAI's error body and changes nothing (400; 413 for a body
-over the bound; 408 for one not sent in time; 401 without the API key, where one is set); past the admission queue's bound,
-429 with Retry-After. A client that disconnects cancels its request, whose KV blocks return to
+over the bound; 408 for one not sent in time; 401 without the API key, where one is set); past
+the admission queue's bound, 429 with Retry-After. A client that disconnects cancels its request, whose KV blocks return to
 the pool before the next step. The event loop only routes: a request's CPU work (parsing its
 body, tokenising, checking its ids) runs in a few worker threads, a chat template in a worker
 process (`templates`).

@@ -32,9 +32,8 @@ class Generation:
     def __init__(self, online: OnlineEngine, metrics: ServerMetrics, request: GenerationRequest, tokenizer,
                  stop: list[str]):
         self.online, self.metrics, self.request = online, metrics, request
-        self.decoded = IncrementalText(tokenizer) if tokenizer is not None else None
+        self.decoded = IncrementalText(tokenizer)
         self.stop = [s for s in stop if s]
-        self.ids: list[int] = []
         self.text, self.sent = "", 0
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -66,13 +65,11 @@ class Generation:
             new_ids = []
             if token is not None:
                 self._record_token()
-                self.ids.append(token)
+                self.decoded.add(token)
                 new_ids.append(token)
-                if self.decoded is not None:
-                    self.decoded.add(token)
-            if result is not None and self.decoded is not None:
+            if result is not None:
                 self.decoded.finish()
-            self.text = self.decoded.text if self.decoded is not None else ""
+            self.text = self.decoded.text
             if self._stopped():
                 self._end("stop")
                 if result is None:
@@ -85,6 +82,10 @@ class Generation:
             delta, self.sent = self.text[self.sent:end], max(self.sent, end)
             if delta or new_ids or self.finish_reason:
                 yield delta, new_ids
+
+    @property
+    def ids(self) -> list[int]:
+        return self.decoded.ids
 
     def _record_token(self) -> None:
         now = time.monotonic()
