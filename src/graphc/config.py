@@ -83,15 +83,18 @@ class ModelSection:
 @dataclass(frozen=True)
 class TopologySection:
     dp: int = 1
-    """Data-parallel attention replicas: each serves its own requests (world = dp * cp)."""
+    """Data-parallel attention replicas: each serves its own requests (world = dp * cp * tp)."""
     cp: int = 1
     """Context-parallel ranks per replica: prompt chunks replicated, KV cache sharded by sequence."""
+    tp: int = 1
+    """Tensor-parallel ranks per replica and cp coordinate: attention heads, dense and shared FFN
+    widths and the vocabulary split over them (DeepSeek-V3 / V3.2); must divide each of those."""
     ep: int = 1
-    """Expert-parallel ranks per group, over the whole world; must divide dp * cp and the routed
-    experts. Groups inside one replica share its tokens (static MoE); wider ones exchange them."""
+    """Expert-parallel ranks per group, over the whole world; must divide dp * cp * tp and the
+    routed experts. Groups inside one replica share its tokens (static MoE); wider ones exchange them."""
 
     def topology(self) -> Topology:
-        return Topology(self.cp, self.ep, self.dp)
+        return Topology(self.cp, self.ep, self.dp, self.tp)
 
 
 @dataclass(frozen=True)
@@ -271,6 +274,7 @@ def validate(config: GraphcConfig) -> ModelArgs:
         raise ConfigError(f"model.checkpoint: {e}") from None
     try:
         topology.experts(0, args.n_routed_experts)
+        family_of(args).check_tensor_parallel(args, topology.tp)
     except GraphcError as e:
         raise ConfigError(str(e)) from None
     if b.context_limit > args.max_position_embeddings:

@@ -9,7 +9,7 @@ import torch
 from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import capture_bucket, weight_names
 from graphc.compiler.emit import program_key
-from graphc.models.checkpoint import load_expert_shard, load_model
+from graphc.models.checkpoint import load_rank_shard, load_model
 from graphc.models.step_model import Parallelism
 from graphc.topology import Topology
 from support import BLOCK_SIZE, BLOCKS_PER_ROW, NUM_BLOCKS, SPARSE_V32, run_program, run_step
@@ -44,7 +44,7 @@ def test_one_program_serves_every_rank_with_its_coordinates(tiny_checkpoints, fo
     compile key); each, fed rank r's coordinates, equals the eager model given rank r's numbers,
     and differs from it fed another rank's."""
     checkpoint = tiny_checkpoints["lora-groups"]
-    shards = {rank: load_expert_shard(checkpoint, TOPOLOGY, rank, torch.float32) for rank in (0, 1)}
+    shards = {rank: load_rank_shard(checkpoint, TOPOLOGY, rank, torch.float32) for rank in (0, 1)}
     programs = {rank: _capture(model, form) for rank, model in shards.items()}
     assert program_key(programs[0], "export", TOPOLOGY) == program_key(programs[1], "export", TOPOLOGY)
     model, program = shards[1], programs[1]

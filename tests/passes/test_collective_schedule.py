@@ -11,7 +11,7 @@ import torch
 from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import capture_bucket
 from graphc.errors import GraphcError
-from graphc.models.checkpoint import load_expert_shard
+from graphc.models.checkpoint import load_rank_shard
 from graphc.models.step_model import Parallelism
 from graphc.passes.collective_schedule import Collective, check_collective_schedule, program_collectives
 from graphc.passes.graph import graphc_op
@@ -26,7 +26,7 @@ DATA_PARALLEL = Topology(cp=2, ep=4, dp=2)  # replicas [0, 1] and [2, 3]; one EP
 
 @pytest.fixture(scope="module")
 def all_to_all_program(tiny_checkpoints):
-    model = load_expert_shard(tiny_checkpoints["lora-groups"], DATA_PARALLEL, 0, torch.float32)
+    model = load_rank_shard(tiny_checkpoints["lora-groups"], DATA_PARALLEL, 0, torch.float32)
     return capture_bucket(model, BUCKET, BLOCKS_PER_ROW, NUM_BLOCKS, BLOCK_SIZE,
                           Parallelism(cp=2, ep=4, moe_exchange="a2a_v"))
 
@@ -61,7 +61,7 @@ def test_a_rank_with_another_lowering_or_capacity_is_refused(all_to_all_program,
 def test_a_rank_that_skips_a_collective_is_refused(tiny_checkpoints):
     """neuron's followers program (no sampler) must still issue the leader's collectives."""
     topology = Topology(2, 2)
-    model = load_expert_shard(tiny_checkpoints["lora-groups"], topology, 0, torch.float32)
+    model = load_rank_shard(tiny_checkpoints["lora-groups"], topology, 0, torch.float32)
     leader = capture_bucket(model, BUCKET, BLOCKS_PER_ROW, NUM_BLOCKS, BLOCK_SIZE,
                             Parallelism(cp=2, ep=2, moe_exchange="static"))
     followers = copy_program(leader)

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from graphc.cli import cli
 from graphc.compiler.capture import model_weights
 from graphc.config import load_config
-from graphc.models.checkpoint import load_expert_shard
+from graphc.models.checkpoint import load_rank_shard
 from graphc.tools.device_plan import DEVICES, plan_device, rank_tensors
 from support import FP8_PRESETS, TEST_BUCKETS, model_yaml, one_line_refusal
 
@@ -33,7 +33,7 @@ def test_the_planned_weights_are_those_the_compiler_writes(fp8_checkpoints, tmp_
     loaded = load_config(tmp_path / "model.yaml")
     planned = {t.name: t for t in rank_tensors(loaded)}
     for ep_rank in range(ep):  # every shard is the size planned
-        model = load_expert_shard(loaded.model.checkpoint, loaded.topology.topology(), ep_rank, torch.bfloat16,
+        model = load_rank_shard(loaded.model.checkpoint, loaded.topology.topology(), ep_rank, torch.bfloat16,
                                   as_stored=weights == "as-stored")
         written = model_weights(model)
         scales = {name: written.pop(q.scale) for name, q in model.quantized_weights.items()}

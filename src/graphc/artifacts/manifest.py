@@ -104,15 +104,16 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class TopologyInfo:
-    """The ranks: world = dp * cp, ep dividing it (`graphc.topology.Topology`)."""
+    """The ranks: world = dp * cp * tp, ep dividing it (`graphc.topology.Topology`)."""
 
     cp: int
     ep: int
     dp: int
     world: int
+    tp: int = 1
 
     def topology(self) -> Topology:
-        return Topology(self.cp, self.ep, self.dp)
+        return Topology(self.cp, self.ep, self.dp, self.tp)
 
 
 @dataclass(frozen=True)

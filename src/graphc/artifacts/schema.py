@@ -56,7 +56,7 @@ def _check(manifest, error: type[GraphcError]) -> None:
     except GraphcError as e:
         raise error(str(e)) from None
     if topology.world != ranks_topology.world:
-        raise error(f"topology: {dataclasses.asdict(topology)}: world must be dp * cp")
+        raise error(f"topology: {dataclasses.asdict(topology)}: world must be dp * cp * tp")
     if kv.blocks_per_row != blocks_per_row(buckets.context_limit, kv.block_size):
         raise error(f"kv_cache.blocks_per_row: {kv.blocks_per_row} is not context_limit {buckets.context_limit} "
                     f"over block_size {kv.block_size}")

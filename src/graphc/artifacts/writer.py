@@ -149,7 +149,7 @@ def write_manifest(staging: Path, config: GraphcConfig, backend: str, args: Mode
         model=ModelInfo(args.architecture, args.vocab_size, list(args.eos_token_id), args.cache_layers, args.kv_cache_dim,
                         config.model.dtype, sparse_probabilities,
                         read_chat_template(config.model.checkpoint)),
-        topology=TopologyInfo(topology.cp, topology.ep, topology.dp, topology.world),
+        topology=TopologyInfo(topology.cp, topology.ep, topology.dp, topology.world, topology.tp),
         buckets=BucketTable(list(b.prefill), list(b.decode), b.prompt_as_decode, b.context_limit),
         kv_cache=KVCacheInfo(kv.block_size, kv.num_blocks, blocks_per_row(b.context_limit, kv.block_size)),
         runtime=RuntimeInfo(runtime.max_num_prefilling_tokens, runtime.max_new_tokens, runtime.sampling),

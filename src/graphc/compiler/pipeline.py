@@ -21,7 +21,7 @@ from graphc.compiler.capture import capture_bucket, model_weights
 from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
 from graphc.config import GraphcConfig
 from graphc.models.abstract import abstract_shard
-from graphc.models.checkpoint import default_sparse_probabilities, holds_weights, load_expert_shard
+from graphc.models.checkpoint import default_sparse_probabilities, holds_weights, load_rank_shard
 from graphc.models.moe_forms import moe_exchange, step_moe_form
 from graphc.models.step_model import Parallelism
 from graphc.passes.collective_schedule import check_collective_schedule, program_collectives
@@ -77,15 +77,16 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
     as_stored = config.model.weights == "as-stored"
     shapes_only = options.shapes_only or not holds_weights(config.model.checkpoint)
     with atomic_directory(out, options.force) as staging:
-        # 1. Model: expert-parallel rank 0's module (every rank's when ep = 1); the other shards
-        # are loaded one at a time when their weights are written (step 5). Shapes-only: the
-        # module on the meta device, its weights fake tensors.
+        # 1. Model: rank 0's module (its routed experts and tensor-parallel slice; every rank's
+        # when ep = tp = 1); the other weight shards are loaded one at a time when their weights
+        # are written (step 5). Shapes-only: the module on the meta device, its weights fake tensors.
         if shapes_only:
             model, weights = abstract_shard(config.model_args, config.model.checkpoint, dtype, as_stored, topology.ep,
-                                            config.model.sparse_probabilities or default_sparse_probabilities(dtype))
+                                            config.model.sparse_probabilities or default_sparse_probabilities(dtype),
+                                            topology.tp)
         else:
-            model = load_expert_shard(config.model.checkpoint, topology, 0, dtype, config.model.sparse_probabilities,
-                                      as_stored)
+            model = load_rank_shard(config.model.checkpoint, topology, 0, dtype, config.model.sparse_probabilities,
+                                    as_stored)
             weights = model_weights(model)
         args = model.args
         sparse_probabilities = model.sparse_probabilities if args.sparse_attention else None
@@ -133,19 +134,21 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                                for (name, bucket), program in programs.items()},
                  "passes": pass_logs, **backend_named(backend).extras()}
         del programs, captured
-        # 5. Weights, one expert shard in memory at a time: rank 0's, then each other's, loaded,
-        # written and dropped (the captured programs hold no weights). Shapes-only: their shapes,
-        # which every shard shares.
-        shards = {0: (write_weight_shapes if shapes_only else write_weights)(weights, staging)}
+        # 5. Weights, one shard (`Topology.weight_shard`: routed experts, tensor-parallel slice) in
+        # memory at a time: rank 0's, then each other's, loaded, written and dropped (the captured
+        # programs hold no weights). Shapes-only: their shapes, which every shard shares.
+        shard_of = {rank: (0, 0) if shapes_only else topology.weight_shard(rank) for rank in range(topology.world)}
+        shards = {shard_of[0]: (write_weight_shapes if shapes_only else write_weights)(weights, staging)}
         del model, weights
-        for ep_rank in range(1, 1 if shapes_only else topology.ep):
-            shard = load_expert_shard(config.model.checkpoint, topology, ep_rank, dtype,
-                                      config.model.sparse_probabilities, as_stored)
-            shards[ep_rank] = write_weights(model_weights(shard), staging)
-            del shard
+        for rank, shard_key in shard_of.items():
+            if shard_key not in shards:
+                shard = load_rank_shard(config.model.checkpoint, topology, rank, dtype,
+                                        config.model.sparse_probabilities, as_stored)
+                shards[shard_key] = write_weights(model_weights(shard), staging)
+                del shard
         # 6. Manifest: graphs, weights and tokenizer by hash, signed on request.
         return write_manifest(staging, config, backend, args, sparse_probabilities, topology, graphs,
-                              {rank: shards[0 if shapes_only else topology.ep_rank(rank)] for rank in range(topology.world)},
+                              {rank: shards[shard_of[rank]] for rank in range(topology.world)},
                               extra, options.sign_key, shapes_only)
 
 

@@ -26,6 +26,7 @@ from graphc.models.fp8 import FP8, SCALE_SUFFIX, QuantizedWeight, scale_grid
 from graphc.models.hf_config import read_hf_config
 from graphc.models.registry import family_of
 from graphc.models.step_model import ModelArgs, StepModel
+from graphc.models.tensor_shard import TensorShard
 
 
 @dataclass(frozen=True)
@@ -52,28 +53,40 @@ def released_fp8_block(checkpoint: Path) -> tuple[int, int] | None:
     return (block[0], block[1]) if quantization.get("quant_method") == "fp8" and isinstance(block, list) else None
 
 
-def stored_tensors(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_stored: bool, ep: int) -> list[StoredTensor]:
-    """Every tensor of one EP shard's weights file, in the model's `state_dict` order (every shard
-    has the same shapes)."""
+def stored_tensors(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_stored: bool, ep: int,
+                   tp: int = 1) -> list[StoredTensor]:
+    """Every tensor of one weight shard's file (`Topology.weight_shard`: 1 / ep of the routed
+    experts, 1 / tp of the split weights), in the model's `state_dict` order (every shard has the
+    same shapes)."""
     family = family_of(args)
     with torch.device("meta"):
-        shard, whole = build_model(args, args.n_routed_experts // ep), build_model(args)
+        shard, whole = build_model(args, args.n_routed_experts // ep, tp=tp), build_model(args)
 
-    def names(model) -> list[str]:
-        return [n for n in model.state_dict() if not (n == "lm_head.weight" and args.tie_word_embeddings)]
+    def names(model, tp: int = 1) -> list[str]:
+        return [n for n in model.state_dict() if not (n == "lm_head.weight" and args.tie_word_embeddings and tp == 1)]
 
     sources = family.released_sources(args, names(whole))
+    if args.tie_word_embeddings and tp > 1:  # a split head is the embedding's rows
+        sources["lm_head.weight"] = sources["model.embed_tokens.weight"]
+    whole_shapes = {name: tuple(t.shape) for name, t in whole.state_dict().items()}
     block = released_fp8_block(checkpoint) if as_stored else None
     tensors, shapes = [], {name: tuple(t.shape) for name, t in shard.state_dict().items()}
-    for name in names(shard):
+    for name in names(shard, tp):
         shape = shapes[name]
         stored = [n for group in sources.get(name, []) for n in group]
         if name.endswith(family.index_tensors):
             tensors.append(StoredTensor(name, shape, torch.int64))
             continue
         target = torch.float32 if family.keeps_fp32(name, args) else dtype
-        if (block is not None and stored and all(family.fp8_quantised.match(n) for n in stored)
-                and not name.endswith(family.row_sharded_tables) and len(shape) in (2, 3)):
+        kept_fp8 = (block is not None and stored and all(family.fp8_quantised.match(n) for n in stored)
+                    and not name.endswith(family.row_sharded_tables) and len(shape) in (2, 3))
+        dim = family.tensor_parallel_dim(name) if tp > 1 else None
+        if kept_fp8 and dim is not None:  # as `checkpoint._kept_as_stored` slices it
+            whole_grid = torch.empty(scale_grid(whole_shapes[name], block), device="meta")
+            grid, split_block = TensorShard(0, tp).scales(whole_grid, block, dim, whole_shapes[name][dim])
+            tensors.append(StoredTensor(name, shape, FP8, QuantizedWeight(name + SCALE_SUFFIX, split_block, target),
+                                        tuple(grid.shape)))
+        elif kept_fp8:
             rows = block[0] if len(shape) == 2 or (shape[1] // len(sources[name][0])) % block[0] == 0 else 1
             grid = scale_grid(shape[-2:], (rows, block[1]))
             tensors.append(StoredTensor(name, shape, FP8, QuantizedWeight(name + SCALE_SUFFIX, (rows, block[1]), target),
@@ -84,17 +97,17 @@ def stored_tensors(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_sto
 
 
 def abstract_shard(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_stored: bool, ep: int,
-                   sparse_probabilities: str) -> tuple[StepModel, dict[str, Tensor]]:
-    """One EP shard's module on the meta device, laid out as `load_model` lays it out (FP8 kept
+                   sparse_probabilities: str, tp: int = 1) -> tuple[StepModel, dict[str, Tensor]]:
+    """One weight shard's module (`stored_tensors`) on the meta device, laid out as `load_model` lays it out (FP8 kept
     with its scale buffers and `QUANTIZED_WEIGHTS`), and its weights as fake CPU tensors in the
     order step graphs take them (`capture.weight_names`)."""
     from graphc.compiler.capture import weight_names
 
-    tensors = stored_tensors(args, checkpoint, dtype, as_stored, ep)
+    tensors = stored_tensors(args, checkpoint, dtype, as_stored, ep, tp)
     with torch.device("meta"):
-        model = build_model(args, args.n_routed_experts // ep, sparse_probabilities)
+        model = build_model(args, args.n_routed_experts // ep, sparse_probabilities, tp)
         state = {t.name: torch.empty(t.shape, dtype=t.dtype) for t in tensors}
-        if args.tie_word_embeddings:
+        if args.tie_word_embeddings and tp == 1:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         model.load_state_dict(state, strict=True, assign=True)
         for t in tensors:

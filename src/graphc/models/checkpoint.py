@@ -34,14 +34,17 @@ from graphc.models.hf_config import read_hf_config
 from graphc.models.layers import STACKED_EXPERT
 from graphc.models.registry import family_of, family_of_config
 from graphc.models.step_model import ModelArgs, StepModel
+from graphc.models.tensor_shard import TensorShard
 from graphc.topology import Topology
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def build_model(args: ModelArgs, local_experts: int | None = None, sparse_probabilities: str = "fp32") -> StepModel:
-    """The module of `args`'s family (weights uninitialised; build it under a meta device)."""
-    return family_of(args).build_model(args, local_experts, sparse_probabilities)
+def build_model(args: ModelArgs, local_experts: int | None = None, sparse_probabilities: str = "fp32",
+                tp: int = 1) -> StepModel:
+    """The module of `args`'s family, one of `tp` tensor-parallel ranks (weights uninitialised;
+    build it under a meta device)."""
+    return family_of(args).build(args, local_experts, sparse_probabilities, tp)
 
 
 def _parameter_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -124,14 +127,16 @@ def _summarise(names: list[str], limit: int = 5) -> str:
     return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
 
 
-def load_expert_shard(checkpoint_dir: Path, topology: Topology, rank: int, dtype: torch.dtype,
-                      sparse_probabilities: str | None = None, as_stored: bool = False) -> StepModel:
-    """The model of `rank`'s expert-parallel shard: the module holding its routed experts (all of
-    them when ep = 1); ranks with the same `topology.ep_rank` hold the same shard."""
+def load_rank_shard(checkpoint_dir: Path, topology: Topology, rank: int, dtype: torch.dtype,
+                    sparse_probabilities: str | None = None, as_stored: bool = False) -> StepModel:
+    """The model of `rank`'s weights: its routed experts (all of them when ep = 1) and its
+    tensor-parallel slice of the split weights; ranks with the same `topology.weight_shard` hold
+    the same."""
     checked = check_checkpoint(Path(checkpoint_dir))
-    experts = topology.experts(topology.ep_rank(rank), checked.args.n_routed_experts)
+    ep_rank, tp_rank = topology.weight_shard(rank)
+    experts = topology.experts(ep_rank, checked.args.n_routed_experts)
     return load_model(checkpoint_dir, dtype=dtype, experts=experts, sparse_probabilities=sparse_probabilities,
-                      checked=checked, as_stored=as_stored)
+                      checked=checked, as_stored=as_stored, tp_shard=TensorShard(tp_rank, topology.tp))
 
 
 QUANTIZED_WEIGHTS = "quantized_weights"
@@ -141,7 +146,8 @@ empty where everything was dequantised on load)."""
 
 def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                experts: range | None = None, sparse_probabilities: str | None = None,
-               checked: CheckedCheckpoint | None = None, as_stored: bool = False) -> StepModel:
+               checked: CheckedCheckpoint | None = None, as_stored: bool = False,
+               tp_shard: TensorShard = TensorShard()) -> StepModel:
     """Build the checkpoint's family's step model from it.
 
     Args:
@@ -154,6 +160,7 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
         checked: the checkpoint's `check_checkpoint`, where the caller has it already.
         as_stored: keep FP8 weights as stored, with their scales (`QUANTIZED_WEIGHTS`): for step
             graphs, which dequantise them in the graph; the module itself cannot run eagerly then.
+        tp_shard: the tensor-parallel rank to load: only its slice of each split weight is read.
 
     Raises:
         CheckpointError: unsupported architecture, missing/unexpected tensor, wrong shape or dtype.
@@ -170,7 +177,10 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     if experts.start < 0 or experts.stop > args.n_routed_experts or not len(experts):
         raise CheckpointError(f"experts {experts} are not a share of the checkpoint's {args.n_routed_experts}")
     with torch.device("meta"):
-        model = build_model(args, len(experts), sparse_probabilities or default_sparse_probabilities(dtype))
+        model = build_model(args, len(experts), sparse_probabilities or default_sparse_probabilities(dtype),
+                            tp_shard.size)
+    split_dim = family.tensor_parallel_dim if tp_shard.size > 1 else lambda name: None
+    tied_split = args.tie_word_embeddings and tp_shard.size > 1  # the head's rows, the embedding's columns
     state: dict[str, Tensor] = {}
     scales: dict[str, tuple[Tensor, QuantizedWeight]] = {}
     with contextlib.ExitStack() as stack:
@@ -180,16 +190,19 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
         handles = {path: stack.enter_context(safe_open(path, "pt", backend="pread"))
                    for path in sorted(set(files.values()))}
         for name in model.state_dict():
-            if name == "lm_head.weight" and args.tie_word_embeddings:
+            if name == "lm_head.weight" and args.tie_word_embeddings and not tied_split:
                 continue
             target = (torch.int64 if name.endswith(family.index_tensors) else
                       torch.float32 if family.keeps_fp32(name, args) else dtype)
+            dim = split_dim(name)
+            shard = (dim, tp_shard) if dim is not None else None
 
             def read(stored: str, dtype: torch.dtype = target) -> Tensor:
-                return _read_tensor(handles, checked, stored, expected[stored]).to(device=device, dtype=dtype)
+                return _read_tensor(handles, checked, stored, expected[stored], shard=shard).to(device=device,
+                                                                                                   dtype=dtype)
 
-            groups = sources[name]
-            kept = _kept_as_stored(handles, checked, name, groups, experts) if as_stored else None
+            groups = sources[name] if name != "lm_head.weight" or not tied_split else sources["model.embed_tokens.weight"]
+            kept = _kept_as_stored(handles, checked, name, groups, experts, shard) if as_stored else None
             if kept is not None:
                 weight, scale, block = kept
                 state[name] = weight.to(device)
@@ -202,7 +215,7 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
                 state[name] = read(groups[0][0])[experts.start:experts.stop]
             else:
                 state[name] = read(groups[0][0])
-    if args.tie_word_embeddings:
+    if args.tie_word_embeddings and not tied_split:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     for name, (scale, quantized) in scales.items():
@@ -215,13 +228,16 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
 
 
 def _kept_as_stored(handles: dict, checked: "CheckedCheckpoint", name: str, groups: list[list[str]],
-                    experts: range) -> tuple[Tensor, Tensor, tuple[int, int]] | None:
+                    experts: range, shard: tuple[int, TensorShard] | None = None
+                    ) -> tuple[Tensor, Tensor, tuple[int, int]] | None:
     """Parameter `name` as its FP8 values, fp32 scales and scale block, where every tensor it is
     made of is stored FP8; None where it is not (it is dequantised on load then). Row-sharded
     tables (V4.1's Engram) are looked up by row, not multiplied: dequantised on load.
 
     Stacked experts stack their scales too; where a part's rows are not a whole number of scale
     blocks (gate and up fused into one matrix), each row gets its block's scale (block rows 1).
+    `shard` (split dim, tensor-parallel rank) keeps the rank's slice and its scales
+    (`TensorShard.scales`).
     """
     parts = [n for group in groups for n in group]
     if name.endswith(checked.family.row_sharded_tables) or not all(
@@ -240,7 +256,12 @@ def _kept_as_stored(handles: dict, checked: "CheckedCheckpoint", name: str, grou
     if not _stored_per_expert(checked.family, name, groups):
         if len(parts) != 1 or STACKED_EXPERT.match(name):  # no release stores these FP8: dequantised on load
             return None
-        return values(parts[0]), scale(parts[0], block[0]), block
+        if shard is None:
+            return values(parts[0]), scale(parts[0], block[0]), block
+        dim, tp_shard = shard
+        length = checked.expected[parts[0]][dim]
+        weight = handles[checked.files[parts[0]]].get_slice(parts[0])[tp_shard.index(dim, length)]
+        return weight, *tp_shard.scales(scale(parts[0], block[0]), block, dim, length)
     rows = block[0] if all(checked.expected[n][0] % block[0] == 0 for n in groups[0]) else 1
     weights = torch.stack([torch.cat([values(n) for n in groups[e]]) for e in experts])
     grids = torch.stack([torch.cat([scale(n, rows) for n in groups[e]]) for e in experts])
@@ -459,8 +480,10 @@ def _fp8_block(checkpoint_dir: Path, config: dict, files: dict[str, Path], ue8m0
 
 
 def _read_tensor(handles: dict, checked: CheckedCheckpoint, name: str, shape: tuple[int, ...],
-                 rows: slice = slice(None)) -> Tensor:
-    """A stored tensor (its `rows` only: a sharded Engram table), FP8 dequantised with its scales."""
+                 rows: slice = slice(None), shard: tuple[int, TensorShard] | None = None) -> Tensor:
+    """A stored tensor (its `rows` only: a sharded Engram table; or a tensor-parallel rank's slice
+    of split dim `shard[0]`), FP8 dequantised with its scales (the whole scale blocks the slice
+    lies in, then the slice of those)."""
     files, fp8_block, family = checked.files, checked.fp8_block, checked.family
     path, scale = files[name], scale_name(name, checked.ue8m0)
     stored = handles[path].get_slice(name)
@@ -468,8 +491,18 @@ def _read_tensor(handles: dict, checked: CheckedCheckpoint, name: str, shape: tu
         raise CheckpointError(
             f"{path.name}: tensor {name} has shape {list(stored.get_shape())}, expected {list(shape)} from config.json"
         )
+    fp8 = stored.get_dtype() == "F8_E4M3"
+    if shard is not None:
+        dim, tp_shard = shard
+        if not fp8:
+            return stored[tp_shard.index(dim, shape[dim])]
+        covering = tp_shard.covering_blocks(dim, shape[dim], fp8_block[dim])
+        rows_or_columns = tuple(slice(s.start * fp8_block[d], s.stop * fp8_block[d]) if d == dim else s
+                                for d, s in enumerate(covering))
+        whole = dequantize(stored[rows_or_columns], handles[files[scale]].get_slice(scale)[covering], fp8_block)
+        return whole[tp_shard.within_blocks(dim, shape[dim], fp8_block[dim])]
     tensor = stored[rows]
-    if tensor.dtype == FP8:  # its scale is there and tiles it (`check_checkpoint`)
+    if fp8:  # its scale is there and tiles it (`check_checkpoint`)
         block = (1, fp8_block[1]) if name.endswith(family.row_sharded_tables) else fp8_block  # a table's rows scale alone
         return dequantize(tensor, handles[files[scale]].get_slice(scale)[rows], block)
     if tensor.dtype not in SUPPORTED_DTYPES and not name.endswith(family.index_tensors):

@@ -57,9 +57,10 @@ class Family:
     """Whether a config.json is this family's (by architecture or model_type)."""
     args_from_hf_config: Callable[[dict[str, Any]], "ModelArgs"]
     """config.json -> the family's args, refusing what it cannot run (`CheckpointError`)."""
-    build_model: Callable[["ModelArgs", int | None, str], "StepModel"]
-    """(args, routed experts this rank holds or None for all, V3.2's P precision) -> the step model,
-    weights uninitialised (build it under a meta device)."""
+    build_model: Callable[..., "StepModel"]
+    """(args, routed experts this rank holds or None for all, V3.2's P precision[, tp]) -> the step
+    model, weights uninitialised (build it under a meta device); `tp` is passed to families with
+    `tensor_parallel_dim` only (`build`)."""
 
     # The checkpoint: what graphc's parameters are stored as, and what a loader keeps or skips.
     released_sources: Callable[["ModelArgs", list[str]], Sources]
@@ -84,6 +85,13 @@ class Family:
     """FP8 scales named and stored as DeepSeek-V4.1's (`fp8.UE8M0_SUFFIX`)."""
     fp8_quantised: re.Pattern = re.compile(r"(?!)")
     """The stored weights its FP8 releases quantise (what `make-tiny --fp8-block` quantises)."""
+
+    # Tensor parallelism: None where the family is served with tp = 1 only.
+    tensor_parallel_dim: Callable[[str], int | None] | None = None
+    """graphc parameter name -> the dim tensor parallelism splits it along (`tensor_shard`), or
+    None for a weight every rank of a tp group holds whole."""
+    tensor_parallel_widths: Callable[["ModelArgs"], dict[str, int]] = lambda args: {}
+    """What tensor parallelism splits, by config.json field (tp must divide each)."""
 
     # What the family serves, and the refusal of what it does not.
     backends: tuple[str, ...] = ("export", "inductor", "neuron")
@@ -117,8 +125,27 @@ class Family:
     quantization_config: dict[str, Any] = field(default_factory=dict)
     """Extra `quantization_config` fields of its FP8 releases."""
 
+    def build(self, args: "ModelArgs", local_experts: int | None, sparse_probabilities: str, tp: int = 1) -> "StepModel":
+        """The step model of one rank of `tp` tensor-parallel ranks (`build_model`)."""
+        if tp == 1:
+            return self.build_model(args, local_experts, sparse_probabilities)
+        self.check_tensor_parallel(args, tp)
+        return self.build_model(args, local_experts, sparse_probabilities, tp)
+
+    def check_tensor_parallel(self, args: "ModelArgs", tp: int) -> None:
+        """Refuse a tp the family does not split over, or one that does not divide what it splits."""
+        if tp == 1:
+            return
+        if self.tensor_parallel_dim is None:
+            raise GraphcError(f"topology.tp: {tp}; {args.architecture} is served with tp = 1 so far")
+        for field, width in self.tensor_parallel_widths(args).items():
+            if width % tp:
+                raise GraphcError(f"topology.tp: {tp} must divide the checkpoint's {field} ({width}); "
+                                  f"{width} % {tp} = {width % tp}")
+
     def check_compile(self, args: "ModelArgs", topology: "Topology", exchange: str, backend: str) -> None:
         """Refuse what is not built for this family, naming the field."""
+        self.check_tensor_parallel(args, topology.tp)
         if topology.dp > 1 and not self.data_parallel:
             raise GraphcError(f"topology.dp: {topology.dp}; {args.architecture} is served with dp = 1 so far "
                               "(context and expert parallelism only)")

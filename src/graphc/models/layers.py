@@ -105,14 +105,34 @@ def swiglu(gate: Tensor, up: Tensor, limit: float | None) -> Tensor:
     return F.silu(gate) * up
 
 
-class MLP(nn.Module):
-    """SwiGLU MLP: the dense layers' MLP and the shared experts."""
+def row_parallel(linear: nn.Linear, x: Tensor, tp: int) -> Tensor:
+    """`linear` over this rank's slice of its input features (a tensor-parallel rank's heads or FFN
+    columns), summed over the tp group: its bias added once, after the sum."""
+    if tp == 1:
+        return linear(x)
+    out = collectives.all_reduce(F.linear(x, linear.weight), "tp")
+    return out if linear.bias is None else out + linear.bias
 
-    def __init__(self, dim: int, hidden: int, swiglu_limit: float | None = None, fp32_activation: bool = False):
+
+def gather_over_tp(part: Tensor, tp: int) -> Tensor:
+    """The whole of a tensor whose last dim is split over the tp group (this rank's `part`)."""
+    return part if tp == 1 else collectives.gather_columns(part, "tp", tp)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: the dense layers' MLP and the shared experts.
+
+    Under tensor parallelism (`tp` > 1) a rank holds `hidden / tp` of the width: its gate and up
+    rows (column-parallel) and the matching down columns (row-parallel), summed over the tp group.
+    """
+
+    def __init__(self, dim: int, hidden: int, swiglu_limit: float | None = None, fp32_activation: bool = False,
+                 tp: int = 1):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.tp = tp
+        self.gate_proj = nn.Linear(dim, hidden // tp, bias=False)
+        self.up_proj = nn.Linear(dim, hidden // tp, bias=False)
+        self.down_proj = nn.Linear(hidden // tp, dim, bias=False)
         self.swiglu_limit = swiglu_limit
         self.fp32_activation = fp32_activation
         """SwiGLU in fp32, rounded once (DeepSeek-V4.1's order); else in the model dtype."""
@@ -120,8 +140,8 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self.fp32_activation:
-            return self.down_proj(swiglu(gate.float(), up.float(), self.swiglu_limit).to(x.dtype))
-        return self.down_proj(swiglu(gate, up, self.swiglu_limit))
+            return row_parallel(self.down_proj, swiglu(gate.float(), up.float(), self.swiglu_limit).to(x.dtype), self.tp)
+        return row_parallel(self.down_proj, swiglu(gate, up, self.swiglu_limit), self.tp)
 
 
 STACKED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")

@@ -121,3 +121,26 @@ def _all_reduce_max(partial: Tensor, group: str) -> Tensor:
 
 all_reduce_max = define_op("all_reduce_max(Tensor partial, str group) -> Tensor", _all_reduce_max,
                            lambda partial, group: partial.new_empty(partial.shape))
+
+
+def _gather_columns(part: Tensor, group: str, group_size: int = 1) -> Tensor:
+    """Every rank's columns of a tensor split along its last dim over the `group`, side by side
+    in rank order (a tensor-parallel embedding's hidden slice, an LM head's vocabulary slice).
+
+    Args:
+        part: [..., N] this rank's columns.
+        group: semantic group name ("tp").
+        group_size: ranks in the group (G).
+
+    Returns:
+        [..., G * N] the whole tensor.
+    """
+    pg = process_group(group) if group_size > 1 else None
+    if pg is None:
+        return part.clone(memory_format=torch.contiguous_format)
+    gathered = all_gather_group(part, pg)  # [G, ..., N]
+    return torch.movedim(gathered, 0, -2).reshape(*part.shape[:-1], -1).contiguous()
+
+
+gather_columns = define_op("gather_columns(Tensor part, str group, int group_size=1) -> Tensor", _gather_columns,
+                           lambda part, group, group_size=1: part.new_empty((*part.shape[:-1], part.shape[-1] * group_size)))

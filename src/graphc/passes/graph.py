@@ -9,7 +9,8 @@ import torch.fx
 from graphc.step import STEP_INPUTS
 
 IDENTITY_AT_ONE_RANK = ("graphc::moe_dispatch", "graphc::moe_combine", "graphc::attention_combine",
-                        "graphc::all_reduce", "graphc::all_reduce_max", "graphc::index_topk_combine")
+                        "graphc::all_reduce", "graphc::all_reduce_max", "graphc::index_topk_combine",
+                        "graphc::gather_columns")
 """Collectives whose value over a group of one rank is their first argument."""
 
 COLLECTIVE_OPS = (*IDENTITY_AT_ONE_RANK, "graphc::moe_a2a_dispatch", "graphc::moe_a2a_combine")

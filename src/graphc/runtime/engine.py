@@ -68,7 +68,7 @@ class Engine:
         if self.world > 1 and channel is None:
             raise GraphcError(
                 f"{artifacts}: compiled for {self.world} ranks (dp={self.topology.dp}, cp={self.topology.cp}, "
-                f"ep={self.topology.ep}); "
+                f"tp={self.topology.tp}, ep={self.topology.ep}); "
                 "serve it with `graphc run`, which launches one process per rank"
             )
         self.steps = 0
@@ -109,8 +109,8 @@ class Engine:
         return Session(self, scheduler_for(self.manifest, self.loaded.num_blocks))
 
     def _rank_inputs(self, step: Step) -> list[dict[str, torch.Tensor]]:
-        """Every rank's step inputs: its replica's rows (all padding for a replica without any),
-        as its KV shard sees them."""
+        """Every rank's step inputs, in rank order: its replica's rows (all padding for a replica
+        without any), as its KV shard sees them (the ranks of a tp group share their cp shard's)."""
         bucket, per_rank = step.bucket, []
         for rows in step.by_replica():
             sequences = [(s.blocks, tokens, start) for s, tokens, start in rows]
@@ -119,7 +119,7 @@ class Engine:
             for shard in range(self.topology.cp):
                 fields = step_metadata(sequences, bucket.width, self.manifest.kv_cache.blocks_per_row,
                                        total_rows=bucket.rows, shard=shard)
-                per_rank.append({**dict(zip(METADATA_FIELDS, fields)), **sampling})
+                per_rank += [{**dict(zip(METADATA_FIELDS, fields)), **sampling}] * self.topology.tp
         return per_rank
 
     def run_step(self, step: Step) -> list[int]:

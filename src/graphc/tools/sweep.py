@@ -62,26 +62,30 @@ class Stage:
 
 
 def parse_topologies(text: str) -> list[Topology]:
-    """"1x1,2x2,2x1x2" -> the stages' topologies (CPxEP, or DPxCPxEP for data-parallel replicas),
-    sorted by world size, 1x1 first."""
+    """"1x1,2x2,2x1x2,1x1x2x2" -> the stages' topologies (CPxEP, DPxCPxEP for data-parallel
+    replicas, DPxCPxTPxEP with tensor parallelism), sorted by world size, 1x1 first."""
     out = []
     for item in text.split(","):
         try:
             sizes = [int(v) for v in item.strip().lower().split("x")]
-            if len(sizes) not in (2, 3):
+            if len(sizes) not in (2, 3, 4):
                 raise ValueError
         except ValueError:
-            raise GraphcError(f"--topologies: {item.strip()!r} is not CPxEP or DPxCPxEP (e.g. 2x2, 2x1x2)") from None
-        dp, cp, ep = sizes if len(sizes) == 3 else (1, *sizes)
+            raise GraphcError(f"--topologies: {item.strip()!r} is not CPxEP, DPxCPxEP or DPxCPxTPxEP "
+                              "(e.g. 2x2, 2x1x2, 1x1x2x2)") from None
+        dp, cp, tp, ep = {2: lambda: (1, sizes[0], 1, sizes[1]), 3: lambda: (*sizes[:2], 1, sizes[2]),
+                          4: lambda: tuple(sizes)}[len(sizes)]()
         try:
-            out.append(Topology(cp, ep, dp))
+            out.append(Topology(cp, ep, dp, tp))
         except GraphcError as e:
             raise GraphcError(f"--topologies: {item.strip()!r}: {e}") from None
-    return sorted(set(out) | {Topology()}, key=lambda t: (t.world, t.dp, t.cp, t.ep))
+    return sorted(set(out) | {Topology()}, key=lambda t: (t.world, t.dp, t.cp, t.tp, t.ep))
 
 
 def stage_name(topology: Topology) -> str:
-    """CPxEP, or DPxCPxEP with data-parallel replicas."""
+    """CPxEP, DPxCPxEP with data-parallel replicas, DPxCPxTPxEP with tensor parallelism."""
+    if topology.tp > 1:
+        return f"{topology.dp}x{topology.cp}x{topology.tp}x{topology.ep}"
     return f"{topology.cp}x{topology.ep}" if topology.dp == 1 else f"{topology.dp}x{topology.cp}x{topology.ep}"
 
 
@@ -236,7 +240,7 @@ def sweep(config: GraphcConfig, workdir: Path, topologies: list[Topology], backe
     staged = {}
     for topology in topologies:  # every stage's topology checked before any work
         staged[topology] = dataclasses.replace(config, topology=dataclasses.replace(
-            config.topology, dp=topology.dp, cp=topology.cp, ep=topology.ep))
+            config.topology, dp=topology.dp, cp=topology.cp, tp=topology.tp, ep=topology.ep))
         validate(staged[topology])
     cases = sweep_cases(config, config.model_args.vocab_size, new_tokens)
     log(f"{len(cases)} cases: " + "; ".join(c.name for c in cases))

@@ -97,6 +97,11 @@ def all_reduce(lowering, out: Out, partial, group: str):
     return collectives.all_reduce(partial, lowering.groups(group))
 
 
+def gather_columns(lowering, out: Out, part, group: str, group_size: int = 1):
+    gathered = collectives.all_gather(part, lowering.groups(group))  # [G, ..., N]
+    return jnp.moveaxis(gathered, 0, -2).reshape(out.shape)
+
+
 def index_topk_combine(lowering, out: Out, positions, scores, group: str):
     """`graphc.ops.sparse._index_topk_combine`: the group's candidates in ascending position
     (NO_KEY last), then the best k by score with ties to the lower position."""
@@ -124,6 +129,7 @@ RULES = {
     ops.moe_dispatch.default: moe_dispatch,
     ops.moe_combine.default: moe_combine,
     ops.all_reduce.default: all_reduce,
+    ops.gather_columns.default: gather_columns,
     ops.index_topk_combine.default: index_topk_combine,
 }
 """graphc op -> rule (taking the `Lowering` first)."""

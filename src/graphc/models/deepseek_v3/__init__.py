@@ -3,7 +3,7 @@ model, presets and `graphc plan`'s predictions, and the family record that names
 
 from graphc.models.deepseek_v3 import layout, predictions, presets
 from graphc.models.deepseek_v3.args import V3_ARCHITECTURE, V32_ARCHITECTURE, is_v3_config, v3_args_from_hf_config
-from graphc.models.deepseek_v3.model import DeepseekV3
+from graphc.models.deepseek_v3.model import DeepseekV3, tensor_parallel_widths
 from graphc.models.family import Family
 
 FAMILY = Family(
@@ -16,6 +16,8 @@ FAMILY = Family(
     skips=layout.is_multi_token_prediction,
     keeps_fp32=layout.keeps_fp32,
     fp8_quantised=layout.FP8_QUANTISED,
+    tensor_parallel_dim=layout.tensor_parallel_dim,
+    tensor_parallel_widths=tensor_parallel_widths,
     attention_collectives=predictions.attention_collectives,
     presets=presets.PRESETS,
     draft_and_extra_shapes=layout.draft_shapes,

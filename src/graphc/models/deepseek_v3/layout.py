@@ -21,6 +21,20 @@ MTP_EXTRA_TENSORS = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_
                      "shared_head.norm.weight", "shared_head.head.weight")
 """What an MTP layer stores beside a decoder layer's tensors."""
 
+TENSOR_PARALLEL_DIMS = (
+    (re.compile(r"\.self_attn\.(q_proj|q_b_proj|kv_b_proj|indexer\.wq_b|indexer\.weights_proj)\.weight$"), 0),
+    (re.compile(r"\.self_attn\.o_proj\.weight$"), 1),
+    (re.compile(r"\.mlp\.(shared_experts\.)?(gate_proj|up_proj)\.weight$"), 0),
+    (re.compile(r"\.mlp\.(shared_experts\.)?down_proj\.weight$"), 1),
+    (re.compile(r"^model\.embed_tokens\.weight$"), 1),
+    (re.compile(r"^lm_head\.weight$"), 0),
+)
+"""The weights tensor parallelism splits, and along which dim: the per-head rows of the q, kv and
+indexer up-projections and o_proj's per-head columns; the dense and shared FFNs' gate and up
+rows and down columns; the embedding's hidden columns and the LM head's vocabulary rows. The
+latent projections (q_a, kv_a), the indexer's key, the norms, the router and the routed experts
+(split over ep instead) are held whole."""
+
 EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 """Each stacked expert parameter's checkpoint projections, concatenated along rows in this order."""
 
@@ -34,6 +48,10 @@ def hf_tensor_names(graphc_name: str, experts: int | range) -> list[str]:
         return [f"{prefix}.{e}.{proj}.weight" for e in (range(experts) if isinstance(experts, int) else experts)
                 for proj in EXPERT_PROJECTIONS[fused]]
     return [graphc_name]
+
+
+def tensor_parallel_dim(name: str) -> int | None:
+    return next((dim for pattern, dim in TENSOR_PARALLEL_DIMS if pattern.search(name)), None)
 
 
 def released_sources(args: V3Args, parameters: list[str]) -> Sources:

@@ -13,6 +13,15 @@ DeepSeek-V3.2 (`args.sparse_attention`) adds a lightning indexer to every attent
 caches one key per token beside the MLA latent, scores every visible key for each query, and MLA
 attends only to each query's top `index_topk` keys (`graphc.ops.sparse`).
 
+Tensor parallelism (`tp` ranks per replica and cp coordinate) is a construction choice, as the
+expert shard is: a rank's module holds H / tp attention heads (their q and kv up-projection rows
+and o_proj columns; the latent KV, shared by every head, whole), G / tp indexer heads, 1 / tp of
+each dense and shared FFN width, D / tp of the embedding's columns and V / tp of the LM head's
+rows. Where a split axis is reduced the module calls the group op over "tp" (`layers.row_parallel`
+after o_proj and each FFN, an all-reduce of the indexer's head-summed scores before its top-k,
+`layers.gather_over_tp` for the embedding and the logits); at tp = 1 the module is the one-device
+module and calls none.
+
 Shape letters: B rows, Q tokens per row, T = B*Q tokens, D hidden, H heads, R kv_lora_rank,
 P qk_rope_head_dim, C = R + P (+ J under sparse attention), E routed experts, K experts per
 token, I expert width, V vocab, L layers, N pool blocks, S block size, M blocks per row, G indexer
@@ -26,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from graphc.models.deepseek_v3.args import V3Args
-from graphc.models.layers import MLP, MoE, RMSNorm, RotaryEmbedding, RoutedExperts, rotate
+from graphc.models.layers import MLP, MoE, RMSNorm, RotaryEmbedding, RoutedExperts, gather_over_tp, row_parallel, rotate
 from graphc.models.moe_forms import MOE_FORMS
 from graphc.models.step_model import Parallelism, StepInputs
 from graphc.ops import collectives, paged_attention, sparse
@@ -40,6 +49,19 @@ LATENT_NORM_EPS = 1e-6
 
 INDEXER_NORM_EPS = 1e-6
 """The indexer key's LayerNorm eps (fixed in DeepSeek-V3.2 and transformers)."""
+
+
+def tensor_parallel_widths(args: V3Args) -> dict[str, int]:
+    """What tensor parallelism splits, by config.json field: tp must divide each."""
+    widths = {"num_attention_heads": args.num_attention_heads, "hidden_size": args.hidden_size,
+              "vocab_size": args.vocab_size}
+    if args.first_k_dense_replace:
+        widths["intermediate_size"] = args.intermediate_size
+    if args.first_k_dense_replace < args.num_hidden_layers:
+        widths["moe_intermediate_size * n_shared_experts"] = args.moe_intermediate_size * args.n_shared_experts
+    if args.sparse_attention:
+        widths["index_n_heads"] = args.index_n_heads
+    return widths
 
 
 class Router(nn.Module):
@@ -89,10 +111,11 @@ class Indexer(nn.Module):
     dot products, and quantises them to FP8; like transformers, graphc scores in full precision.)
     """
 
-    def __init__(self, args: V3Args, layer: int):
+    def __init__(self, args: V3Args, layer: int, tp: int = 1):
         super().__init__()
-        self.layer = layer
-        self.heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
+        self.layer, self.tp = layer, tp
+        self.heads, self.head_dim, self.topk = args.index_n_heads // tp, args.index_head_dim, args.index_topk
+        self.head_weight_scale = args.index_n_heads**-0.5  # over every head, wherever they are held
         self.rope_dim = args.qk_rope_head_dim
         self.key_offset = args.kv_lora_rank + args.qk_rope_head_dim  # where its key sits in a cached slot
         self.wq_b = nn.Linear(args.q_lora_rank, self.heads * self.head_dim, bias=False)
@@ -121,13 +144,14 @@ class Indexer(nn.Module):
         rows, width = x.shape[:2]
         q = self._rope(self.wq_b(q_latent).view(rows, width, self.heads, self.head_dim),
                        cos[:, :, None], sin[:, :, None])  # [B, Q, G, J]
-        head_weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads**-0.5  # [B, Q, G]
+        head_weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.head_weight_scale  # [B, Q, G]
         parallel, block_size = step.parallel, step.kv_pool.shape[2]
         logits = sparse.paged_indexer_logits(
             q, head_weights, step.kv_pool, self.layer, step.block_table, step.positions, self.key_offset,
             self.head_dim**-0.5, parallel.kv_shard(), parallel.cp,
-        )  # [B, Q, K] this shard's keys
-        # A static width: the bucket's block table bounds the context.
+        )  # [B, Q, K] this shard's keys, summed over this rank's heads
+        if self.tp > 1:
+            logits = collectives.all_reduce(logits, "tp")  # over every head        # A static width: the bucket's block table bounds the context.
         k = min(self.topk, step.block_table.shape[1] * block_size)
         positions, scores = sparse.index_candidates(logits, k, block_size, parallel.kv_shard(), parallel.cp)
         return sparse.index_topk_combine(positions, scores, "cp")  # [B, Q, k] the group's top-k
@@ -142,11 +166,12 @@ class Attention(nn.Module):
     expanded per head.
     """
 
-    def __init__(self, args: V3Args, layer: int, rotary: RotaryEmbedding, sparse_probabilities: str = "fp32"):
+    def __init__(self, args: V3Args, layer: int, rotary: RotaryEmbedding, sparse_probabilities: str = "fp32",
+                 tp: int = 1):
         super().__init__()
-        self.layer = layer
+        self.layer, self.tp = layer, tp
         self.rotary = rotary
-        self.num_heads = args.num_attention_heads
+        self.num_heads = args.num_attention_heads // tp  # this rank's
         self.nope_dim, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
         self.kv_lora_rank = args.kv_lora_rank
         self.softmax_scale = args.softmax_scale
@@ -162,7 +187,7 @@ class Attention(nn.Module):
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, args.hidden_size, bias=args.attention_bias)
         if args.sparse_attention:
-            self.indexer = Indexer(args, layer)
+            self.indexer = Indexer(args, layer, tp)
             self.bf16_probabilities = sparse_probabilities == "bf16"
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: "StepInputs") -> Tensor:
@@ -202,19 +227,19 @@ class Attention(nn.Module):
             )  # [B, Q, H, R] fp32, [B, Q, H]
         out_latent = collectives.attention_combine(out_latent, lse, "cp")  # the CP group's shards, combined
         out = torch.einsum("bqhr,hvr->bqhv", out_latent, w_uv.float()).to(x.dtype)  # [B, Q, H, V]
-        return self.o_proj(out.reshape(rows, width, self.num_heads * self.v_dim))
+        return row_parallel(self.o_proj, out.reshape(rows, width, self.num_heads * self.v_dim), self.tp)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: V3Args, layer: int, rotary: RotaryEmbedding, local_experts: int | None = None,
-                 sparse_probabilities: str = "fp32"):
+                 sparse_probabilities: str = "fp32", tp: int = 1):
         super().__init__()
-        self.self_attn = Attention(args, layer, rotary, sparse_probabilities)
+        self.self_attn = Attention(args, layer, rotary, sparse_probabilities, tp)
         if args.is_moe_layer(layer):
-            shared = MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
+            shared = MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts, tp=tp)
             self.mlp = MoE(Router(args), RoutedExperts(args, local_experts), shared)
         else:
-            self.mlp = MLP(args.hidden_size, args.intermediate_size)
+            self.mlp = MLP(args.hidden_size, args.intermediate_size, tp=tp)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -227,11 +252,12 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
 
-    def __init__(self, args: V3Args, local_experts: int | None = None, sparse_probabilities: str = "fp32"):
+    def __init__(self, args: V3Args, local_experts: int | None = None, sparse_probabilities: str = "fp32",
+                 tp: int = 1):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size // tp)  # this rank's columns
         self.rotary_emb = RotaryEmbedding(args.rope, args.qk_rope_head_dim)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, self.rotary_emb, local_experts, sparse_probabilities)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, self.rotary_emb, local_experts, sparse_probabilities, tp)
                                     for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -239,16 +265,19 @@ class Backbone(nn.Module):
 class DeepseekV3(nn.Module):
     """DeepSeek-V3 causal LM over a paged KV pool; one call is one step."""
 
-    def __init__(self, args: V3Args, local_experts: int | None = None, sparse_probabilities: str = "fp32"):
+    def __init__(self, args: V3Args, local_experts: int | None = None, sparse_probabilities: str = "fp32",
+                 tp: int = 1):
         """`local_experts`: routed experts this rank holds (all of them by default).
-        `sparse_probabilities`: one of SPARSE_PROBABILITIES, for sparse attention (V3.2)."""
+        `sparse_probabilities`: one of SPARSE_PROBABILITIES, for sparse attention (V3.2).
+        `tp`: tensor-parallel ranks the module is one of (dividing each of `tensor_parallel_widths`,
+        which the family record checks)."""
         super().__init__()
         if sparse_probabilities not in SPARSE_PROBABILITIES:
             raise ValueError(f"sparse_probabilities {sparse_probabilities!r}; expected one of {SPARSE_PROBABILITIES}")
-        self.args = args
+        self.args, self.tp = args, tp
         self.sparse_probabilities = sparse_probabilities
-        self.model = Backbone(args, local_experts, sparse_probabilities)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.model = Backbone(args, local_experts, sparse_probabilities, tp)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size // tp, bias=False)  # this rank's vocabulary
 
     @property
     def dtype(self) -> torch.dtype:
@@ -256,7 +285,7 @@ class DeepseekV3(nn.Module):
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """[B, Q] token ids -> the first layer's input [B, Q, D]."""
-        return self.model.embed_tokens(input_ids)
+        return gather_over_tp(self.model.embed_tokens(input_ids), self.tp)
 
     def layer_rope(self, layer: int, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin [B, Q, P/2] of `positions` as layer `layer` takes them (every layer alike)."""
@@ -301,4 +330,4 @@ class DeepseekV3(nn.Module):
             x = layer(x, cos, sin, step)
         if logits_index is not None:
             x = x.gather(1, logits_index.view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)  # [B, D]
-        return self.lm_head(self.model.norm(x))
+        return gather_over_tp(self.lm_head(self.model.norm(x)), self.tp)
