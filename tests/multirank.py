@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from graphc.models.checkpoint import load_model
 from graphc.models.step_model import Parallelism
+from graphc.models.tensor_shard import TensorShard
 from graphc.ops.distributed import register_groups
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
 from graphc.topology import Topology
@@ -53,11 +54,12 @@ def greedy_on_rank(rank: int, topology: Topology, checkpoint: str, moe_exchange:
                    chunk: int, decode_steps: int, block_size: int, blocks_per_shard: int, blocks_per_row: int):
     """The eager model on `rank`: chunked prefill of its replica's prompt (`prompts[dp rank]`, all
     of one length, so every rank runs the same steps), then greedy decode, with the rank's share of
-    the cache and the experts; every rank runs the same host logic (as the leader would).
+    the cache, the experts and the tensor-parallel weights; every rank runs the same host logic (as the leader would).
     Returns (the logits of every decode step [decode_steps, V], the tokens)."""
     prompt = prompts[topology.dp_rank(rank)]
     n_experts = load_model(checkpoint).args.n_routed_experts if topology.ep > 1 else None
-    model = load_model(checkpoint, experts=topology.experts(rank, n_experts) if n_experts else None)
+    model = load_model(checkpoint, experts=topology.experts(rank, n_experts) if n_experts else None,
+                       tp_shard=TensorShard(topology.tp_rank(rank), topology.tp))
     parallel = Parallelism(cp_rank=topology.cp_rank(rank), cp=topology.cp, ep_rank=topology.ep_rank(rank),
                            ep=topology.ep, moe_exchange=moe_exchange)
     pool = model.new_kv_pool(blocks_per_shard, block_size)

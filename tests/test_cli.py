@@ -145,7 +145,7 @@ def test_validate_prints_resolved_config(tmp_path, ckpt):
     assert result.stderr == ""
     assert result.stdout.splitlines() == [
         f"model      {ckpt.resolve()} (float32)",
-        "topology   dp=1 cp=1 ep=1",
+        "topology   dp=1 cp=1 tp=1 ep=1",
         "buckets    prefill=[2, 4] decode=[1, 4] prompt_as_decode=2 context_limit=64",
         "kv_cache   64 blocks x 16 tokens",
         "backend    export",

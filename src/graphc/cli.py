@@ -516,7 +516,7 @@ def _describe_config(config, backend: str | None = None) -> str:
     b, t, kv = config.buckets, config.topology, config.kv_cache
     return "\n".join([
         f"model      {config.model.checkpoint} ({config.model.dtype})",
-        f"topology   dp={t.dp} cp={t.cp} ep={t.ep}" + (f" (MoE exchange {config.model.moe_lowering})" if t.dp > 1 else ""),
+        f"topology   dp={t.dp} cp={t.cp} tp={t.tp} ep={t.ep}" + (f" (MoE exchange {config.model.moe_lowering})" if t.dp > 1 else ""),
         f"buckets    prefill={b.prefill} decode={b.decode} prompt_as_decode={b.prompt_as_decode} "
         f"context_limit={b.context_limit}",
         f"kv_cache   {kv.num_blocks} blocks x {kv.block_size} tokens",

@@ -36,9 +36,10 @@ lower and load per rank (each costs seconds on two cores); every kind runs at on
 PROMPTS = [[(7 * i + n) % 250 + 3 for i in range(n)] for n in (1, 3, 9, 40)]
 SAMPLED = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=11)
 NEW_TOKENS = 6
-CASES = [  # (preset, cp, ep); (2, 2) holds every collective (2, 1) would
-    ("lora-groups", 1, 1), ("wide-16e", 2, 2), ("wide-16e", 4, 4),
-    (SPARSE_V32, 1, 1), (SPARSE_V32, 2, 2),
+CASES = [  # (preset, cp, ep, tp); (2, 2) holds every collective (2, 1) would
+    ("lora-groups", 1, 1, 1), ("wide-16e", 2, 2, 1), ("wide-16e", 4, 4, 1),
+    (SPARSE_V32, 1, 1, 1), (SPARSE_V32, 2, 2, 1),
+    (SPARSE_V32, 1, 2, 2),  # tensor parallelism: its all-reduces and gathers over tp groups
 ]
 
 
@@ -49,23 +50,24 @@ def _requests() -> list[Request]:
 
 # Per commit: the sparse model at one rank (every bucket kind, the V3 layers and the indexer) and
 # wide-16e at (2, 2) (the collectives); the rest is the slow tier's (the nightly full suite).
-@pytest.mark.parametrize("preset, cp, ep", [
-    pytest.param(*case, marks=([pytest.mark.multirank] if case[1] > 1 else [])
-                 + ([pytest.mark.slow] if case in (("lora-groups", 1, 1), ("wide-16e", 4, 4), (SPARSE_V32, 2, 2))
-                    else []))
+@pytest.mark.parametrize("preset, cp, ep, tp", [
+    pytest.param(*case, marks=([pytest.mark.multirank] if case[1] * case[3] > 1 else [])
+                 + ([pytest.mark.slow] if case in (("lora-groups", 1, 1, 1), ("wide-16e", 4, 4, 1),
+                                                   (SPARSE_V32, 2, 2, 1), (SPARSE_V32, 1, 2, 2)) else []))
     for case in CASES])
-def test_neuron_artifacts_serve_the_export_tokens(preset, cp, ep, compiled):
-    requests, buckets = _requests(), BUCKETS if cp == 1 else MULTI_RANK_BUCKETS
+def test_neuron_artifacts_serve_the_export_tokens(preset, cp, ep, tp, compiled):
+    world = cp * tp
+    requests, buckets = _requests(), BUCKETS if world == 1 else MULTI_RANK_BUCKETS
     expected = Engine(compiled(preset, "export", buckets)).generate(requests)
-    artifacts = compiled(preset, "neuron", buckets, cp, ep)
-    if cp == 1:
+    artifacts = compiled(preset, "neuron", buckets, cp, ep, tp=tp)
+    if world == 1:
         results = Engine(artifacts).generate(requests)
     else:
         [outcome] = serve(artifacts, [requests])
         results = outcome.results
     assert [r.output_ids for r in results] == [r.output_ids for r in expected]
     lint = CliRunner().invoke(cli, ["inspect", str(artifacts), "--lint"])  # every program, linted again
-    programs = len(read_manifest(artifacts).ranks[0].graphs) * min(cp, 2)
+    programs = len(read_manifest(artifacts).ranks[0].graphs) * min(world, 2)
     assert lint.exit_code == 0 and f"lint: {programs} program(s), no problem(s)" in lint.stdout, lint.output
     # At most two programs a bucket (the leader's, the followers' without a sampler), whatever
     # the world; every follower names the same file.
@@ -73,7 +75,7 @@ def test_neuron_artifacts_serve_the_export_tokens(preset, cp, ep, compiled):
     leader, *followers = manifest.ranks
     for index, graph in enumerate(leader.graphs):
         files = {graph.file} | {f.graphs[index].file for f in followers}
-        assert len(files) == min(cp, 2)
+        assert len(files) == min(world, 2)
         with zipfile.ZipFile(artifacts / graph.file) as archive:
             assert {"program.json", "neuron.hlo.pb", "cpu.hlo.pb"} <= set(archive.namelist())
             assert json.loads(archive.read("program.json"))["signature"]["samples"]

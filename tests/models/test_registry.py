@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from click.testing import CliRunner
 
 import graphc
 from graphc.buckets.selection import Bucket
+from graphc.cli import cli
 from graphc.compiler.capture import StepGraph, capture_bucket, example_step_inputs, model_weights
 from graphc.errors import CheckpointError
 from graphc.models import deepseek_v3, registry
@@ -22,7 +24,7 @@ from graphc.models.family import Family
 from graphc.models.hf_config import architectures
 from graphc.models.tiny import preset_config, write_random_checkpoint
 from graphc.step import STEP_INPUTS, kv_pool_shape
-from support import TEST_BUCKETS, model_yaml
+from support import TEST_BUCKETS, model_yaml, one_line_refusal
 
 SOURCE = Path(graphc.__file__).parent
 
@@ -170,3 +172,12 @@ def test_a_family_refuses_a_backend_it_lacks_and_an_unknown_architecture_lists_e
         registry.family_of_config({"architectures": ["NoSuchForCausalLM"]})
     with pytest.raises(ValueError, match="already registered"):
         registry.register(FAKE)
+
+
+@pytest.mark.parametrize("preset, architecture", [("v4", "DeepseekV4ForCausalLM"), ("v41", "DeepseekV41ForCausalLM")])
+def test_a_family_without_tensor_parallelism_refuses_tp_in_one_line(preset, architecture, tiny_checkpoints, tmp_path):
+    config = model_yaml(tiny_checkpoints[preset], TEST_BUCKETS["small"])
+    config["topology"] = {"tp": 2, "ep": 2}
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(config))
+    result = CliRunner().invoke(cli, ["plan", str(tmp_path / "model.yaml")])
+    assert one_line_refusal(result) == f"error: topology.tp: 2; {architecture} is served with tp = 1 so far"

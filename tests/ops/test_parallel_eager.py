@@ -1,12 +1,13 @@
-"""Context, expert and data parallelism in the eager model, on real gloo ranks, equal to one rank
-(fp32).
+"""Context, expert, tensor and data parallelism in the eager model, on real gloo ranks, equal to
+one rank (fp32).
 
 CP: every sequence's KV blocks are spread over the ranks (block j on rank j % cp); attention
 partials combine exactly by log-sum-exp. EP: each rank holds E / ep routed experts; with the
 tokens replicated over the EP group each rank computes its experts on its own tokens and the group
 all-reduces (`static`), or the group's tokens are gathered before routing and reduce-scattered
 after (`ag_rs`). DP: each replica serves its own prompt, and the MoE exchanges tokens across
-replicas (`ag_rs`, `a2a_even`, `a2a_v`).
+replicas (`ag_rs`, `a2a_even`, `a2a_v`). TP: each rank holds 1 / tp of the heads, FFN widths,
+embedding columns and vocabulary, its partial sums all-reduced and its slices gathered over tp.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from graphc.topology import Topology
 from multirank import greedy_on_rank, run_ranks
+from support import SPARSE_V32
 
 pytestmark = pytest.mark.multirank
 
@@ -78,3 +80,29 @@ def test_v4_ranks_give_single_rank_logits_and_tokens(cp, ep, moe_exchange, tiny_
     (4 and 8 tokens, CSA's overlapping 8) and compressed entries all cross shards."""
     results = run_ranks(Topology(cp, ep), generate_on_rank, str(tiny_checkpoints["v4"]), moe_exchange, [PROMPT])
     _check_against_single_rank(results, Topology(cp, ep), [PROMPT], {tuple(PROMPT): single_rank_v4})
+
+
+# Per commit: tp with ep at two ranks, and with dp replicas exchanging tokens; cp composed and tp = 4
+# in the slow tier.
+@pytest.mark.parametrize("dp, cp, tp, ep, moe_exchange", [
+    (1, 1, 2, 2, "static"), (2, 1, 2, 4, "a2a_v"),
+    pytest.param(1, 2, 2, 4, "static", marks=pytest.mark.slow), pytest.param(1, 1, 4, 4, "static", marks=pytest.mark.slow),
+])
+def test_tensor_parallel_ranks_give_single_rank_logits_and_tokens(dp, cp, tp, ep, moe_exchange, tiny_checkpoints,
+                                                                   single_rank):
+    """Heads, FFN widths, the embedding's columns and the vocabulary split over tp, composed with
+    KV blocks over cp, experts over ep and replicas over dp (each replica its own prompt)."""
+    topology, prompts = Topology(cp, ep, dp, tp), [PROMPT, OTHER_PROMPT][:dp]
+    results = run_ranks(topology, generate_on_rank, str(tiny_checkpoints["wide-16e"]), moe_exchange, prompts)
+    _check_against_single_rank(results, topology, prompts, single_rank)
+
+
+@pytest.mark.parametrize("cp, tp, ep", [(1, 2, 2), pytest.param(2, 2, 2, marks=pytest.mark.slow)])
+def test_v32_indexer_heads_split_over_tp_give_single_rank_tokens(cp, tp, ep, tiny_checkpoints):
+    """DeepSeek-V3.2 with the indexer's heads split too: its head-summed scores are all-reduced
+    over tp before each shard's top-k (index_topk below the context, so the selection matters)."""
+    checkpoint = str(tiny_checkpoints[SPARSE_V32])
+    single = generate_on_rank(0, Topology(1, 1), checkpoint, "local", [PROMPT])
+    topology = Topology(cp, ep, 1, tp)
+    results = run_ranks(topology, generate_on_rank, checkpoint, "static", [PROMPT])
+    _check_against_single_rank(results, topology, [PROMPT], {tuple(PROMPT): single})

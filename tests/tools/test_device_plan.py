@@ -1,5 +1,6 @@
 """`graphc plan --device`: a rank's memory and decode bytes. Its weights are held to what the
-compiler writes, byte for byte, for every family, FP8 kept or not, at one and two EP shards; the
+compiler writes, byte for byte, for every family, FP8 kept or not, at one and two EP shards (and
+two tensor-parallel ones for V3 / V3.2); the
 released DeepSeek-V3 config's numbers to the arithmetic of its shapes."""
 
 from __future__ import annotations
@@ -22,19 +23,20 @@ from support import FP8_PRESETS, TEST_BUCKETS, model_yaml, one_line_refusal
 RELEASED = Path(__file__).resolve().parents[2] / "examples" / "released"
 
 
-@pytest.mark.parametrize("preset", FP8_PRESETS)
+@pytest.mark.parametrize("preset, tp", [*((p, 1) for p in FP8_PRESETS), ("lora-groups", 2), ("v32", 2)])
 @pytest.mark.parametrize("weights", ["as-stored", "dequantized"])
 @pytest.mark.parametrize("ep", [1, 2])
-def test_the_planned_weights_are_those_the_compiler_writes(fp8_checkpoints, tmp_path, preset, weights, ep):
+def test_the_planned_weights_are_those_the_compiler_writes(fp8_checkpoints, tmp_path, preset, tp, weights, ep):
     config = model_yaml(fp8_checkpoints[preset], TEST_BUCKETS["small"], dtype="bfloat16")
     config["model"]["weights"] = weights
-    config["topology"] = {"cp": ep, "ep": ep}
+    config["topology"] = {"cp": ep, "ep": ep, "tp": tp}
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(config))
     loaded = load_config(tmp_path / "model.yaml")
     planned = {t.name: t for t in rank_tensors(loaded)}
-    for ep_rank in range(ep):  # every shard is the size planned
-        model = load_rank_shard(loaded.model.checkpoint, loaded.topology.topology(), ep_rank, torch.bfloat16,
-                                  as_stored=weights == "as-stored")
+    topology = loaded.topology.topology()
+    for rank in {topology.weight_shard(r): r for r in range(topology.world)}.values():  # every shard is as planned
+        model = load_rank_shard(loaded.model.checkpoint, topology, rank, torch.bfloat16,
+                                as_stored=weights == "as-stored")
         written = model_weights(model)
         scales = {name: written.pop(q.scale) for name, q in model.quantized_weights.items()}
         assert sorted(written) == sorted(planned)

@@ -16,22 +16,23 @@ from support import SPARSE_V32, TEST_BUCKETS, model_yaml
 
 OPS = {name: f"graphc::{name}" for name in ("attention_combine", "all_reduce", "all_reduce_max", "moe_dispatch",
                                              "moe_combine", "index_topk_combine", "moe_a2a_dispatch",
-                                             "moe_a2a_combine")}
+                                             "moe_a2a_combine", "gather_columns")}
 
 
-@pytest.mark.parametrize("preset, dp, cp, ep, exchange", [
-    ("wide-16e", 1, 2, 1, "local"), ("wide-16e", 1, 2, 2, "static"), ("wide-16e", 1, 2, 2, "ag_rs"),
-    ("wide-16e", 1, 4, 4, "static"),
-    (SPARSE_V32, 1, 2, 2, "static"),  # sparse attention: a top-k combine per layer too
-    ("lora-groups", 2, 1, 2, "a2a_even"), ("lora-groups", 2, 2, 4, "a2a_v"),  # data-parallel attention
-    ("v4", 1, 2, 2, "static"),  # DeepSeek-V4: window pools and CSA's top-k combined too
-    ("v41", 1, 2, 2, "static"), ("v41", 1, 2, 2, "ag_rs"),  # V4.1: candidate blocks, Engram lookups
+@pytest.mark.parametrize("preset, dp, cp, ep, exchange, tp", [
+    ("wide-16e", 1, 2, 1, "local", 1), ("wide-16e", 1, 2, 2, "static", 1), ("wide-16e", 1, 2, 2, "ag_rs", 1),
+    ("wide-16e", 1, 4, 4, "static", 1),
+    (SPARSE_V32, 1, 2, 2, "static", 1),  # sparse attention: a top-k combine per layer too
+    ("lora-groups", 2, 1, 2, "a2a_even", 1), ("lora-groups", 2, 2, 4, "a2a_v", 1),  # data-parallel attention
+    ("v4", 1, 2, 2, "static", 1),  # DeepSeek-V4: window pools and CSA's top-k combined too
+    ("v41", 1, 2, 2, "static", 1), ("v41", 1, 2, 2, "ag_rs", 1),  # V4.1: candidate blocks, Engram lookups
+    (SPARSE_V32, 1, 1, 2, "static", 2),  # tensor parallelism: the indexer's scores all-reduced too
 ])
-def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, dp, cp, ep, exchange, compiled,
+def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, dp, cp, ep, exchange, tp, compiled,
                                                               tiny_checkpoints):
     static = exchange != "ag_rs"
     # The data-parallel artifacts are the serving tests' (runtime/test_data_parallel.py).
-    manifest = read_manifest(compiled(preset, "export", "dp" if dp > 1 else "small", cp, ep, static, dp))
+    manifest = read_manifest(compiled(preset, "export", "dp" if dp > 1 else "small", cp, ep, static, dp, tp=tp))
     topology = manifest.topology.topology()
     args = load_model_args(tiny_checkpoints[preset])
     slots = manifest.kv_cache.blocks_per_row * manifest.kv_cache.block_size
@@ -42,7 +43,8 @@ def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, dp, cp, e
             in_graph = {op: n for op, n in counts.items() if op in OPS.values()}
             assert graph.moe_exchange == exchange
             planned = {}
-            for c in step_collectives(args, topology, bucket, "float32", exchange, context_slots=slots):
+            for c in step_collectives(args, topology, bucket, "float32", exchange, context_slots=slots,
+                                      block_size=manifest.kv_cache.block_size):
                 planned[OPS[c.op]] = planned.get(OPS[c.op], 0) + c.count
             assert planned == in_graph, (bucket.name, rank.rank)
 
@@ -60,6 +62,17 @@ def test_payloads_follow_the_tokens_of_the_bucket(tiny_checkpoints):
                                                   ("moe_a2a_combine", 2 * 8 * 64 * 4)]
     [v_dispatch, _] = step_collectives(args, Topology(1, 2, 2), Bucket("prefill", 8), "float32", "a2a_v")
     assert v_dispatch.bytes_in == even[0].bytes_in + 2 * 8  # and the int64 split counts
+
+
+def test_tensor_parallel_payloads_are_the_split_slices_and_the_whole_partial_sums(tiny_checkpoints):
+    args = load_model_args(tiny_checkpoints[SPARSE_V32])  # hidden 64, vocab 256, 3 layers, 1 dense
+    calls = step_collectives(args, Topology(2, 1, 1, 2), Bucket("decode", 4, 3), "bfloat16", "local",
+                             context_slots=5 * 16, block_size=16)
+    tp = [(c.op, c.count, c.bytes_in) for c in calls if c.group == "tp"]
+    assert tp == [("gather_columns", 1, 12 * 32 * 2),  # the embedding's [T, D / tp]
+                  ("all_reduce", 3, 12 * 3 * 16 * 4),  # the indexer's fp32 [T, K]: 3 of the 5 blocks on a cp shard
+                  ("all_reduce", 6, 12 * 64 * 2),  # after o_proj and the FFN, every layer
+                  ("gather_columns", 1, 4 * 128 * 2)]  # the LM head's [B, V / tp]
 
 
 def test_sparse_attention_adds_the_top_k_candidates(tiny_checkpoints):
@@ -101,7 +114,7 @@ def test_plan_prints_buckets_waste_graphs_and_collectives_and_plots(auto_yaml, t
     assert "expected prefill padding over 200 prompts" in out and "vs power-of-two ladder" in out
     assert "per rank x 2 rank(s) = 12 in all, 6 distinct (every-rank program per bucket" in out
     assert "x attention_combine(cp)" in out and "x all_reduce(ep)" in out
-    assert "groups (dp=1, cp=2, ep=2; MoE exchange static):" in out and "cp    1 x 2 rank(s): [0, 1]" in out
+    assert "groups (dp=1, cp=2, tp=1, ep=2; MoE exchange static):" in out and "cp    1 x 2 rank(s): [0, 1]" in out
     assert (tmp_path / "out" / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

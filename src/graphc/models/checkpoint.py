@@ -10,7 +10,9 @@ gate_proj.weight` and `up_proj.weight` for e in 0..E-1 become `model.layers.{i}.
 [E, D, I]. FP8 block-quantised weights (DeepSeek's
 release format: a float8_e4m3fn `X.weight` with its `X.weight_scale_inv`) are dequantised exactly
 on load (models/fp8.py), or, for step graphs (`as_stored`), kept as stored: the parameter holds the
-FP8 values and a buffer `<parameter>_scale_inv` their fp32 scales (`fp8.QuantizedWeight`).
+FP8 values and a buffer `<parameter>_scale_inv` their fp32 scales (`fp8.QuantizedWeight`). A
+tensor-parallel rank (`tp_shard`) reads only its slice of each weight its family splits
+(`Family.tensor_parallel_dim`, `tensor_shard.TensorShard`), FP8 ones with their slice's scales.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import Tensor, nn
 
 from graphc.errors import CheckpointError
 from graphc.models.family import Family, Sources
-from graphc.models.fp8 import (FP8, SCALE_SUFFIX, UE8M0_SUFFIX, QuantizedWeight, dequantize, scale_grid, scale_name,
+from graphc.models.fp8 import (SCALE_SUFFIX, UE8M0_SUFFIX, QuantizedWeight, dequantize, scale_grid, scale_name,
                                scaled_weight)
 from graphc.models.hf_config import read_hf_config
 from graphc.models.layers import STACKED_EXPERT

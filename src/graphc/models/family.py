@@ -112,6 +112,8 @@ class Family:
     # `graphc plan`'s predictions of the step's collectives.
     attention_collectives: Callable[["ModelArgs", int, int | None, int], list[Collective]] = _no_collectives
     """(args, tokens, block-table token capacity, dtype bytes) -> the attention's collectives over cp."""
+    tensor_parallel_collectives: Callable[["ModelArgs", int, int, int, int, int], list[Collective]] = _no_collectives
+    """(args, tokens, rows, the shard's key slots, dtype bytes, tp) -> the collectives over tp."""
     expert_group_collectives: Callable[["ModelArgs", int, int, str, int], list[Collective]] = _no_collectives
     """(args, tokens, dtype bytes, exchange, ep) -> collectives over ep beside the MoE's (Engram)."""
 
@@ -138,9 +140,9 @@ class Family:
             return
         if self.tensor_parallel_dim is None:
             raise GraphcError(f"topology.tp: {tp}; {args.architecture} is served with tp = 1 so far")
-        for field, width in self.tensor_parallel_widths(args).items():
+        for name, width in self.tensor_parallel_widths(args).items():
             if width % tp:
-                raise GraphcError(f"topology.tp: {tp} must divide the checkpoint's {field} ({width}); "
+                raise GraphcError(f"topology.tp: {tp} must divide the checkpoint's {name} ({width}); "
                                   f"{width} % {tp} = {width % tp}")
 
     def check_compile(self, args: "ModelArgs", topology: "Topology", exchange: str, backend: str) -> None:

@@ -9,7 +9,8 @@ no data), so it runs on a config.json alone (a released model's). Per rank:
   as-stored and the release quantises the tensor). Tests hold it to loaded shards tensor by tensor.
 - `kv_bytes`: the configured pool (`kv_cache.num_blocks`), and `kv_tokens_fit`: the tokens of KV
   the memory left after weights and activations holds (per rank; a replica holds cp times as many,
-  its sequences' blocks being spread over its cp ranks).
+  its sequences' blocks being spread over its cp ranks; its tp ranks hold the same blocks, MLA's
+  latent being every head's).
 - `activation_bytes`: an estimate of the largest bucket's peak (no buffer assignment exists before
   lowering): its tokens through the widest projection and the routed experts' rows, four hidden
   vectors a token, attention's fp32 scores over the block table's slots, and the fp32 logits.
@@ -92,8 +93,9 @@ def device(name: str | None, memory_gib: float | None = None, bandwidth_gbs: flo
 
 def rank_tensors(config: GraphcConfig) -> list[StoredTensor]:
     """Every tensor of one rank's weights file (`abstract.stored_tensors`)."""
+    topology = config.topology.topology()
     return stored_tensors(config.model_args, config.model.checkpoint, getattr(torch, config.model.dtype),
-                          config.model.weights == "as-stored", config.topology.topology().ep)
+                          config.model.weights == "as-stored", topology.ep, topology.tp)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -133,6 +135,8 @@ class DevicePlan:
     fits: bool
     reason: str
     decode: list[DecodeStep]
+    cp: int
+    """The KV shards of a replica: it holds cp times a rank's `kv_tokens_fit` (its tp ranks share them)."""
 
     def to_json(self) -> dict:
         return {**asdict(self), "weights_total_bytes": sum(self.weights_bytes.values())}
@@ -147,11 +151,12 @@ def activation_bytes(config: GraphcConfig, args: ModelArgs) -> int:
     b = config.buckets
     slots = blocks_per_row(b.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
     width = _dtype_bytes(config.model.dtype)
+    topology = config.topology.topology()
     with torch.device("meta"):
-        model = build_model(args, args.n_routed_experts // config.topology.topology().ep)
+        model = build_model(args, args.n_routed_experts // topology.ep, tp=topology.tp)
     widest = max((t.shape[-2] for n, t in model.state_dict().items() if t.dim() >= 2 and "embed" not in n
                   and n != "lm_head.weight"), default=args.hidden_size)
-    heads = getattr(args, "num_attention_heads", 1)
+    heads = getattr(args, "num_attention_heads", 1) // topology.tp
     peak = 0
     for bucket in all_buckets(b.prefill, b.decode, b.prompt_as_decode):
         tokens = bucket.rows * bucket.width
@@ -193,7 +198,7 @@ def plan_device(config: GraphcConfig, target: Device) -> DevicePlan:
     return DevicePlan(target.name, target.memory_bytes, target.bandwidth, by_dtype, pool, max(0, left) // per_token,
                       activations, total, total <= target.memory_bytes, reason,
                       [_decode_step(config, args, topology, tensors, target, size, per_token)
-                       for size in config.buckets.decode])
+                       for size in config.buckets.decode], topology.cp)
 
 
 def _decode_step(config, args, topology, tensors, target: Device, rows: int, per_token: int) -> DecodeStep:
@@ -208,7 +213,7 @@ def _decode_step(config, args, topology, tensors, target: Device, rows: int, per
     moe_layers = args.num_hidden_layers - args.first_k_dense_replace
     local = args.n_routed_experts // topology.ep
     per_expert = expert_bytes / (moe_layers * local) if moe_layers and local else 0
-    replicas = 1 if topology.tokens_replicated else max(1, topology.ep // topology.cp)
+    replicas = 1 if topology.tokens_replicated else max(1, topology.ep // topology.replica)
     routes = rows * args.num_experts_per_tok * replicas
     # Uniform routing: each local expert is missed by all `routes` with probability (1 - 1/E)^routes.
     expected = local * (1 - (1 - 1 / args.n_routed_experts) ** routes) * per_expert * moe_layers
@@ -217,7 +222,8 @@ def _decode_step(config, args, topology, tensors, target: Device, rows: int, per
     kv_read = rows * math.ceil(context / topology.cp) * per_token
     exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated)
     collectives = sum(c.count * c.bytes_in for c in step_collectives(args, topology, Bucket("decode", rows),
-                                                                      config.model.dtype, exchange, context))
+                                                                      config.model.dtype, exchange, context,
+                                                                      config.kv_cache.block_size))
     read = others + embedding_row
     step = read + expected + kv_read
     seconds = step / target.bandwidth
@@ -230,7 +236,7 @@ def describe(plan: DevicePlan) -> list[str]:
              "  weights     " + ", ".join(f"{dtype} {size(n)}" for dtype, n in plan.weights_bytes.items())
              + f"  (total {size(sum(plan.weights_bytes.values()))})",
              f"  KV pool     {size(plan.kv_bytes)} (kv_cache.num_blocks); the memory left holds "
-             f"{plan.kv_tokens_fit} tokens of KV",
+             f"{plan.kv_tokens_fit} tokens of KV ({plan.kv_tokens_fit * plan.cp} a replica over its cp ranks)",
              f"  activations {size(plan.activation_bytes)} (estimate: the largest bucket)",
              f"  total       {size(plan.total_bytes)} of {size(plan.device_bytes)}: "
              + ("fits" if plan.fits else "does not fit") + f" ({plan.reason})",

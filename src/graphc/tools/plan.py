@@ -29,12 +29,14 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype: str, exchange: str,
-                     context_slots: int | None = None) -> list[Collective]:
+                     context_slots: int | None = None, block_size: int = 1) -> list[Collective]:
     """The collectives of one step in `bucket` on any rank (every rank issues the same ones, each
     over its own group of the name).
 
     Attention over cp: the family's prediction (`Family.attention_collectives`), given the
-    block table's token capacity `context_slots`. MoE layers over ep, by `exchange` (`MOE_EXCHANGES`): `static` all-reduces the routed output
+    block table's token capacity `context_slots` (of blocks of `block_size` tokens). Tensor
+    parallelism's over tp (`Family.tensor_parallel_collectives`), given the keys of a KV shard
+    (`context_slots` when the table's blocks are dealt over cp). MoE layers over ep, by `exchange` (`MOE_EXCHANGES`): `static` all-reduces the routed output
     [T, D]; `ag_rs` all-gathers the tokens [T, D] and reduce-scatters [T * ep, D]; the
     all-to-alls send [ep, T] blocks of rows [D] and fp32 routes [2K] and take back [ep, T, D]
     (`a2a_v` sends only the rows routed, so these are its upper bounds, plus an all-gather of its
@@ -48,6 +50,9 @@ def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype:
     hidden = tokens * args.hidden_size * width
     family = family_of(args)
     out = family.attention_collectives(args, tokens, context_slots, width) if topology.cp > 1 else []
+    if topology.tp > 1:
+        shard_keys = -(-(context_slots or 0) // block_size // topology.cp) * block_size
+        out += family.tensor_parallel_collectives(args, tokens, bucket.rows, shard_keys, width, topology.tp)
     ep = topology.ep
     if ep == 1 or not moe_layers:
         return out
@@ -93,8 +98,9 @@ def describe(config: GraphcConfig, workload: Histogram | None) -> list[str]:
     programs = backend(config.backend).programs(world)
     lines += [f"graphs: {len(buckets)} per rank x {world} rank(s) = {len(buckets) * world} in all, "
               f"{len(buckets) * len(programs)} distinct ({' and '.join(programs)} program per bucket; "
-              "a rank's KV shard and experts are an input)"]
-    lines.append(f"groups (dp={topology.dp}, cp={topology.cp}, ep={topology.ep}; MoE exchange {exchange}):")
+              "a rank's KV shard and experts are an input, its tensor-parallel slice its weights)"]
+    lines.append(f"groups (dp={topology.dp}, cp={topology.cp}, tp={topology.tp}, ep={topology.ep}; "
+                 f"MoE exchange {exchange}):")
     for name in GROUPS:
         groups = topology.groups(name)
         lines.append(f"  {name:5s} {len(groups)} x {topology.group_size(name)} rank(s): "
@@ -102,7 +108,8 @@ def describe(config: GraphcConfig, workload: Histogram | None) -> list[str]:
     lines.append("routed-expert form and collectives per step per group, every rank:")
     for bucket in buckets:
         slots = blocks_per_row(config.buckets.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
-        calls = step_collectives(args, topology, bucket, config.model.dtype, exchange, context_slots=slots)
+        calls = step_collectives(args, topology, bucket, config.model.dtype, exchange, context_slots=slots,
+                                 block_size=config.kv_cache.block_size)
         text = ", ".join(f"{c.count} x {c.op}({c.group}) of {format_bytes(c.bytes_in)}" for c in calls) or "none"
         form = step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
                              args.n_routed_experts, topology.ep, exchange)

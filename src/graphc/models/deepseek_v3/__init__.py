@@ -19,6 +19,7 @@ FAMILY = Family(
     tensor_parallel_dim=layout.tensor_parallel_dim,
     tensor_parallel_widths=tensor_parallel_widths,
     attention_collectives=predictions.attention_collectives,
+    tensor_parallel_collectives=predictions.tensor_parallel_collectives,
     presets=presets.PRESETS,
     draft_and_extra_shapes=layout.draft_shapes,
 )

@@ -1,4 +1,4 @@
-"""`graphc plan`'s prediction of DeepSeek-V3 / V3.2 attention's collectives over cp."""
+"""`graphc plan`'s prediction of DeepSeek-V3 / V3.2's collectives over cp (attention) and tp."""
 
 from __future__ import annotations
 
@@ -17,4 +17,20 @@ def attention_collectives(args: V3Args, tokens: int, context_slots: int | None, 
         out.append(Collective("index_topk_combine", "cp", args.num_hidden_layers, tokens * selected * (8 + 4)))
     out.append(Collective("attention_combine", "cp", args.num_hidden_layers,
                           tokens * args.num_attention_heads * (args.kv_lora_rank + 1) * 4))
+    return out
+
+
+def tensor_parallel_collectives(args: V3Args, tokens: int, rows: int, shard_keys: int, width: int,
+                                tp: int) -> list[Collective]:
+    """Over tp: the embedding's columns gathered ([T, D / tp]) before the first layer; per layer one
+    all-reduce of [T, D] after o_proj and one after the dense or shared FFN, and under sparse
+    attention (V3.2) one of the indexer's fp32 head-summed scores [T, K] of the shard's K keys;
+    the LM head's vocabulary gathered ([B, V / tp]) at the end."""
+    dense = args.first_k_dense_replace
+    ffn_layers = dense + (args.num_hidden_layers - dense if args.n_shared_experts else 0)
+    out = [Collective("gather_columns", "tp", 1, tokens * args.hidden_size // tp * width)]
+    if args.sparse_attention:
+        out.append(Collective("all_reduce", "tp", args.num_hidden_layers, tokens * shard_keys * 4))
+    out.append(Collective("all_reduce", "tp", args.num_hidden_layers + ffn_layers, tokens * args.hidden_size * width))
+    out.append(Collective("gather_columns", "tp", 1, rows * args.vocab_size // tp * width))
     return out

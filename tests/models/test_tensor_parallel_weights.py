@@ -1,0 +1,46 @@
+"""Each tensor-parallel rank loads its slice of every split weight and the whole of the others:
+FP8 kept as stored (its scales sliced with it) or dequantised on load, the slices side by side
+are the one-rank model's weights, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphc.models.checkpoint import QUANTIZED_WEIGHTS, load_model
+from graphc.models.fp8 import dequantize
+from graphc.models.registry import family_of
+from graphc.models.tensor_shard import TensorShard
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    """Every parameter as the model computes with it (kept FP8 dequantised with its scales)."""
+    buffers, out = dict(model.named_buffers()), {}
+    for name, parameter in model.named_parameters():
+        quantized = getattr(model, QUANTIZED_WEIGHTS).get(name)
+        if quantized is None:
+            out[name] = parameter.float()
+        else:  # stacked experts: one matrix an expert
+            matrices = zip(parameter.reshape(-1, *parameter.shape[-2:]), buffers[quantized.scale].reshape(
+                -1, *buffers[quantized.scale].shape[-2:]))
+            out[name] = torch.stack([dequantize(w, s, quantized.block) for w, s in matrices]).view(parameter.shape)
+    return out
+
+
+@pytest.mark.parametrize("preset", ["lora-groups", "v32"])
+@pytest.mark.parametrize("as_stored", [True, False])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_ranks_slices_side_by_side_are_the_one_rank_weights(fp8_checkpoints, preset, as_stored, tp):
+    checkpoint = fp8_checkpoints[preset]
+    whole = _weights(load_model(checkpoint, as_stored=as_stored))
+    ranks = [_weights(load_model(checkpoint, as_stored=as_stored, tp_shard=TensorShard(r, tp))) for r in range(tp)]
+    split_dim = family_of(load_model(checkpoint).args).tensor_parallel_dim
+    split = 0
+    for name, weight in whole.items():
+        dim = split_dim(name)
+        joined = torch.cat([rank[name] for rank in ranks], dim=dim) if dim is not None else ranks[0][name]
+        assert torch.equal(joined, weight), name
+        if dim is None:
+            assert all(torch.equal(rank[name], weight) for rank in ranks), name
+        split += dim is not None
+    assert split >= 10  # the attention, FFN, embedding and head projections, not a few
