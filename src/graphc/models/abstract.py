@@ -98,9 +98,9 @@ def stored_tensors(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_sto
 
 def abstract_shard(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_stored: bool, ep: int,
                    sparse_probabilities: str, tp: int = 1) -> tuple[StepModel, dict[str, Tensor]]:
-    """One weight shard's module (`stored_tensors`) on the meta device, laid out as `load_model` lays it out (FP8 kept
-    with its scale buffers and `QUANTIZED_WEIGHTS`), and its weights as fake CPU tensors in the
-    order step graphs take them (`capture.weight_names`)."""
+    """One weight shard's module (`stored_tensors`) on the meta device, laid out as `load_model`
+    lays it out (FP8 kept with its scale buffers and `QUANTIZED_WEIGHTS`), and its weights as fake
+    CPU tensors in the order step graphs take them (`capture.weight_names`)."""
     from graphc.compiler.capture import weight_names
 
     tensors = stored_tensors(args, checkpoint, dtype, as_stored, ep, tp)

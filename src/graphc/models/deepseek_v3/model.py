@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from graphc.models.deepseek_v3.args import V3Args
-from graphc.models.layers import MLP, MoE, RMSNorm, RotaryEmbedding, RoutedExperts, gather_over_tp, row_parallel, rotate
+from graphc.models.layers import (MLP, MoE, RMSNorm, RotaryEmbedding, RoutedExperts, gather_over_tp, rotate,
+                                  row_parallel)
 from graphc.models.moe_forms import MOE_FORMS
 from graphc.models.step_model import Parallelism, StepInputs
 from graphc.ops import collectives, paged_attention, sparse
@@ -144,14 +145,16 @@ class Indexer(nn.Module):
         rows, width = x.shape[:2]
         q = self._rope(self.wq_b(q_latent).view(rows, width, self.heads, self.head_dim),
                        cos[:, :, None], sin[:, :, None])  # [B, Q, G, J]
-        head_weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.head_weight_scale  # [B, Q, G]
+        head_weights = (self.weights_proj(x.to(self.weights_proj.weight.dtype)).float()
+                        * self.head_weight_scale)  # [B, Q, G]
         parallel, block_size = step.parallel, step.kv_pool.shape[2]
         logits = sparse.paged_indexer_logits(
             q, head_weights, step.kv_pool, self.layer, step.block_table, step.positions, self.key_offset,
             self.head_dim**-0.5, parallel.kv_shard(), parallel.cp,
         )  # [B, Q, K] this shard's keys, summed over this rank's heads
         if self.tp > 1:
-            logits = collectives.all_reduce(logits, "tp")  # over every head        # A static width: the bucket's block table bounds the context.
+            logits = collectives.all_reduce(logits, "tp")  # over every head
+        # A static width: the bucket's block table bounds the context.
         k = min(self.topk, step.block_table.shape[1] * block_size)
         positions, scores = sparse.index_candidates(logits, k, block_size, parallel.kv_shard(), parallel.cp)
         return sparse.index_topk_combine(positions, scores, "cp")  # [B, Q, k] the group's top-k
