@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_scale.py [--sizes tiny,140m,1b] [--repeats 3] [--with-dense] [--dtype bfloat16]
     .venv/bin/python bench/bench_scale.py --weights [--sizes 140m]   # fp32 / bf16 / FP8-as-stored decode
+    .venv/bin/python bench/bench_scale.py --tensor-parallel [--sizes 140m]   # decode at tp = 1 and tp = 2
 
 Sizes (random DeepSeek-V3 checkpoints in the HF layout, written here):
   tiny  the `lora-groups` preset: hidden 64, 8 experts, top-2
@@ -164,6 +165,33 @@ def worker_weights_compile(checkpoint: Path, work: Path, dtype: str, weights: st
     return {"seconds": time.perf_counter() - start, "weights_file": str(out / manifest.ranks[0].weights)}
 
 
+def worker_tp_compile(checkpoint: Path, work: Path, tp: int) -> dict:
+    """Decode artifacts (inductor, fp32) at tp ranks; every rank's weights file."""
+    from graphc.config import load_config
+    from graphc.compiler.pipeline import CompileOptions, compile
+
+    config = {"model": {"checkpoint": str(checkpoint), "dtype": "float32"}, "topology": {"tp": tp},
+              "buckets": {"prefill": [PROMPT], "decode": [1], "prompt_as_decode": 0, "context_limit": PROMPT + NEW + 16},
+              "kv_cache": {"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS}, "backend": "inductor"}
+    path = work / f"model-tp{tp}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = work / f"artifacts-tp{tp}"
+    start = time.perf_counter()
+    manifest = compile(load_config(path), out, CompileOptions(show_progress=False, force=True))
+    return {"seconds": time.perf_counter() - start, "weights_files": [str(out / r.weights) for r in manifest.ranks]}
+
+
+def worker_tp_serve(artifacts: Path, vocab: int) -> dict:
+    """One greedy generation at batch 1 over every rank of the artifacts; its tokens and the mean
+    decode step."""
+    from graphc.runtime import Request
+    from graphc.runtime.launch import serve
+
+    [outcome] = serve(artifacts, [[Request(p, NEW, stop_at_eos=False) for p in prompts(1, PROMPT, vocab)]])
+    decode = outcome.stats["decode-1"]
+    return {"tokens": outcome.results[0].output_ids, "decode_ms": decode.seconds / decode.steps * 1e3}
+
+
 def worker_graphc(artifacts: Path, vocab: int, repeats: int, decode_only: bool = False) -> dict:
     from graphc.runtime import Engine, Request
 
@@ -222,7 +250,8 @@ def worker_routing(checkpoint: Path, vocab: int) -> dict:
 
 
 WORKERS = {"compile": worker_compile, "parallel_compile": worker_parallel_compile, "graphc": worker_graphc, "eager": worker_eager,
-           "transformers": worker_transformers, "routing": worker_routing, "weights_compile": worker_weights_compile}
+           "transformers": worker_transformers, "routing": worker_routing, "weights_compile": worker_weights_compile,
+           "tp_compile": worker_tp_compile, "tp_serve": worker_tp_serve}
 
 
 def run_worker(name: str, *args) -> dict:
@@ -239,7 +268,7 @@ def _worker_main(spec: str) -> None:
     flag = lambda s: s == "True"  # noqa: E731
     typed = {"compile": (Path, Path, str, str), "parallel_compile": (Path, Path, str), "graphc": (Path, int, int, flag),
              "eager": (Path, int, int, str), "transformers": (Path, int, int, str, flag), "routing": (Path, int),
-             "weights_compile": (Path, Path, str, str)}[name]
+             "weights_compile": (Path, Path, str, str), "tp_compile": (Path, Path, int), "tp_serve": (Path, int)}[name]
     result = WORKERS[name](*(cast(a) for cast, a in zip(typed, args)))
     result["peak_rss"] = peak_rss()
     print(json.dumps(result))
@@ -280,10 +309,21 @@ def stored_step_bytes(weights_file: Path, args, batch: int, distinct_experts: fl
     weights file (scales included) read whole, except one embedding row per token and, of the
     stacked routed experts, the `distinct_experts` chosen (their share of every expert tensor);
     the KV cache in the model dtype."""
+    by_dtype: dict[str, float] = {}
+    for name, dtype, nbytes in tensor_step_bytes(weights_file, args, batch, distinct_experts):
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+    kv = args.num_hidden_layers * batch * context * args.kv_cache_dim * torch.finfo(getattr(torch, kv_dtype)).bits // 8
+    by_dtype["KV"] = kv
+    return by_dtype
+
+
+def tensor_step_bytes(weights_file: Path, args, batch: int, distinct_experts: float) -> list[tuple[str, str, float]]:
+    """(name, safetensors dtype, bytes a decode step of `batch` rows reads of it) for every tensor
+    of a rank's weights file (see `stored_step_bytes`)."""
     from safetensors import safe_open
 
     moe_layers = args.num_hidden_layers - args.first_k_dense_replace
-    by_dtype: dict[str, float] = {}
+    out = []
     with safe_open(weights_file, "pt") as f:
         for name in f.keys():
             tensor = f.get_slice(name)
@@ -292,10 +332,8 @@ def stored_step_bytes(weights_file: Path, args, batch: int, distinct_experts: fl
                 nbytes *= distinct_experts / (moe_layers * args.n_routed_experts)
             elif "embed_tokens" in name:
                 nbytes *= batch / args.vocab_size
-            by_dtype[tensor.get_dtype()] = by_dtype.get(tensor.get_dtype(), 0) + nbytes
-    kv = args.num_hidden_layers * batch * context * args.kv_cache_dim * torch.finfo(getattr(torch, kv_dtype)).bits // 8
-    by_dtype["KV"] = kv
-    return by_dtype
+            out.append((name, tensor.get_dtype(), nbytes))
+    return out
 
 
 SAFETENSORS_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I64": 8, "I32": 4}
@@ -340,6 +378,43 @@ def bench_weights(size: str, work: Path, repeats: int) -> None:
             split = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in parts.items())
             print(f"{label:16s} {batch:5d} {speed:8.1f} {speed / bf16[f'decode_b{batch}']:7.2f}x {needed / 1e6:8.1f} "
                   f"{split:40s} {roofline:9.0f} {speed / roofline:8.0%}")
+
+
+def bench_tensor_parallel(size: str, work: Path) -> None:
+    """Decode at batch 1 (fp32, inductor) at tp = 1 and tp = 2: the tokens, and what a rank's
+    step reads by kind of weight, from each rank's weights file (`stored_step_bytes` per tensor):
+    the tensors tensor parallelism splits halve, the others (latent projections, norms, routers,
+    routed experts: ep = 1 here) do not. Step times are printed for what they are: at tp = 2 the two
+    ranks share this machine's cores with each other, so they are not a speed result."""
+    from graphc.models.registry import family_of, model_args_from_hf_config
+    from graphc.models.tiny import preset_config, write_random_checkpoint
+
+    config = {**preset_config("lora-groups"), **SIZES[size]}
+    args = model_args_from_hf_config(config)
+    split_dim = family_of(args).tensor_parallel_dim
+    work.mkdir(parents=True, exist_ok=True)
+    checkpoint = work / "checkpoint"
+    if not (checkpoint / "config.json").is_file() or json.loads((checkpoint / "config.json").read_text()) != config:
+        write_random_checkpoint(checkpoint, config, seed=0)
+    routing = run_worker("routing", checkpoint, args.vocab_size)
+    context = PROMPT + NEW // 2
+    print(f"\n== {size}, decode batch 1 at tp = 1 and tp = 2 (fp32, inductor)")
+    print(f"{'':6s} {'rank':>4s} {'split MB':>9s} {'whole MB':>9s} {'experts MB':>10s} {'KV MB':>7s} {'step ms':>8s}  tokens")
+    runs = {}
+    for tp in (1, 2):
+        compiled = run_worker("tp_compile", checkpoint, work, tp)
+        served = run_worker("tp_serve", work / f"artifacts-tp{tp}", args.vocab_size)
+        runs[tp] = served
+        for rank, weights_file in enumerate(compiled["weights_files"]):
+            kinds = {"split": 0.0, "whole": 0.0, "experts": 0.0}
+            for name, _, nbytes in tensor_step_bytes(Path(weights_file), args, 1, routing["distinct_b1"]):
+                kinds["experts" if "mlp.experts." in name else "split" if split_dim(name) is not None else "whole"] += nbytes
+            kv = stored_step_bytes(Path(weights_file), args, 1, routing["distinct_b1"], context, "float32")["KV"]
+            print(f"tp={tp:<3d} {rank:4d} {kinds['split'] / 1e6:9.2f} {kinds['whole'] / 1e6:9.2f} "
+                  f"{kinds['experts'] / 1e6:10.2f} {kv / 1e6:7.2f} {served['decode_ms']:8.2f}  "
+                  f"{served['tokens'][:6]}... (compile {compiled['seconds']:.0f} s)")
+    print("tokens at tp = 2 " + ("equal" if runs[1]["tokens"] == runs[2]["tokens"] else "DIFFER from") + " tp = 1's")
+
 
 
 def prefill_flops(args, tokens: int) -> float:
@@ -437,6 +512,8 @@ def main() -> None:
     parser.add_argument("--weights", action="store_true",
                         help="instead of the ladder: decode with one FP8 checkpoint's weights stored fp32, bf16 and "
                              "FP8 as stored, against each other and the roofline")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="instead of the ladder: decode at tp = 1 and tp = 2, the tokens and each rank's bytes")
     # Absolute: the workers run in bench/.
     parser.add_argument("--work", type=lambda p: Path(p).resolve(), default=ROOT / "build" / "bench-scale")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -447,7 +524,9 @@ def main() -> None:
     for size in options.sizes.split(","):
         if size not in SIZES:
             raise SystemExit(f"--sizes: {size!r} is unknown; sizes: {', '.join(SIZES)}")
-        if options.weights:
+        if options.tensor_parallel:
+            bench_tensor_parallel(size, options.work / size / "tensor-parallel")
+        elif options.weights:
             bench_weights(size, options.work / size, options.repeats)
         else:
             bench_size(size, options.work / size, options.repeats, options.with_dense, options.dtype)

@@ -82,11 +82,12 @@ def test_v4_ranks_give_single_rank_logits_and_tokens(cp, ep, moe_exchange, tiny_
     _check_against_single_rank(results, Topology(cp, ep), [PROMPT], {tuple(PROMPT): single_rank_v4})
 
 
-# Per commit: tp with ep at two ranks, and with dp replicas exchanging tokens; cp composed and tp = 4
-# in the slow tier.
+# Per commit: tp with ep at two ranks, and with dp replicas exchanging tokens; cp composed, tp = 4
+# and all four axes at 8 ranks in the slow tier.
 @pytest.mark.parametrize("dp, cp, tp, ep, moe_exchange", [
     (1, 1, 2, 2, "static"), (2, 1, 2, 4, "a2a_v"),
-    pytest.param(1, 2, 2, 4, "static", marks=pytest.mark.slow), pytest.param(1, 1, 4, 4, "static", marks=pytest.mark.slow),
+    *(pytest.param(*case, marks=pytest.mark.slow)
+      for case in ((1, 2, 2, 4, "static"), (1, 1, 4, 4, "static"), (2, 2, 2, 8, "a2a_even"))),
 ])
 def test_tensor_parallel_ranks_give_single_rank_logits_and_tokens(dp, cp, tp, ep, moe_exchange, tiny_checkpoints,
                                                                    single_rank):
@@ -106,3 +107,13 @@ def test_v32_indexer_heads_split_over_tp_give_single_rank_tokens(cp, tp, ep, tin
     topology = Topology(cp, ep, 1, tp)
     results = run_ranks(topology, generate_on_rank, checkpoint, "static", [PROMPT])
     _check_against_single_rank(results, topology, [PROMPT], {tuple(PROMPT): single})
+
+
+@pytest.mark.parametrize("cp, tp, ep", [(1, 2, 2), pytest.param(2, 2, 4, marks=pytest.mark.slow)])
+def test_v4_heads_and_output_groups_split_over_tp_give_single_rank_tokens(cp, tp, ep, tiny_checkpoints,
+                                                                          single_rank_v4):
+    """DeepSeek-V4 with its query heads, sinks, output groups, CSA indexer heads and shared experts
+    split: the shared K = V head, compressors and mHC streams whole on every rank."""
+    topology = Topology(cp, ep, 1, tp)
+    results = run_ranks(topology, generate_on_rank, str(tiny_checkpoints["v4"]), "static", [PROMPT])
+    _check_against_single_rank(results, topology, [PROMPT], {tuple(PROMPT): single_rank_v4})

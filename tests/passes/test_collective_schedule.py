@@ -77,6 +77,21 @@ def test_a_rank_that_skips_a_collective_is_refused(tiny_checkpoints):
                                                           1: program_collectives(followers.graph_module)})
 
 
+def test_a_tensor_parallel_rank_that_skips_an_all_reduce_is_refused_on_its_tp_group(tiny_checkpoints):
+    topology = Topology(cp=2, ep=2, dp=1, tp=2)  # tp groups [0, 1], [2, 3]; cp groups [0, 2], [1, 3]
+    model = load_rank_shard(tiny_checkpoints["lora-groups"], topology, 0, torch.float32)
+    program = capture_bucket(model, BUCKET, BLOCKS_PER_ROW, NUM_BLOCKS, BLOCK_SIZE,
+                             Parallelism(cp=2, ep=2, moe_exchange="static"))
+    issued = list(program_collectives(program.graph_module))
+    assert {c.group for c in issued} == {"cp", "tp", "ep"}
+    check_collective_schedule(topology, BUCKET.name, {rank: issued for rank in range(4)})
+    first = next(i for i, c in enumerate(issued) if c.group == "tp" and c.op == "all_reduce")
+    skipped = issued[:first] + issued[first + 1:]
+    with pytest.raises(GraphcError, match=r"decode-2: collective #\d+ on group \[2, 3\]: the members disagree "
+                                          r"\(rank 2: all_reduce\(tp; .*hang"):
+        check_collective_schedule(topology, BUCKET.name, {0: issued, 1: issued, 2: issued, 3: skipped})
+
+
 def _call(op: str, group: str) -> Collective:
     return Collective(op, group, (), (("float32", (2, 8)),))
 

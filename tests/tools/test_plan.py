@@ -26,7 +26,8 @@ OPS = {name: f"graphc::{name}" for name in ("attention_combine", "all_reduce", "
     ("lora-groups", 2, 1, 2, "a2a_even", 1), ("lora-groups", 2, 2, 4, "a2a_v", 1),  # data-parallel attention
     ("v4", 1, 2, 2, "static", 1),  # DeepSeek-V4: window pools and CSA's top-k combined too
     ("v41", 1, 2, 2, "static", 1), ("v41", 1, 2, 2, "ag_rs", 1),  # V4.1: candidate blocks, Engram lookups
-    (SPARSE_V32, 1, 1, 2, "static", 2),  # tensor parallelism: the indexer's scores all-reduced too
+    (SPARSE_V32, 1, 2, 4, "static", 2),  # tensor parallelism with cp: the indexer's scores all-reduced too
+    ("v4", 1, 1, 2, "static", 2),  # V4's, ep = tp: the shared experts summed in the MoE's all-reduce
 ])
 def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, dp, cp, ep, exchange, tp, compiled,
                                                               tiny_checkpoints):
@@ -73,6 +74,11 @@ def test_tensor_parallel_payloads_are_the_split_slices_and_the_whole_partial_sum
                   ("all_reduce", 3, 12 * 3 * 16 * 4),  # the indexer's fp32 [T, K]: 3 of the 5 blocks on a cp shard
                   ("all_reduce", 6, 12 * 64 * 2),  # after o_proj and the FFN, every layer
                   ("gather_columns", 1, 4 * 128 * 2)]  # the LM head's [B, V / tp]
+    # With the EP groups the tp groups, the MoE layers' all-reduce over ep sums the shared experts too.
+    fused = step_collectives(args, Topology(1, 2, 1, 2), Bucket("decode", 4, 3), "bfloat16", "static",
+                             context_slots=5 * 16, block_size=16)
+    assert [(c.op, c.group, c.count) for c in fused if c.op == "all_reduce"] == [
+        ("all_reduce", "tp", 3), ("all_reduce", "tp", 3 + 1), ("all_reduce", "ep", 2)]
 
 
 def test_sparse_attention_adds_the_top_k_candidates(tiny_checkpoints):

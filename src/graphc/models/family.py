@@ -110,10 +110,13 @@ class Family:
     reference_name: str = "transformers"
 
     # `graphc plan`'s predictions of the step's collectives.
-    attention_collectives: Callable[["ModelArgs", int, int | None, int], list[Collective]] = _no_collectives
-    """(args, tokens, block-table token capacity, dtype bytes) -> the attention's collectives over cp."""
-    tensor_parallel_collectives: Callable[["ModelArgs", int, int, int, int, int], list[Collective]] = _no_collectives
-    """(args, tokens, rows, the shard's key slots, dtype bytes, tp) -> the collectives over tp."""
+    attention_collectives: Callable[["ModelArgs", int, int | None, int, int], list[Collective]] = _no_collectives
+    """(args, tokens, block-table token capacity, dtype bytes, tp) -> the attention's collectives over cp."""
+    tensor_parallel_collectives: Callable[["ModelArgs", int, int, int, int, int, int, bool], list[Collective]] = \
+        _no_collectives
+    """(args, tokens, rows, block-table token capacity, a KV shard's key slots, dtype bytes, tp,
+    whether the MoE's all-reduce over ep sums the shared experts too
+    (`moe_forms.shared_experts_reduced_with_routed`)) -> the collectives over tp."""
     expert_group_collectives: Callable[["ModelArgs", int, int, str, int], list[Collective]] = _no_collectives
     """(args, tokens, dtype bytes, exchange, ep) -> collectives over ep beside the MoE's (Engram)."""
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from graphc.models.hf_config import RopeArgs, yarn_mscale
-from graphc.models.moe_forms import moe_form_for
+from graphc.models.moe_forms import moe_form_for, shared_experts_reduced_with_routed
 from graphc.models.step_model import ModelArgs, StepInputs
 from graphc.ops import all_to_all, collectives, moe
 from graphc.step import PADDING_SLOT
@@ -138,10 +138,17 @@ class MLP(nn.Module):
         """SwiGLU in fp32, rounded once (DeepSeek-V4.1's order); else in the model dtype."""
 
     def forward(self, x: Tensor) -> Tensor:
+        return row_parallel(self.down_proj, self._activation(x), self.tp)
+
+    def partial(self, x: Tensor) -> Tensor:
+        """This rank's share of the output, before the sum over the tp group (its caller sums it)."""
+        return self.down_proj(self._activation(x))
+
+    def _activation(self, x: Tensor) -> Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self.fp32_activation:
-            return row_parallel(self.down_proj, swiglu(gate.float(), up.float(), self.swiglu_limit).to(x.dtype), self.tp)
-        return row_parallel(self.down_proj, swiglu(gate, up, self.swiglu_limit), self.tp)
+            return swiglu(gate.float(), up.float(), self.swiglu_limit).to(x.dtype)
+        return swiglu(gate, up, self.swiglu_limit)
 
 
 STACKED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -261,6 +268,8 @@ class MoE(nn.Module):
             weights, ids = self.route(tokens, step)  # [T, K]
             ids, weights = moe.expert_routes(ids, weights, experts, parallel.expert_shard(), parallel.ep)
             routed = self.experts(tokens, weights, ids, self._form(tokens, step))  # [T, D]
+            if shared_experts_reduced_with_routed(parallel.moe_exchange, parallel.ep, self.shared_experts.tp):
+                return collectives.all_reduce(routed + self.shared_experts.partial(tokens), "ep").view_as(x)
             if parallel.moe_exchange == "static":
                 routed = collectives.all_reduce(routed, "ep")
         elif parallel.moe_exchange == "ag_rs":

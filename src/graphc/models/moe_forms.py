@@ -68,6 +68,13 @@ def moe_lowering_for(group_size: int) -> str:
     return "a2a_v" if group_size in (4, 8) else "a2a_even"
 
 
+def shared_experts_reduced_with_routed(exchange: str, ep: int, tp: int) -> bool:
+    """Whether the static MoE's all-reduce over the EP group also sums the shared experts'
+    tensor-parallel partials: when the EP groups are the tp groups (ep = tp, both consecutive
+    ranks), one all-reduce of their sum replaces two, a collective fewer per MoE layer and step."""
+    return exchange == "static" and ep == tp > 1
+
+
 def moe_exchange(choice: str, ep: int, tokens_replicated: bool, static_enabled: bool = True) -> str:
     """The exchange of every graph of a topology: `choice` (a lowering or `auto`) applies where
     tokens must travel (not replicated over the EP group, or the static form disabled)."""

@@ -19,7 +19,7 @@ from graphc.buckets.planner import Histogram, chunk_histogram, padding_waste, po
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
 from graphc.models.family import Collective
-from graphc.models.moe_forms import moe_exchange, step_moe_form
+from graphc.models.moe_forms import moe_exchange, shared_experts_reduced_with_routed, step_moe_form
 from graphc.models.registry import family_of
 from graphc.models.step_model import ModelArgs
 from graphc.step import blocks_per_row
@@ -49,10 +49,12 @@ def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype:
     width = DTYPE_BYTES[dtype]
     hidden = tokens * args.hidden_size * width
     family = family_of(args)
-    out = family.attention_collectives(args, tokens, context_slots, width) if topology.cp > 1 else []
+    out = family.attention_collectives(args, tokens, context_slots, width, topology.tp) if topology.cp > 1 else []
     if topology.tp > 1:
-        shard_keys = -(-(context_slots or 0) // block_size // topology.cp) * block_size
-        out += family.tensor_parallel_collectives(args, tokens, bucket.rows, shard_keys, width, topology.tp)
+        slots = context_slots or 0
+        shard_keys = -(-slots // block_size // topology.cp) * block_size
+        out += family.tensor_parallel_collectives(args, tokens, bucket.rows, slots, shard_keys, width, topology.tp,
+                                                  shared_experts_reduced_with_routed(exchange, topology.ep, topology.tp))
     ep = topology.ep
     if ep == 1 or not moe_layers:
         return out

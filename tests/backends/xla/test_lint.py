@@ -102,3 +102,16 @@ def test_each_forbidden_construct_is_caught_and_named(rule):
     assert len(problems) == 1 and rule in problems[0], problems
     with pytest.raises(LintError, match="breaks 1 rule"):
         check_neuron_module(_proto(text), TOPOLOGY, 0)
+
+
+def test_tensor_parallel_groups_are_the_topologys_and_cp_groups_stride_over_them():
+    """At cp = tp = 2 the tp groups are consecutive ranks and the cp groups every other one: both
+    pass, and groups of neither kind are caught."""
+    topology = Topology(cp=2, ep=4, dp=1, tp=2)
+    tp_groups = CLEAN  # {{0,1},{2,3}}: the tp groups
+    cp_groups = CLEAN.replace("replica_groups={{0,1},{2,3}}", "replica_groups={{0,2},{1,3}}")
+    assert lint_neuron_module(_proto(tp_groups), topology, pool_parameter=0) == []
+    assert lint_neuron_module(_proto(cp_groups), topology, pool_parameter=0) == []
+    neither = CLEAN.replace("replica_groups={{0,1},{2,3}}", "replica_groups={{0,3},{1,2}}")
+    [problem] = lint_neuron_module(_proto(neither), topology, pool_parameter=0)
+    assert "replica groups are not the topology's" in problem

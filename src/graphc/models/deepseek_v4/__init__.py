@@ -5,7 +5,7 @@ predictions, and the family record that names them."""
 from graphc.errors import GraphcError
 from graphc.models.deepseek_v4 import layout, predictions, presets
 from graphc.models.deepseek_v4.args import HASH_MOE, V4_ARCHITECTURE, V4Args, is_v4_config, v4_args_from_hf_config
-from graphc.models.deepseek_v4.model import DeepseekV4
+from graphc.models.deepseek_v4.model import DeepseekV4, tensor_parallel_widths
 from graphc.models.family import Family
 
 
@@ -21,7 +21,7 @@ FAMILY = Family(
     architectures=(V4_ARCHITECTURE,),
     recognises=is_v4_config,
     args_from_hf_config=v4_args_from_hf_config,
-    build_model=lambda args, local_experts, sparse_probabilities: DeepseekV4(args, local_experts),
+    build_model=lambda args, local_experts, sparse_probabilities, tp=1: DeepseekV4(args, local_experts, tp),
     released_sources=layout.released_sources,
     stored_sources=layout.stored_sources,
     stored_stacked=layout.stored_stacked,
@@ -33,6 +33,9 @@ FAMILY = Family(
     data_parallel=False,
     check_exchange=_check_exchange,
     attention_collectives=predictions.attention_collectives,
+    tensor_parallel_dim=layout.tensor_parallel_dim,
+    tensor_parallel_widths=tensor_parallel_widths,
+    tensor_parallel_collectives=predictions.tensor_parallel_collectives,
     presets=presets.PRESETS,
     draft_and_extra_shapes=layout.draft_shapes,
 )

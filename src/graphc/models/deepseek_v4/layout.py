@@ -41,6 +41,25 @@ MULTI_TOKEN_PREDICTION = re.compile(r"(^|\.)mtp\.")
 """Tensors of the MTP module (stored, never run), in either layout."""
 
 INDEX_TENSORS = ("tid2eid",)
+
+TENSOR_PARALLEL_DIMS = (
+    (re.compile(r"\.self_attn\.(q_b_proj\.weight|sinks|o_a_proj\.weight)$"), 0),
+    (re.compile(r"\.self_attn\.o_b_proj\.weight$"), 1),
+    (re.compile(r"\.compressor\.indexer\.(q_b_proj|scorer\.weights_proj)\.weight$"), 0),
+    (re.compile(r"\.mlp\.shared_experts\.(gate_proj|up_proj)\.weight$"), 0),
+    (re.compile(r"\.mlp\.shared_experts\.down_proj\.weight$"), 1),
+    (re.compile(r"^model\.embed_tokens\.weight$"), 1),
+    (re.compile(r"^lm_head\.weight$"), 0),
+)
+"""The weights tensor parallelism splits (graphc names), and along which dim: the query heads'
+q_b rows and sinks, the output groups' o_a rows and o_b columns, CSA's indexer heads (q_b rows,
+scorer rows), the shared experts' gate and up rows and down columns, the embedding's columns and
+the LM head's rows. The shared K = V projection, the compressors, the mHC mixes, the norms and
+the router are held whole."""
+
+
+def tensor_parallel_dim(name: str) -> int | None:
+    return next((dim for pattern, dim in TENSOR_PARALLEL_DIMS if pattern.search(name)), None)
 """Integer tensors (the hash layers' token -> experts tables)."""
 
 _WHOLE_NAMES = {

@@ -29,6 +29,14 @@ layer uses [head_dim] of its token cache and none of its entry cache. (Storing t
 rather than a running pool costs memory, 2-5x head_dim per token in compressed layers; the
 device kernels this layout is validated for can fold the pool into the write.)
 
+Tensor parallelism (`tp`) is a construction choice, as in `deepseek_v3`: a rank holds H / tp query
+heads (their q_b rows and sinks) and o_groups / tp whole groups of the grouped output projection
+(o_a rows, o_b columns: row-parallel, all-reduced over "tp"), G / tp of CSA's indexer heads (their
+head-weighted scores all-reduced before the top-k), 1 / tp of the shared experts' width, D / tp of
+the embedding's columns and V / tp of the LM head's rows. The shared K = V head, the compressors,
+the mHC streams and the router stay whole (and so does the cache: every rank of a tp group holds
+the same blocks).
+
 Parameter names are transformers' `DeepseekV4ForCausalLM` names (its routed experts are stacked
 as graphc's are); `layout.py` maps the released DeepSeek names onto them.
 
@@ -44,11 +52,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from graphc.models.deepseek_v4.args import CSA, HASH_MOE, SLIDING, V4Args
-from graphc.models.layers import MLP, MoE, RotaryEmbedding, RoutedExperts
+from graphc.models.layers import MLP, MoE, RotaryEmbedding, RoutedExperts, gather_over_tp, row_parallel
 from graphc.models.moe_forms import MOE_FORMS
 from graphc.models.step_model import Parallelism, StepInputs
 from graphc.ops import collectives, hyper_connections, paged_attention, sparse
 from graphc.step import kv_pool_shape
+
+
+def tensor_parallel_widths(args: V4Args) -> dict[str, int]:
+    """What tensor parallelism splits, by config.json field: tp must divide each."""
+    widths = {"num_attention_heads": args.num_attention_heads, "o_groups": args.o_groups,
+              "hidden_size": args.hidden_size, "vocab_size": args.vocab_size,
+              "moe_intermediate_size": args.moe_intermediate_size}
+    if CSA in args.layer_types:
+        widths["index_n_heads"] = args.index_n_heads
+    return widths
 
 
 class FP32RMSNorm(nn.Module):
@@ -246,9 +264,10 @@ class Indexer(Compressor):
     key; query t scores entry s as sum_g w_{t,g} relu(q_{t,g} . k_s) / sqrt(J) and keeps the top
     `index_topk` closed entries."""
 
-    def __init__(self, args: V4Args):
+    def __init__(self, args: V4Args, tp: int = 1):
         super().__init__(args.hidden_size, args.index_head_dim, args.csa_rate, True, args.rms_norm_eps)
-        self.heads, self.topk = args.index_n_heads, args.index_topk
+        self.heads, self.topk = args.index_n_heads // tp, args.index_topk  # this rank's heads
+        self.head_weight_scale = args.index_n_heads**-0.5  # over every head, wherever they are held
         self.q_b_proj = nn.Linear(args.q_lora_rank, self.heads * self.width, bias=False)
         self.scorer = nn.Module()
         self.scorer.weights_proj = nn.Linear(args.hidden_size, self.heads, bias=False)
@@ -258,29 +277,29 @@ class Attention(nn.Module):
     """Shared-KV multi-query attention over the sliding window and, in compressed layers, the
     compressed entries, with a per-head sink (see the module docstring for the cache)."""
 
-    def __init__(self, args: V4Args, layer: int, rotary: RotaryEmbedding):
+    def __init__(self, args: V4Args, layer: int, rotary: RotaryEmbedding, tp: int = 1):
         super().__init__()
-        self.layer, self.kind = layer, args.layer_types[layer]
+        self.layer, self.kind, self.tp = layer, args.layer_types[layer], tp
         self.rotary = rotary
-        self.heads, self.head_dim = args.num_attention_heads, args.head_dim
+        self.heads, self.head_dim = args.num_attention_heads // tp, args.head_dim  # this rank's heads
         self.window = args.sliding_window
         self.eps = args.rms_norm_eps
-        self.o_groups = args.o_groups
+        self.o_groups = args.o_groups // tp  # and their output groups
         self.q_a_proj = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
         self.q_a_norm = FP32RMSNorm(args.q_lora_rank, args.rms_norm_eps)
         self.q_b_proj = nn.Linear(args.q_lora_rank, self.heads * self.head_dim, bias=False)
         self.kv_proj = nn.Linear(args.hidden_size, self.head_dim, bias=False)
         self.kv_norm = FP32RMSNorm(self.head_dim, args.rms_norm_eps)
-        group_width = self.heads * self.head_dim // args.o_groups
-        self.o_a_proj = nn.Linear(group_width, args.o_groups * args.o_lora_rank, bias=False)  # block-diagonal
-        self.o_b_proj = nn.Linear(args.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
+        group_width = self.heads * self.head_dim // self.o_groups
+        self.o_a_proj = nn.Linear(group_width, self.o_groups * args.o_lora_rank, bias=False)  # block-diagonal
+        self.o_b_proj = nn.Linear(self.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.empty(self.heads))
         self.rate = args.compress_rate(layer)
         if self.kind != SLIDING:
             self.compressor = Compressor(args.hidden_size, self.head_dim, self.rate, self.kind == CSA,
                                          args.rms_norm_eps)
             if self.kind == CSA:
-                self.compressor.indexer = Indexer(args)
+                self.compressor.indexer = Indexer(args, tp)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: StepInputs) -> Tensor:
         """x [B, Q, D] -> [B, Q, D]; writes the step's token (and entry) states first."""
@@ -317,7 +336,7 @@ class Attention(nn.Module):
         out = rotate_trailing(cast(out, x.dtype), cos[:, :, None], -sin[:, :, None])  # undo the values' rotation
         groups = out.reshape(rows, width, self.o_groups, -1)  # [B, Q, g, H*d/g]
         weight = self.o_a_proj.weight.view(self.o_groups, -1, groups.shape[-1])  # [g, o_lora, H*d/g]
-        return self.o_b_proj(torch.einsum("bqgi,goi->bqgo", groups, weight).flatten(2))
+        return row_parallel(self.o_b_proj, torch.einsum("bqgi,goi->bqgo", groups, weight).flatten(2), self.tp)
 
     def _entries(self, cache: CacheView, layer: int, positions: Tensor, dtype: torch.dtype) -> Tensor:
         """[B, Q, d (+ J)] the entries (and CSA's indexer keys) of the windows the step's tokens
@@ -344,9 +363,12 @@ class Attention(nn.Module):
         keys, here = cache.read(entry_layer, entry_positions[None].expand(rows, -1),
                                 slice(self.head_dim, self.head_dim + indexer.width))  # [B, E, J]
         scores = torch.einsum("bqgj,bej->bqge", q, fp32(keys)).relu() * indexer.width**-0.5
-        head_weights = fp32(indexer.scorer.weights_proj(x)) * indexer.heads**-0.5  # [B, Q, G]
+        head_weights = fp32(indexer.scorer.weights_proj(x)) * indexer.head_weight_scale  # [B, Q, G]
         visible = here[:, None, :] & (entry_positions <= cache.positions[..., None])  # closed, on this shard
-        scores = (scores * head_weights[..., None]).sum(dim=2).masked_fill(~visible, float("-inf"))  # [B, Q, E]
+        scores = (scores * head_weights[..., None]).sum(dim=2)  # [B, Q, E] over this rank's heads
+        if self.tp > 1:
+            scores = collectives.all_reduce(scores, "tp")  # over every head
+        scores = scores.masked_fill(~visible, float("-inf"))
         candidates = entry_positions.expand(rows, width, -1)  # ascending, as the combine needs
         positions, best = sparse.top_by_score(candidates, scores, min(indexer.topk, scores.shape[-1]))
         return sparse.index_topk_combine(positions, best, "cp")
@@ -429,11 +451,11 @@ class HashRouter(Router):
 class V4MoE(MoE):
     """V3's MoE exchange with V4's routers and clamped SwiGLU experts."""
 
-    def __init__(self, args: V4Args, layer: int, local_experts: int | None = None):
+    def __init__(self, args: V4Args, layer: int, local_experts: int | None = None, tp: int = 1):
         nn.Module.__init__(self)
         self.gate = HashRouter(args) if args.mlp_layer_types[layer] == HASH_MOE else Router(args)
         self.experts = RoutedExperts(args, local_experts, swiglu_limit=args.swiglu_limit)
-        self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size, swiglu_limit=args.swiglu_limit)
+        self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size, swiglu_limit=args.swiglu_limit, tp=tp)
 
     def route(self, tokens: Tensor, step: StepInputs) -> tuple[Tensor, Tensor]:
         if isinstance(self.gate, HashRouter) and step.parallel.moe_exchange == "ag_rs":
@@ -443,10 +465,11 @@ class V4MoE(MoE):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: V4Args, layer: int, rotary: RotaryEmbedding, local_experts: int | None = None):
+    def __init__(self, args: V4Args, layer: int, rotary: RotaryEmbedding, local_experts: int | None = None,
+                 tp: int = 1):
         super().__init__()
-        self.self_attn = Attention(args, layer, rotary)
-        self.mlp = V4MoE(args, layer, local_experts)
+        self.self_attn = Attention(args, layer, rotary, tp)
+        self.mlp = V4MoE(args, layer, local_experts, tp)
         self.input_layernorm = FP32RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = FP32RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.attn_hc = HyperConnection(args)
@@ -479,15 +502,15 @@ class HyperHead(nn.Module):
 class Backbone(nn.Module):
     """Embedding, decoder layers, stream head and final norm (HF's `model.` prefix)."""
 
-    def __init__(self, args: V4Args, local_experts: int | None = None):
+    def __init__(self, args: V4Args, local_experts: int | None = None, tp: int = 1):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size // tp)  # this rank's columns
         rope_dims = args.rope_head_dim
         self.main_rotary = RotaryEmbedding(args.main_rope, rope_dims)
         self.compress_rotary = RotaryEmbedding(args.compress_rope, rope_dims)
         self.layers = nn.ModuleList(
             DecoderLayer(args, i, self.main_rotary if args.layer_types[i] == SLIDING else self.compress_rotary,
-                         local_experts)
+                         local_experts, tp)
             for i in range(args.num_hidden_layers))
         self.hc_head = HyperHead(args)
         self.norm = FP32RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -497,11 +520,11 @@ class DeepseekV4(nn.Module):
     """DeepSeek-V4 causal LM over a paged pool; one call is one step (the signature of
     `DeepseekV3.forward`)."""
 
-    def __init__(self, args: V4Args, local_experts: int | None = None):
+    def __init__(self, args: V4Args, local_experts: int | None = None, tp: int = 1):
         super().__init__()
-        self.args = args
-        self.model = Backbone(args, local_experts)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.args, self.tp = args, tp
+        self.model = Backbone(args, local_experts, tp)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size // tp, bias=False)  # this rank's vocabulary
 
     @property
     def dtype(self) -> torch.dtype:
@@ -509,7 +532,7 @@ class DeepseekV4(nn.Module):
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """[B, Q] token ids -> the first layer's input: the embedding in every stream [B, Q, n, D]."""
-        x = self.model.embed_tokens(input_ids)
+        x = gather_over_tp(self.model.embed_tokens(input_ids), self.tp)
         return x[:, :, None, :].expand(-1, -1, self.args.hc_mult, -1).contiguous()
 
     def layer_rope(self, layer: int, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -536,4 +559,4 @@ class DeepseekV4(nn.Module):
         if logits_index is not None:
             index = logits_index.view(-1, 1, 1, 1).expand(-1, 1, *streams.shape[2:])
             streams = streams.gather(1, index).squeeze(1)  # [B, n, D]
-        return self.lm_head(self.model.norm(self.model.hc_head(streams)))
+        return gather_over_tp(self.lm_head(self.model.norm(self.model.hc_head(streams))), self.tp)

@@ -211,7 +211,7 @@ class DeepseekV41(DeepseekV4):
 
     def __init__(self, args: V41Args, local_experts: int | None = None):
         nn.Module.__init__(self)
-        self.args = args
+        self.args, self.tp = args, 1  # served with tp = 1 (its family record has no tensor parallelism)
         self.model = Backbone(args, local_experts)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 

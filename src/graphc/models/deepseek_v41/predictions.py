@@ -7,13 +7,14 @@ from graphc.models.deepseek_v41.args import TOKEN_ID_DIGITS, V41Args
 from graphc.models.family import Collective
 
 
-def attention_collectives(args: V41Args, tokens: int, context_slots: int | None, width: int) -> list[Collective]:
+def attention_collectives(args: V41Args, tokens: int, context_slots: int | None, width: int,
+                          tp: int = 1) -> list[Collective]:
     """Each pooling KV source combines its partial window pools, fp32 [T, head_dim] and their
     log-sum-exp; the candidate layer takes the max of its blocks' scores, fp32 [T, blocks]; each
     index layer combines its top-k candidates, [T, k] int64 and fp32 (k = min(index_topk, its
     ratio's entries in the block table)); every layer combines its attention partials; with
     Engram, one all-reduce per step of the n-gram contexts' cached token-id digits [T, N, 3] (the
-    left halo)."""
+    left halo). (`tp` is 1: V4.1 is served without tensor parallelism.)"""
     def entries(layer: int) -> int:
         return (context_slots or args.index_topk * args.compress_ratios[layer]) // args.compress_ratios[layer]
 
