@@ -54,7 +54,7 @@ def test_ranks_give_single_rank_logits_and_tokens(cp, ep, moe_exchange, tiny_che
     _check_against_single_rank(results, Topology(cp, ep), [PROMPT], single_rank)
 
 
-# (2, 1, 2): compiled, runtime/test_data_parallel.py; four replicas there too (4, 1, 4, per commit).
+# (2, 1, 2): compiled, runtime/test_data_parallel.py; four replicas there too (4, 1, 4, slow tier).
 @pytest.mark.parametrize("dp, cp, ep", [pytest.param(4, 1, 4, marks=pytest.mark.slow), (2, 2, 4)])
 def test_data_parallel_replicas_give_single_rank_tokens_with_every_lowering(dp, cp, ep, tiny_checkpoints,
                                                                           single_rank):

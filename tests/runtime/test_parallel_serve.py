@@ -14,11 +14,11 @@ from graphc.runtime.launch import serve
 
 pytestmark = [pytest.mark.multirank, pytest.mark.compiles]
 
-TOPOLOGIES = [  # (cp, ep, static MoE); with ep = 1 the two MoE forms are the same graph. Per commit: 2 and 4
-    # ranks in both MoE forms; the other shapes are the slow tier's (the nightly full suite).
+TOPOLOGIES = [  # (cp, ep, static MoE); with ep = 1 the two MoE forms are the same graph. Per commit: 2
+    # ranks in both MoE forms; 4 ranks and the other shapes are the slow tier's (the nightly full suite).
     pytest.param(2, 1, True, marks=pytest.mark.slow), (2, 2, True), (2, 2, False),
-    pytest.param(4, 1, True, marks=pytest.mark.slow), pytest.param(4, 2, True, marks=pytest.mark.slow),
-    pytest.param(4, 2, False, marks=pytest.mark.slow), (4, 4, True), (4, 4, False),
+    *(pytest.param(cp, ep, static, marks=pytest.mark.slow)
+      for cp, ep, static in ((4, 1, True), (4, 2, True), (4, 2, False), (4, 4, True), (4, 4, False))),
 ]
 NEW_TOKENS = 12
 # Compiles take most of the time, so one prefill bucket (8) and one decode bucket (2): prompts of
@@ -30,11 +30,11 @@ EXPORT_CASE = ("wide-16e", "small", PROMPTS)  # 16 experts
 INDUCTOR_CASE = ("lora-groups", "small", PROMPTS)
 
 
-def _check_tokens(compiled, backend, case, cp, ep, static, new_tokens=NEW_TOKENS):
+def _check_tokens(compiled, backend, case, cp, ep, static, new_tokens=NEW_TOKENS, tp=1):
     preset, buckets, prompts = case
     requests = [Request(p, new_tokens, stop_at_eos=False) for p in prompts]
     expected = Engine(compiled(preset, backend, buckets)).generate(requests)
-    [outcome] = serve(compiled(preset, backend, buckets, cp, ep, static), [requests])
+    [outcome] = serve(compiled(preset, backend, buckets, cp, ep, static, tp=tp), [requests])
     results = outcome.results
     assert [r.output_ids for r in results] == [r.output_ids for r in expected]
 
@@ -49,16 +49,20 @@ def test_export_ranks_serve_the_single_rank_tokens(cp, ep, static, compiled):
 # form's dispatch/combine; attention_combine in both). Each AOTInductor graph costs ~19 s of CPU
 # (one program a bucket whatever the world, so a topology costs what one rank does). The GitHub
 # sweep workflow runs the inductor backend at 2x1, 2x2, 4x2 and 4x4.
-INDUCTOR_TOPOLOGIES = [(2, 2, True), pytest.param(2, 2, False, marks=pytest.mark.slow)]  # per commit: the static form
+# Tensor parallelism (its all-reduces over tp, the gathered embedding and logits) in the slow tier:
+# per commit it is served compiled on export (CI's sweep stage 1x1x2x2).
+INDUCTOR_TOPOLOGIES = [(2, 2, True, 1), pytest.param(2, 2, False, 1, marks=pytest.mark.slow),
+                       pytest.param(1, 2, True, 2, marks=pytest.mark.slow)]  # per commit: the static form
 
 
 @pytest.mark.inductor
-@pytest.mark.parametrize("cp, ep, static", INDUCTOR_TOPOLOGIES)
-def test_inductor_ranks_serve_the_single_rank_tokens(cp, ep, static, compiled):
-    _check_tokens(compiled, "inductor", INDUCTOR_CASE, cp, ep, static)
+@pytest.mark.parametrize("cp, ep, static, tp", INDUCTOR_TOPOLOGIES)
+def test_inductor_ranks_serve_the_single_rank_tokens(cp, ep, static, tp, compiled):
+    _check_tokens(compiled, "inductor", INDUCTOR_CASE, cp, ep, static, tp=tp)
 
 
-@pytest.mark.parametrize("cp, ep, static", [(2, 2, True), (2, 2, False), (4, 4, True), (4, 4, False)])
+@pytest.mark.parametrize("cp, ep, static", [(2, 2, True), (2, 2, False), (4, 4, True),  # 4-4-True: plan's too
+                                            pytest.param(4, 4, False, marks=pytest.mark.slow)])
 def test_graph_structure_and_one_program_per_bucket(cp, ep, static, compiled):
     preset, buckets, _ = EXPORT_CASE
     manifest = read_manifest(compiled(preset, "export", buckets, cp, ep, static))
@@ -85,7 +89,7 @@ def test_graph_structure_and_one_program_per_bucket(cp, ep, static, compiled):
 def test_single_rank_engine_refuses_multi_rank_artifacts(compiled):
     from graphc.errors import GraphcError
 
-    with pytest.raises(GraphcError, match=r"compiled for 2 ranks \(dp=1, cp=2, ep=2\); serve it with `graphc run`"):
+    with pytest.raises(GraphcError, match=r"compiled for 2 ranks \(dp=1, cp=2, tp=1, ep=2\); serve it with `graphc run`"):
         Engine(compiled(EXPORT_CASE[0], "export", EXPORT_CASE[1], 2, 2))
 
 

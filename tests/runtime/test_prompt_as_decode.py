@@ -44,7 +44,7 @@ def test_one_rank_gives_the_prefill_tokens_and_uses_the_prompt_as_decode_graphs(
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_context_parallel_ranks_give_the_prefill_tokens(cp, compiled, through_prefill):
     # The fewest graphs that still hold a [B, P] step (compiles are most of a multi-rank test's time).
     [outcome] = serve(compiled(PRESET, "export", "prompt_as_decode_small", cp, 2), [_requests()])

@@ -15,7 +15,7 @@ from graphc.cli import cli
 from graphc.config import load_config
 from graphc.errors import GraphcError
 from graphc.runtime.engine import Engine
-from graphc.tools.sweep import bucket_table, parse_topologies, sweep
+from graphc.tools.sweep import bucket_table, parse_topologies, stage_name, sweep
 from graphc.topology import Topology
 from support import TEST_BUCKETS, model_yaml
 
@@ -92,10 +92,12 @@ def test_buckets_the_runtime_cannot_reach_are_reported(tmp_path, tiny_checkpoint
 
 
 def test_topologies_parse_sorted_with_the_reference_first():
-    assert parse_topologies("4x4, 2x1,2x1x2,2x2") == [Topology(), Topology(2, 1), Topology(2, 2), Topology(1, 2, 2),
-                                                      Topology(4, 4)]
-    for bad, says in [("2by2", "is not CPxEP or DPxCPxEP"), ("2x4", "topology.ep: 4 must divide the world size"),
-                      ("0x0", "must be a positive integer"), ("2x2x2x2", "is not CPxEP or DPxCPxEP")]:
+    assert parse_topologies("4x4, 2x1,2x1x2,2x2,1x2x2x4") == [
+        Topology(), Topology(2, 1), Topology(2, 2), Topology(1, 2, 2), Topology(2, 4, 1, 2), Topology(4, 4)]
+    assert stage_name(Topology(2, 4, 1, 2)) == "1x2x2x4" and stage_name(Topology(1, 2, 2)) == "2x1x2"
+    for bad, says in [("2by2", "is not CPxEP, DPxCPxEP or DPxCPxTPxEP"), ("2x4", "topology.ep: 4 must divide the world"),
+                      ("0x0", "must be a positive integer"), ("2x2x2x2x2", "is not CPxEP, DPxCPxEP or DPxCPxTPxEP"),
+                      ("1x1x0x1", "topology.tp: 0 must be a positive integer")]:
         with pytest.raises(GraphcError, match=says):
             parse_topologies(bad)
 
