@@ -12,7 +12,7 @@ release format: a float8_e4m3fn `X.weight` with its `X.weight_scale_inv`) are de
 on load (models/fp8.py), or, for step graphs (`as_stored`), kept as stored: the parameter holds the
 FP8 values and a buffer `<parameter>_scale_inv` their fp32 scales (`fp8.QuantizedWeight`). A
 tensor-parallel rank (`tp_shard`) reads only its slice of each weight its family splits
-(`Family.tensor_parallel_dim`, `tensor_shard.TensorShard`), FP8 ones with their slice's scales.
+(`Family.tensor_parallel_dims`, `tensor_shard.TensorShard`), FP8 ones with their slice's scales.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ class Family:
     build_model: Callable[..., "StepModel"]
     """(args, routed experts this rank holds or None for all, V3.2's P precision[, tp]) -> the step
     model, weights uninitialised (build it under a meta device); `tp` is passed to families with
-    `tensor_parallel_dim` only (`build`)."""
+    `tensor_parallel_dims` only (`build`)."""
 
     # The checkpoint: what graphc's parameters are stored as, and what a loader keeps or skips.
     released_sources: Callable[["ModelArgs", list[str]], Sources]
@@ -86,10 +86,10 @@ class Family:
     fp8_quantised: re.Pattern = re.compile(r"(?!)")
     """The stored weights its FP8 releases quantise (what `make-tiny --fp8-block` quantises)."""
 
-    # Tensor parallelism: None where the family is served with tp = 1 only.
-    tensor_parallel_dim: Callable[[str], int | None] | None = None
-    """graphc parameter name -> the dim tensor parallelism splits it along (`tensor_shard`), or
-    None for a weight every rank of a tp group holds whole."""
+    # Tensor parallelism: none where the family is served with tp = 1 only.
+    tensor_parallel_dims: tuple[tuple[re.Pattern, int], ...] = ()
+    """(graphc parameter name pattern, the dim tensor parallelism splits it along) for each split
+    weight (`tensor_shard`); every rank of a tp group holds the others whole."""
     tensor_parallel_widths: Callable[["ModelArgs"], dict[str, int]] = lambda args: {}
     """What tensor parallelism splits, by config.json field (tp must divide each)."""
 
@@ -137,11 +137,15 @@ class Family:
         self.check_tensor_parallel(args, tp)
         return self.build_model(args, local_experts, sparse_probabilities, tp)
 
+    def tensor_parallel_dim(self, name: str) -> int | None:
+        """The dim parameter `name` is split along (`tensor_parallel_dims`), or None: held whole."""
+        return next((dim for pattern, dim in self.tensor_parallel_dims if pattern.search(name)), None)
+
     def check_tensor_parallel(self, args: "ModelArgs", tp: int) -> None:
         """Refuse a tp the family does not split over, or one that does not divide what it splits."""
         if tp == 1:
             return
-        if self.tensor_parallel_dim is None:
+        if not self.tensor_parallel_dims:
             raise GraphcError(f"topology.tp: {tp}; {args.architecture} is served with tp = 1 so far")
         for name, width in self.tensor_parallel_widths(args).items():
             if width % tp:

@@ -50,10 +50,6 @@ def hf_tensor_names(graphc_name: str, experts: int | range) -> list[str]:
     return [graphc_name]
 
 
-def tensor_parallel_dim(name: str) -> int | None:
-    return next((dim for pattern, dim in TENSOR_PARALLEL_DIMS if pattern.search(name)), None)
-
-
 def released_sources(args: V3Args, parameters: list[str]) -> Sources:
     sources = {}
     for name in parameters:

@@ -41,6 +41,7 @@ MULTI_TOKEN_PREDICTION = re.compile(r"(^|\.)mtp\.")
 """Tensors of the MTP module (stored, never run), in either layout."""
 
 INDEX_TENSORS = ("tid2eid",)
+"""Integer tensors (the hash layers' token -> experts tables)."""
 
 TENSOR_PARALLEL_DIMS = (
     (re.compile(r"\.self_attn\.(q_b_proj\.weight|sinks|o_a_proj\.weight)$"), 0),
@@ -56,11 +57,6 @@ q_b rows and sinks, the output groups' o_a rows and o_b columns, CSA's indexer h
 scorer rows), the shared experts' gate and up rows and down columns, the embedding's columns and
 the LM head's rows. The shared K = V projection, the compressors, the mHC mixes, the norms and
 the router are held whole."""
-
-
-def tensor_parallel_dim(name: str) -> int | None:
-    return next((dim for pattern, dim in TENSOR_PARALLEL_DIMS if pattern.search(name)), None)
-"""Integer tensors (the hash layers' token -> experts tables)."""
 
 _WHOLE_NAMES = {
     "model.embed_tokens.weight": "embed.weight",
