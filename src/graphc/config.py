@@ -88,7 +88,7 @@ class TopologySection:
     """Context-parallel ranks per replica: prompt chunks replicated, KV cache sharded by sequence."""
     tp: int = 1
     """Tensor-parallel ranks per replica and cp coordinate: attention heads, dense and shared FFN
-    widths and the vocabulary split over them (DeepSeek-V3, V3.2 and V4); must divide each of those."""
+    widths and the vocabulary split over them; must divide each of those (and V4's o_groups)."""
     ep: int = 1
     """Expert-parallel ranks per group, over the whole world; must divide dp * cp * tp and the
     routed experts. Groups inside one replica share its tokens (static MoE); wider ones exchange them."""

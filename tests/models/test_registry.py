@@ -174,9 +174,15 @@ def test_a_family_refuses_a_backend_it_lacks_and_an_unknown_architecture_lists_e
         registry.register(FAKE)
 
 
-def test_a_family_without_tensor_parallelism_refuses_tp_in_one_line(tiny_checkpoints, tmp_path):
-    config = model_yaml(tiny_checkpoints["v41"], TEST_BUCKETS["small"])
-    config["topology"] = {"tp": 2, "ep": 2}
+def test_tp_not_dividing_what_a_family_splits_is_one_line_and_a_family_without_it_refuses_tp(
+        fake_family, tiny_checkpoints, tmp_path):
+    config = model_yaml(tiny_checkpoints["v4"], TEST_BUCKETS["small"])
+    config["topology"] = {"tp": 4, "ep": 4}  # V4's 4 heads divide, its 2 output groups do not
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(config))
     result = CliRunner().invoke(cli, ["plan", str(tmp_path / "model.yaml")])
-    assert one_line_refusal(result) == "error: topology.tp: 2; DeepseekV41ForCausalLM is served with tp = 1 so far"
+    assert one_line_refusal(result) == "error: topology.tp: 4 must divide the checkpoint's o_groups (2); 2 % 4 = 2"
+    from graphc.topology import Topology
+
+    with pytest.raises(graphc.errors.GraphcError, match=r"^topology\.tp: 2; FakeSeekForCausalLM is served with tp = 1 "
+                                                         r"so far$"):
+        FAKE.check_compile(_fake_args(preset_config("lora-groups")), Topology(tp=2), "local", "export")

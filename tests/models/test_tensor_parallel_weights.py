@@ -28,7 +28,7 @@ def _weights(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("preset, tp", [("lora-groups", 2), ("lora-groups", 4), ("v32", 2), ("v32", 4),
-                                        ("v4", 2)])  # V4's 2 output groups: tp <= 2
+                                        ("v4", 2), ("v41", 2)])  # V4's and V4.1's 2 output groups: tp <= 2
 @pytest.mark.parametrize("as_stored", [True, False])
 def test_the_ranks_slices_side_by_side_are_the_one_rank_weights(fp8_checkpoints, preset, as_stored, tp):
     checkpoint = fp8_checkpoints[preset]

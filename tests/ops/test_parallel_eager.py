@@ -117,3 +117,14 @@ def test_v4_heads_and_output_groups_split_over_tp_give_single_rank_tokens(cp, tp
     topology = Topology(cp, ep, 1, tp)
     results = run_ranks(topology, generate_on_rank, str(tiny_checkpoints["v4"]), "static", [PROMPT])
     _check_against_single_rank(results, topology, [PROMPT], {tuple(PROMPT): single_rank_v4})
+
+
+@pytest.mark.parametrize("cp, tp, ep", [(1, 2, 2), pytest.param(2, 2, 4, marks=pytest.mark.slow)])
+def test_v41_heads_output_groups_and_index_heads_split_over_tp_give_single_rank_tokens(cp, tp, ep, tiny_checkpoints):
+    """DeepSeek-V4.1 with V4's split, its index layers' scores all-reduced over tp before the
+    candidate blocks and the top-k, Engram tables over ep, the n-gram halo over cp."""
+    checkpoint = str(tiny_checkpoints["v41"])
+    single = generate_on_rank(0, Topology(1, 1), checkpoint, "local", [PROMPT])
+    topology = Topology(cp, ep, 1, tp)
+    results = run_ranks(topology, generate_on_rank, checkpoint, "static", [PROMPT])
+    _check_against_single_rank(results, topology, [PROMPT], {tuple(PROMPT): single})

@@ -1,6 +1,6 @@
 """`graphc plan --device`: a rank's memory and decode bytes. Its weights are held to what the
 compiler writes, byte for byte, for every family, FP8 kept or not, at one and two EP shards (and
-two tensor-parallel ones for V3, V3.2 and V4); the
+two tensor-parallel ones); the
 released DeepSeek-V3 config's numbers to the arithmetic of its shapes."""
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from support import FP8_PRESETS, TEST_BUCKETS, model_yaml, one_line_refusal
 RELEASED = Path(__file__).resolve().parents[2] / "examples" / "released"
 
 
-@pytest.mark.parametrize("preset, tp", [*((p, 1) for p in FP8_PRESETS), ("lora-groups", 2), ("v32", 2), ("v4", 2)])
+@pytest.mark.parametrize("preset, tp", [*((p, 1) for p in FP8_PRESETS), ("lora-groups", 2), ("v32", 2), ("v4", 2),
+                                         ("v41", 2)])
 @pytest.mark.parametrize("weights", ["as-stored", "dequantized"])
 @pytest.mark.parametrize("ep", [1, 2])
 def test_the_planned_weights_are_those_the_compiler_writes(fp8_checkpoints, tmp_path, preset, tp, weights, ep):

@@ -28,6 +28,7 @@ OPS = {name: f"graphc::{name}" for name in ("attention_combine", "all_reduce", "
     ("v41", 1, 2, 2, "static", 1), ("v41", 1, 2, 2, "ag_rs", 1),  # V4.1: candidate blocks, Engram lookups
     (SPARSE_V32, 1, 2, 4, "static", 2),  # tensor parallelism with cp: the indexer's scores all-reduced too
     ("v4", 1, 1, 2, "static", 2),  # V4's, ep = tp: the shared experts summed in the MoE's all-reduce
+    ("v41", 1, 1, 2, "static", 2),  # V4.1's: its index layers' scores
 ])
 def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, dp, cp, ep, exchange, tp, compiled,
                                                               tiny_checkpoints):

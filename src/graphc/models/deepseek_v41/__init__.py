@@ -4,7 +4,7 @@ Engram, preset and `graphc plan`'s predictions, and the family record that names
 
 from graphc.models.deepseek_v41 import layout, predictions, presets
 from graphc.models.deepseek_v41.args import V41_ARCHITECTURE, is_v41_config, v41_args_from_hf_config
-from graphc.models.deepseek_v41.model import DeepseekV41
+from graphc.models.deepseek_v41.model import DeepseekV41, tensor_parallel_widths
 from graphc.models.deepseek_v41.reference import DeepseekV41Reference
 from graphc.models.family import Family
 
@@ -13,7 +13,7 @@ FAMILY = Family(
     architectures=(V41_ARCHITECTURE,),
     recognises=is_v41_config,
     args_from_hf_config=v41_args_from_hf_config,
-    build_model=lambda args, local_experts, sparse_probabilities: DeepseekV41(args, local_experts),
+    build_model=lambda args, local_experts, sparse_probabilities, tp=1: DeepseekV41(args, local_experts, tp),
     released_sources=layout.released_sources,
     skips=layout.skips,
     keeps_fp32=layout.keeps_fp32,
@@ -29,6 +29,9 @@ FAMILY = Family(
     reference_model=DeepseekV41Reference,
     reference_name="graphc's DeepSeek-V4.1 reference",
     attention_collectives=predictions.attention_collectives,
+    tensor_parallel_dims=layout.TENSOR_PARALLEL_DIMS,
+    tensor_parallel_widths=tensor_parallel_widths,
+    tensor_parallel_collectives=predictions.tensor_parallel_collectives,
     expert_group_collectives=predictions.engram_collectives,
     presets=presets.PRESETS,
     draft_and_extra_shapes=layout.draft_and_vision_shapes,

@@ -39,6 +39,18 @@ FP8_RELEASED = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexe
                           r"\.w[123]|engram\.(wkv|embed))\.weight$")
 """The weights DeepSeek-V4.1's release stores as FP8 (its routed experts are FP4 there; graphc's
 tiny checkpoints store them as FP8 too), the Engram tables with a scale per row and 32 columns."""
+TENSOR_PARALLEL_DIMS = (
+    (re.compile(r"\.attn\.(wq_b\.weight|attn_sink|wo_a\.weight|indexer\.wq_b\.weight|indexer\.weights_proj\.weight)$"), 0),
+    (re.compile(r"\.attn\.wo_b\.weight$"), 1),
+    (re.compile(r"\.mlp\.shared_experts\.(gate_proj|up_proj)\.weight$"), 0),
+    (re.compile(r"\.mlp\.shared_experts\.down_proj\.weight$"), 1),
+    (re.compile(r"^model\.embed_tokens\.weight$"), 1),
+    (re.compile(r"^lm_head\.weight$"), 0),
+)
+"""The weights tensor parallelism splits (paged names), and along which dim: as V4's (query heads'
+wq_b rows and sinks, the output groups' wo_a rows and wo_b columns, the index layers' indexer
+heads, the shared expert), the embedding's columns and the LM head's rows; the shared K = V head,
+compressors, index keys, mHC mixes, Engram and the router whole."""
 STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 PROJECTIONS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
 """Each stacked expert parameter's released projections, concatenated along rows in this order."""

@@ -22,6 +22,10 @@ Routed experts, shared expert and router are V3's / V4's modules (`layout.py` ma
 in V4.1's arithmetic order (SwiGLU in fp32, the route weight before the down projection; the
 routed sum is rounded once before the shared expert's output adds, where V4.1 adds both in
 fp32). Engram tables shard over the expert-parallel group with the experts (`engram`).
+Tensor parallelism splits what V4's does (`deepseek_v4/model.py`): a rank holds heads / tp query
+heads and sinks, o_groups / tp output groups (all-reduced over "tp"), the index layers' indexer
+heads / tp (their scores all-reduced before the candidate blocks and the top-k), 1 / tp of the
+shared expert, the embedding's columns and the LM head's rows; Engram and the compressors whole.
 
 Shape letters as in `deepseek_v4/model.py`; r a layer's compress ratio, k = index_topk.
 """
@@ -38,10 +42,20 @@ from graphc.models.deepseek_v41 import reference
 from graphc.models.deepseek_v41.args import TOKEN_ID_DIGITS, V41Args
 from graphc.models.deepseek_v41.engram import Engram
 from graphc.models.deepseek_v41.reference import Published, collapse, expand, stream_mixes
-from graphc.models.layers import MLP, MoE, RotaryEmbedding, RoutedExperts
+from graphc.models.layers import MLP, MoE, RotaryEmbedding, RoutedExperts, gather_over_tp
 from graphc.models.moe_forms import MOE_FORMS
 from graphc.models.step_model import Parallelism, StepInputs
 from graphc.ops import collectives, hyper_connections, sparse
+
+
+def tensor_parallel_widths(args: V41Args) -> dict[str, int]:
+    """What tensor parallelism splits, by config.json field: tp must divide each."""
+    widths = {"num_attention_heads": args.num_attention_heads, "o_groups": args.o_groups,
+              "hidden_size": args.hidden_size, "vocab_size": args.vocab_size,
+              "moe_intermediate_size": args.moe_intermediate_size}
+    if args.index_source_layer_ids:
+        widths["index_n_heads"] = args.index_n_heads
+    return widths
 
 
 class Compressor(reference.Compressor):
@@ -98,7 +112,8 @@ class Attention(reference.Attention):
         out = rotate_trailing(cast(out, x.dtype), cos[:, :, None], -sin[:, :, None])  # undo the values' rotation
         grouped = out.reshape(rows, width, self.groups, -1)  # [B, Q, g, H d / g]
         weight = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, H d / g]
-        return F.linear(torch.einsum("bqgi,goi->bqgo", grouped, weight).flatten(2), self.wo_b.weight)
+        out = F.linear(torch.einsum("bqgi,goi->bqgo", grouped, weight).flatten(2), self.wo_b.weight)
+        return collectives.all_reduce(out, "tp") if self.tp > 1 else out  # row-parallel over the tp group
 
     def _entries(self, x: Tensor, cache: CacheView, positions: Tensor) -> Tensor:
         """[B, Q, d + J] the entry each token closes and its index key, roped at the entry's first
@@ -116,7 +131,9 @@ class Attention(reference.Attention):
         entry_positions = (torch.arange(cache.capacity // self.ratio, device=x.device) + 1) * self.ratio - 1  # [E]
         keys, here = cache.read(entry_layer, entry_positions[None].expand(rows, -1),
                                 slice(self.head_dim, self.head_dim + indexer.width))  # [B, E, J]
-        scores = indexer.scores(x, q_latent, keys, cos, sin)  # [B, Q, E]
+        scores = indexer.scores(x, q_latent, keys, cos, sin)  # [B, Q, E] over this rank's heads
+        if self.tp > 1:
+            scores = collectives.all_reduce(scores, "tp")  # over every head
         visible = here[:, None, :] & (entry_positions <= cache.positions[..., None])  # closed, on this shard
         scores = scores.masked_fill(~visible, float("-inf"))  # [B, Q, E]
         if self.layer == self.args.candidate_source_layer_id:
@@ -155,28 +172,28 @@ class V41Router(Router):
 
 
 class V41MoE(MoE):
-    def __init__(self, args: V41Args, local_experts: int | None = None):
+    def __init__(self, args: V41Args, local_experts: int | None = None, tp: int = 1):
         nn.Module.__init__(self)
         self.gate = V41Router(args)
         self.experts = RoutedExperts(args, local_experts, swiglu_limit=args.swiglu_limit, weigh_before_down=True)
         self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size, swiglu_limit=args.swiglu_limit,
-                                  fp32_activation=True)
+                                  fp32_activation=True, tp=tp)
 
     def route(self, tokens: Tensor, step: StepInputs) -> tuple[Tensor, Tensor]:
         return self.gate(tokens, None)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: V41Args, layer: int, local_experts: int | None = None):
+    def __init__(self, args: V41Args, layer: int, local_experts: int | None = None, tp: int = 1):
         super().__init__()
         self.args = args
         if args.engram is not None and layer in args.engram.layer_ids:
             shards = args.n_routed_experts // (local_experts or args.n_routed_experts)
             self.engram = Engram(args.engram, layer, args.hidden_size, args.hc_mult, args.rms_norm_eps, shards)
         self.attn_norm = FP32RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attn = Attention(args, layer)
+        self.attn = Attention(args, layer, tp)
         self.ffn_norm = FP32RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = V41MoE(args, local_experts)
+        self.mlp = V41MoE(args, local_experts, tp)
         reference.add_stream_mix_parameters(self, args)
         self.rotary_kind = "compress" if args.compress_ratios[layer] else "main"
 
@@ -196,12 +213,12 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, args: V41Args, local_experts: int | None = None):
+    def __init__(self, args: V41Args, local_experts: int | None = None, tp: int = 1):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size // tp)  # this rank's columns
         self.rotary = nn.ModuleDict({"main": RotaryEmbedding(args.main_rope, args.rope_head_dim),
                                      "compress": RotaryEmbedding(args.compress_rope, args.rope_head_dim)})
-        self.layers = nn.ModuleList(DecoderLayer(args, i, local_experts) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i, local_experts, tp) for i in range(args.num_hidden_layers))
         self.norm = FP32RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
@@ -209,11 +226,11 @@ class DeepseekV41(DeepseekV4):
     """DeepSeek-V4.1 causal LM over a paged pool; one call is one step (the signature of
     `DeepseekV3.forward`); V4's embedding into streams and pool ([2L (+ 1), N, S, C])."""
 
-    def __init__(self, args: V41Args, local_experts: int | None = None):
+    def __init__(self, args: V41Args, local_experts: int | None = None, tp: int = 1):
         nn.Module.__init__(self)
-        self.args, self.tp = args, 1  # served with tp = 1 (its family record has no tensor parallelism)
-        self.model = Backbone(args, local_experts)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.args, self.tp = args, tp
+        self.model = Backbone(args, local_experts, tp)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size // tp, bias=False)  # this rank's vocabulary
 
     def layer_rope(self, layer: int, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin [B, Q, P/2] of `positions` as layer `layer` takes them (fp32: V4.1 ropes in fp32)."""
@@ -240,7 +257,8 @@ class DeepseekV41(DeepseekV4):
             index = logits_index.view(-1, 1)
             streams = streams.gather(1, index[..., None, None].expand(-1, 1, *streams.shape[2:]))
             pre = pre.gather(1, index[..., None].expand(-1, 1, pre.shape[-1]))
-        logits = F.linear(fp32(self.model.norm(collapse(streams, pre))), fp32(self.lm_head.weight))
+        logits = gather_over_tp(F.linear(fp32(self.model.norm(collapse(streams, pre))), fp32(self.lm_head.weight)),
+                                self.tp)
         return logits[:, 0] if logits_index is not None else logits
 
     def _ngram_context(self, step: StepInputs) -> Tensor:

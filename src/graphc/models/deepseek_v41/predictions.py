@@ -14,7 +14,7 @@ def attention_collectives(args: V41Args, tokens: int, context_slots: int | None,
     index layer combines its top-k candidates, [T, k] int64 and fp32 (k = min(index_topk, its
     ratio's entries in the block table)); every layer combines its attention partials; with
     Engram, one all-reduce per step of the n-gram contexts' cached token-id digits [T, N, 3] (the
-    left halo). (`tp` is 1: V4.1 is served without tensor parallelism.)"""
+    left halo). Attention partials are of the rank's heads / tp."""
     def entries(layer: int) -> int:
         return (context_slots or args.index_topk * args.compress_ratios[layer]) // args.compress_ratios[layer]
 
@@ -28,9 +28,25 @@ def attention_collectives(args: V41Args, tokens: int, context_slots: int | None,
     for layer in args.index_source_layer_ids:
         out.append(Collective("index_topk_combine", "cp", 1, tokens * min(args.index_topk, entries(layer)) * 12))
     out.append(Collective("attention_combine", "cp", args.num_hidden_layers,
-                          tokens * args.num_attention_heads * (args.head_dim + 1) * 4))
+                          tokens * args.num_attention_heads // tp * (args.head_dim + 1) * 4))
     if args.engram is not None:
         out.append(Collective("all_reduce", "cp", 1, tokens * args.engram.max_ngram * TOKEN_ID_DIGITS * width))
+    return out
+
+
+def tensor_parallel_collectives(args: V41Args, tokens: int, rows: int, context_slots: int, shard_keys: int,
+                                width: int, tp: int, shared_with_routed: bool) -> list[Collective]:
+    """Over tp: the embedding's columns gathered ([T, D / tp]); per layer one all-reduce of [T, D]
+    after the grouped output projection and one after the shared expert (unless the MoE's
+    all-reduce over ep sums it, `shared_with_routed`); per index layer one of its indexer's fp32
+    scores [T, E] (E its ratio's entries in the block table); the fp32 logits' vocabulary gathered
+    ([B, V / tp]) at the end."""
+    out = [Collective("gather_columns", "tp", 1, tokens * args.hidden_size // tp * width)]
+    for layer in args.index_source_layer_ids:
+        out.append(Collective("all_reduce", "tp", 1, tokens * (context_slots // args.compress_ratios[layer]) * 4))
+    out.append(Collective("all_reduce", "tp", (1 if shared_with_routed else 2) * args.num_hidden_layers,
+                          tokens * args.hidden_size * width))
+    out.append(Collective("gather_columns", "tp", 1, rows * args.vocab_size // tp * 4))
     return out
 
 

@@ -88,9 +88,12 @@ class Compressor(nn.Module):
 
 
 class Indexer(nn.Module):
-    def __init__(self, args: V41Args, owns_keys: bool):
+    def __init__(self, args: V41Args, owns_keys: bool, tp: int = 1):
+        """`tp`: the paged model's tensor-parallel ranks, each holding index_n_heads / tp heads (the
+        reference itself is one device: tp = 1)."""
         super().__init__()
-        self.heads, self.width, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
+        self.heads, self.width, self.topk = args.index_n_heads // tp, args.index_head_dim, args.index_topk
+        self.weight_scale = (self.width * args.index_n_heads) ** -0.5  # over every head, wherever they are held
         self.wq_b = nn.Linear(args.q_lora_rank, self.heads * self.width, bias=False)
         self.weights_proj = nn.Linear(args.hidden_size, self.heads, bias=False)
         if owns_keys:
@@ -105,7 +108,7 @@ class Indexer(nn.Module):
         rows, tokens = x.shape[:2]
         q = linear(q_latent, self.wq_b.weight).view(rows, tokens, self.heads, self.width)
         q = rotate_trailing(q, cos[:, :, None], sin[:, :, None]).float()
-        weights = linear(x, self.weights_proj.weight).float() * (self.width * self.heads) ** -0.5  # [B, T, G]
+        weights = linear(x, self.weights_proj.weight).float() * self.weight_scale  # [B, T, G]
         return (torch.einsum("btgj,bej->btge", q, keys.float()).relu() * weights[..., None]).sum(dim=2)
 
 
@@ -133,10 +136,11 @@ class Attention(nn.Module):
     compressor_type = Compressor
     """What a KV source's compressor is (the paged model's adds its cache path)."""
 
-    def __init__(self, args: V41Args, layer: int):
+    def __init__(self, args: V41Args, layer: int, tp: int = 1):
+        """`tp`: as `Indexer`'s; a rank holds heads / tp heads and o_groups / tp output groups."""
         super().__init__()
-        self.args, self.layer, self.ratio = args, layer, args.compress_ratios[layer]
-        self.heads, self.head_dim, self.groups = args.num_attention_heads, args.head_dim, args.o_groups
+        self.args, self.layer, self.ratio, self.tp = args, layer, args.compress_ratios[layer], tp
+        self.heads, self.head_dim, self.groups = args.num_attention_heads // tp, args.head_dim, args.o_groups // tp
         self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
         self.wq_b = nn.Linear(args.q_lora_rank, self.heads * self.head_dim, bias=False)
@@ -148,7 +152,7 @@ class Attention(nn.Module):
         if layer in args.kv_source_layer_ids:
             self.compressor = self.compressor_type(args, self.ratio)
         if layer in args.index_source_layer_ids:
-            self.indexer = Indexer(args, owns_keys=layer in args.kv_source_layer_ids)
+            self.indexer = Indexer(args, owns_keys=layer in args.kv_source_layer_ids, tp=tp)
         rope = args.compress_rope if self.ratio else args.main_rope
         self.rotary = RotaryEmbedding(rope, args.rope_head_dim)
 
