@@ -103,8 +103,8 @@ def isolated_compile_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory, tiny_checkpoints):
     """compiled(preset, backend, buckets="standard", cp=1, ep=1, static_moe=True, dp=1,
-    moe_lowering="auto", tp=1) -> artifacts dir, compiled once per session (static_moe=False disables
-    the static-MoE rewrite)."""
+    moe_lowering="auto", tp=1, dtype="float32") -> artifacts dir, compiled once per session
+    (static_moe=False disables the static-MoE rewrite)."""
     import yaml
 
     from graphc.config import load_config
@@ -113,12 +113,14 @@ def compiled(tmp_path_factory, tiny_checkpoints):
     made: dict[tuple, Path] = {}
 
     def get(preset: str, backend: str, buckets: str = "standard", cp: int = 1, ep: int = 1,
-            static_moe: bool = True, dp: int = 1, moe_lowering: str = "auto", tp: int = 1) -> Path:
-        key = (preset, backend, buckets, cp, ep, static_moe, dp, moe_lowering, tp)
+            static_moe: bool = True, dp: int = 1, moe_lowering: str = "auto", tp: int = 1,
+            dtype: str = "float32") -> Path:
+        key = (preset, backend, buckets, cp, ep, static_moe, dp, moe_lowering, tp, dtype)
         if key not in made:
-            form = ("" if static_moe else "-generic") + ("" if moe_lowering == "auto" else f"-{moe_lowering}")
+            form = (("" if static_moe else "-generic") + ("" if moe_lowering == "auto" else f"-{moe_lowering}")
+                    + ("" if dtype == "float32" else f"-{dtype}"))
             root = tmp_path_factory.mktemp(f"art-{preset}-{backend}-{buckets}-dp{dp}-cp{cp}-tp{tp}-ep{ep}{form}")
-            config = {**model_yaml(tiny_checkpoints[preset], TEST_BUCKETS[buckets], backend),
+            config = {**model_yaml(tiny_checkpoints[preset], TEST_BUCKETS[buckets], backend, dtype),
                       "topology": {"dp": dp, "cp": cp, "tp": tp, "ep": ep}}
             config["model"]["moe_lowering"] = moe_lowering
             (root / "model.yaml").write_text(yaml.safe_dump(config))

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from graphc.artifacts.directory import read_manifest
 from graphc.cli import cli
 from graphc.models.tiny import make_tiny_checkpoint
 from support import TEST_BUCKETS, model_yaml
@@ -59,9 +60,30 @@ def test_artifacts_of_other_weights_fail_outside_the_floor(tmp_path, compiled, t
     assert "OUTSIDE" in result.output
 
 
-def test_multi_rank_artifacts_are_refused(tmp_path, compiled, tiny_checkpoints):
-    result = _compare(tmp_path, tiny_checkpoints["v41"], compiled("v41", "export", "small", 2, 2))
-    assert result.exit_code == 2 and "serve it with `graphc run`" in result.output
+@pytest.mark.parametrize("preset, buckets, dp, cp, ep", [
+    ("v41", "small", 1, 2, 2),  # context-parallel KV shards, experts over 2
+    ("lora-groups", "dp", 2, 1, 2),  # data-parallel replicas: the second one's rows all padding
+])
+def test_multi_rank_fp32_artifacts_match_every_golden_token(tmp_path, compiled, tiny_checkpoints, preset, buckets,
+                                                            dp, cp, ep):
+    result = _compare(tmp_path, tiny_checkpoints[preset], compiled(preset, "export", buckets, cp, ep, dp=dp))
+    assert result.exit_code == 0, result.output
+    reports = json.loads((tmp_path / "report.json").read_text())
+    assert [r["matched"] for r in reports] == [20, 20]
+    assert min(min(r["cosine"]) for r in reports) > 0.999999 and max(max(r["relative_error"]) for r in reports) < 1e-5
+
+
+def test_bf16_tensor_parallel_artifacts_stay_inside_the_floor(tmp_path, compiled, tiny_checkpoints):
+    """Heads, FFN widths, embedding and vocabulary split over 2 ranks in bf16, judged against the
+    reference's own bf16 noise floor (a broken split misses golden tokens by margins far outside
+    it: see the other-weights test)."""
+    split = compiled("lora-groups", "export", "small", 1, 2, tp=2, dtype="bfloat16")
+    assert read_manifest(split).model.dtype == "bfloat16"
+    result = _compare(tmp_path, tiny_checkpoints["lora-groups"], split)
+    assert result.exit_code == 0, result.output
+    reports = json.loads((tmp_path / "report.json").read_text())
+    assert all(m["inside_floor"] for r in reports for m in r["mismatches"])
+    assert max(max(r["relative_error"]) for r in reports) > 1e-3  # bf16's rounding, not fp32's
 
 
 def test_transformers_is_the_reference_where_it_has_the_architecture(tmp_path, compiled, tiny_checkpoints):

@@ -93,8 +93,8 @@ class Engine:
         return self.loaded.runners[bucket](self.loaded.weights, {"kv_pool": self.kv_pool,
                                                                  "coordinates": self.coordinates, **inputs})
 
-    def _run(self, bucket: Bucket, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.run_bucket(bucket, inputs)[0]
+    def _run(self, bucket: Bucket, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.run_bucket(bucket, inputs)
 
     def generate(self, requests: list[Request]) -> list[Result]:
         """Leader (or single rank): run every request to completion; results in request order."""
@@ -125,13 +125,18 @@ class Engine:
     def run_step(self, step: Step) -> list[int]:
         """Run one scheduled step (publishing it to the followers first); its rows' tokens, replica
         by replica."""
+        return self.lead_step(step)[0]
+
+    def lead_step(self, step: Step) -> tuple[list[int], torch.Tensor]:
+        """`run_step`, also returning the leader's logits [B, V] (its replica's rows first, then
+        padding): what `graphc compare` reads, on any number of ranks."""
         started = time.perf_counter()
         inputs = self._rank_inputs(step)
         if self.channel is not None:
             self.channel.publish(self.steps, step.bucket, {name: torch.stack([rank[name] for rank in inputs])
                                                            for name in inputs[0]})
         with torch.no_grad():
-            tokens = self._run(step.bucket, inputs[0])
+            tokens, logits = self._run(step.bucket, inputs[0])
         replicas = step.by_replica()
         replica_tokens = [tokens[: len(replicas[0])]] + [
             self.channel.returned_tokens(self.steps, self.topology.replica_leader(replica), len(rows))
@@ -140,7 +145,7 @@ class Engine:
         self.stats.setdefault(step.bucket.name, BucketStats()).add(
             sum(len(run) for _, run, _ in step.rows), step.bucket.rows * step.bucket.width * len(replicas),
             time.perf_counter() - started)
-        return torch.cat(replica_tokens).tolist()
+        return torch.cat(replica_tokens).tolist(), logits
 
     def stop_followers(self) -> None:
         """Leader: tell the followers no more steps will come."""
@@ -151,7 +156,7 @@ class Engine:
         with torch.no_grad():
             while (message := self.channel.receive(self.steps)) is not None:
                 bucket, fields = message
-                tokens = self._run(bucket, {name: values[self.rank] for name, values in fields.items()})
+                tokens, _ = self._run(bucket, {name: values[self.rank] for name, values in fields.items()})
                 if self.loaded.rank.samples:  # the first rank of another replica: its tokens go to the leader
                     self.channel.return_tokens(self.steps, tokens)
                 self.steps += 1

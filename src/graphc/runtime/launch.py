@@ -51,17 +51,27 @@ def generate_batch(engine: Engine, requests: list[Request]) -> BatchOutcome:
     return BatchOutcome(engine.generate(requests), engine.stats)
 
 
-@dataclass(frozen=True)
-class BatchesJob:
-    """What the leader of a `graphc run` job does: run each batch in turn."""
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """What the leader does with its engine (`lead`, returning the job's result) while the
+    followers follow; picklable: with several ranks it travels to the leader's process."""
 
-    batches: list[list[Request]]
     follower_timeout: float | None = 120.0
     """How long a follower waits for the leader's next step (`StepChannel`)."""
     ends_on_signal: bool = False
     """Whether SIGTERM / SIGINT is the job's normal end (a server's) rather than an interruption."""
     shutdown_seconds: int = 30
     """How long the agent waits for the ranks to exit after a signal before killing them."""
+
+    def lead(self, engine: Engine):
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class BatchesJob(Job):
+    """What the leader of a `graphc run` job does: run each batch in turn."""
+
+    batches: list[list[Request]]
 
     def lead(self, engine: Engine) -> list[BatchOutcome]:
         return [generate_batch(engine, batch) for batch in self.batches]
@@ -168,14 +178,19 @@ def serve(artifacts: Path, batches: list[list[Request]], manifest: Manifest | No
     Raises:
         GraphcError: a rank failed (named), after every other rank was stopped.
     """
+    return run_job(artifacts, BatchesJob(batches), manifest, trusted_key, verbose, monitor_interval)
+
+
+def run_job(artifacts: Path, job: Job, manifest: Manifest | None = None, trusted_key: Path | None = None,
+            verbose: bool = False, monitor_interval: float = 0.5):
+    """`job.lead(engine)`'s result: in this process for one rank, under `launch_ranks` for several
+    (the arguments as `serve`'s)."""
     manifest = manifest or read_manifest(artifacts, trusted_key)
     check_servable(Path(artifacts), manifest)  # before any rank starts
     if manifest.topology.world == 1:
-        engine = Engine(artifacts, manifest=manifest)
-        return [generate_batch(engine, batch) for batch in batches]
+        return job.lead(Engine(artifacts, manifest=manifest))
     kv_pool_blocks(manifest)  # GRAPHC_NUM_KV_BLOCKS checked here, not once per rank after start-up
-    return launch_ranks(Path(artifacts), BatchesJob(batches), manifest.topology.world, monitor_interval, trusted_key,
-                        verbose)
+    return launch_ranks(Path(artifacts), job, manifest.topology.world, monitor_interval, trusted_key, verbose)
 
 
 def launch_ranks(artifacts: Path, job, world: int, monitor_interval: float = 0.5, trusted_key: Path | None = None,

@@ -19,8 +19,9 @@ reference itself keeps (its argmax on the same prefixes) is reported beside the 
 on a checkpoint with near-tied logits the reference loses tokens to its own rounding too, and
 that count is the yardstick for the compiled one.
 
-Single-rank artifacts (cp = ep = dp = 1): the teacher-forced steps run the compiled graphs
-directly, with the logits they return.
+Artifacts of any topology: the teacher-forced steps run as `graphc run` serves (one process per
+rank when there are several, the leader publishing each step to the followers), and the leader's
+logits are compared (with tensor parallelism, the LM head's vocabulary shards gathered).
 """
 
 from __future__ import annotations
@@ -31,13 +32,16 @@ from typing import Callable
 
 import torch
 
+from graphc.artifacts.directory import read_manifest
+from graphc.backends import backend
 from graphc.buckets.selection import Bucket, chunk_lengths, smallest_fitting
 from graphc.errors import GraphcError
 from graphc.config import GraphcConfig
 from graphc.models.checkpoint import load_reference
 from graphc.runtime.engine import Engine
-from graphc.runtime.paged import METADATA_FIELDS, BlockAllocator, SequenceBlocks, step_metadata
-from graphc.sampling import Sampling, sampler_inputs
+from graphc.runtime.launch import Job, run_job
+from graphc.runtime.paged import BlockAllocator, SequenceBlocks
+from graphc.runtime.scheduler import Request, Sequence, Step
 
 RELATIVE_STEP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 """One rounding step of each dtype, relative (half the spacing of its significands)."""
@@ -104,24 +108,38 @@ def reference_logits(config: GraphcConfig, dtype: torch.dtype, perturbation_seed
     return torch.no_grad()(run)
 
 
-class TeacherForced:
-    """The compiled graphs of single-rank artifacts, fed given tokens; their logits per step."""
+@dataclass(frozen=True)
+class TeacherForcedJob(Job):
+    """The compiled graphs fed given tokens, on every rank of the artifacts: per case (prompt,
+    tokens), the leader's logits after the prompt and then after each of tokens[:-1] [len(tokens), V].
+    The steps are the scheduler's kind (`Step`s the engine publishes to the followers, the
+    sequence's KV blocks over the context-parallel shards, other replicas' rows all padding), so a
+    multi-rank compare runs the very path `graphc run` serves."""
 
-    def __init__(self, artifacts: Path):
-        self.engine = Engine(artifacts)  # refuses multi-rank artifacts, naming `graphc run`
-        manifest = self.engine.manifest
-        self.buckets = manifest.buckets
-        self.block_size, self.blocks_per_row = manifest.kv_cache.block_size, manifest.kv_cache.blocks_per_row
-        self.context_limit = manifest.buckets.context_limit
+    cases: list[tuple[list[int], list[int]]]
+
+    def lead(self, engine: Engine) -> list[torch.Tensor]:
+        forced = TeacherForced(engine)
+        return [forced.logits(prompt, tokens) for prompt, tokens in self.cases]
+
+
+class TeacherForced:
+    """The leader's side of `TeacherForcedJob`: one sequence at a time over the engine's pool."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        manifest = engine.manifest
+        self.buckets, self.block_size = manifest.buckets, manifest.kv_cache.block_size
+        self.shards, self.replicas = manifest.topology.cp, manifest.topology.dp
+        scratch = int(backend(manifest.backend).fixed_pool)  # as the scheduler: the scratch block is never allocated
+        self.allocators = [BlockAllocator(engine.loaded.num_blocks - scratch) for _ in range(self.shards)]
 
     def logits(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-        """[len(tokens), V] fp32: the logits after the prompt, then after each of tokens[:-1]."""
-        if len(prompt) + len(tokens) > self.context_limit:
+        if len(prompt) + len(tokens) > self.buckets.context_limit:
             raise GraphcError(f"a prompt of {len(prompt)} and {len(tokens)} new tokens exceed the artifacts' "
-                              f"context_limit {self.context_limit}")
-        allocator = BlockAllocator(self.engine.loaded.num_blocks)
-        sequence = SequenceBlocks(self.block_size)
-        sequence.reserve(len(prompt) + len(tokens), allocator)
+                              f"context_limit {self.buckets.context_limit}")
+        sequence = Sequence(0, Request(prompt, len(tokens)), SequenceBlocks(self.block_size, num_shards=self.shards))
+        sequence.blocks.reserve(len(prompt) + len(tokens), self.allocators)
         start, out = 0, []
         for length in chunk_lengths(len(prompt), max(self.buckets.prefill)):
             bucket = Bucket("prefill", smallest_fitting(self.buckets.prefill, length))
@@ -131,14 +149,14 @@ class TeacherForced:
         decode = Bucket("decode", min(self.buckets.decode))
         for i, token in enumerate(tokens[:-1]):
             out.append(self._step(decode, sequence, [token], len(prompt) + i))
-        allocator.release(sequence.blocks)
+        for shard, allocator in enumerate(self.allocators):
+            allocator.release(sequence.blocks.shard_blocks(shard))
         return torch.stack(out)
 
-    def _step(self, bucket: Bucket, sequence: SequenceBlocks, tokens: list[int], start: int) -> torch.Tensor:
-        fields = step_metadata([(sequence, tokens, start)], bucket.width, self.blocks_per_row, total_rows=bucket.rows)
-        inputs = {**dict(zip(METADATA_FIELDS, fields)), **sampler_inputs([Sampling()], [0], bucket.rows)}
-        with torch.no_grad():
-            _, logits = self.engine.run_bucket(bucket, inputs)
+    def _step(self, bucket: Bucket, sequence: Sequence, tokens: list[int], start: int) -> torch.Tensor:
+        # One row, in the first replica; every other replica's rows are padding.
+        step = Step(bucket, [(sequence, tokens, start)], (1,) + (0,) * (self.replicas - 1) if self.replicas > 1 else ())
+        _, logits = self.engine.lead_step(step)
         return logits[0].float()
 
 
@@ -155,14 +173,15 @@ def compare(config: GraphcConfig, artifacts: Path, prompts: list[list[int]], new
             seeds: int) -> list[PromptReport]:
     """Per prompt, the compiled artifacts against the reference of `config`'s model (`seeds` >= 1
     perturbed runs measure its floor)."""
-    forced = TeacherForced(artifacts)
-    dtype = forced.engine.kv_pool.dtype
+    manifest = read_manifest(artifacts)
+    dtype = getattr(torch, manifest.model.dtype)
     reference = reference_logits(config, dtype)
+    goldens = [golden(reference, prompt, new_tokens) for prompt in prompts]
+    forced = run_job(artifacts, TeacherForcedJob([(prompt, tokens) for prompt, (tokens, _) in zip(prompts, goldens)]),
+                     manifest)
     neighbours = [reference_logits(config, dtype, seed) for seed in range(seeds)]
     reports = []
-    for prompt in prompts:
-        tokens, expected = golden(reference, prompt, new_tokens)
-        compiled = forced.logits(prompt, tokens)
+    for prompt, (tokens, expected), compiled in zip(prompts, goldens, forced):
         sequence = prompt + tokens[:-1]
         perturbed = torch.stack([neighbour(sequence)[len(prompt) - 1:] for neighbour in neighbours])  # [seeds, T, V]
         floor = (perturbed - expected).abs().amax(-1).amax(0)  # [new_tokens]
