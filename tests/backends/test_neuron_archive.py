@@ -9,6 +9,7 @@ compile (prefill-32, decode-4, prompt-as-decode 4x4).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -23,7 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphc.artifacts.directory import read_manifest
-from graphc.backends.neuron_archive import CPU_HLO, NEFF, NEURON_HLO, PROGRAM_JSON
+from graphc.backends.neuron_archive import CPU_HLO, NEFF, NEURON_HLO, NEURON_STABLEHLO, PROGRAM_JSON, stablehlo_to_hlo
+from graphc.backends.xla.lint import module_text
 from graphc.cli import cli
 from graphc.runtime import xla_runner
 from support import one_line_refusal, rehash
@@ -158,7 +160,8 @@ CASES = {  # name -> (the change, the refusal after "error: <archive>: ")
                     "program.json: signature.dtypes: required key is missing (a list of one of 'float32', "
                     "'bfloat16', 'int32', 'bool', 'uint8')"),
     "unknown key": (_edited_program(lambda d: d.update({"entry\nnext": 1})),
-                    r"program.json: entry\nnext: unknown key; allowed here: signature, world, neuronx_cc"),
+                    r"program.json: entry\nnext: unknown key; allowed here: signature, world, neuronx_cc, "
+                    "stablehlo_version"),
     "truncated parameters": (_edited_program(_truncated_parameters),
                              "program.json: signature.parameters: 58 names, [58] 'missing'; expected 59: weight.0 .. "
                              "weight.46, then input_ids, positions, block_table, slot_mapping, kv_pool, logits_index, "
@@ -190,10 +193,15 @@ CASES = {  # name -> (the change, the refusal after "error: <archive>: ")
                                           "cpu.hlo.pb: holds custom-call; the CPU variant runs none of custom-call, "
                                           "infeed, outfeed, send, send-done, recv, recv-done"),
     "added member": (_replaced({"notes.txt": b"hello"}),
-                     "members ['program.json', 'neuron.hlo.pb', 'cpu.hlo.pb', 'notes.txt']; a program archive holds "
-                     "program.json, neuron.hlo.pb, cpu.hlo.pb and optionally neuron.neff, each once"),
+                     "members ['program.json', 'neuron.hlo.pb', 'neuron.stablehlo.mlirbc', 'cpu.hlo.pb', 'notes.txt']; "
+                     "a program archive holds program.json, neuron.hlo.pb, neuron.stablehlo.mlirbc, cpu.hlo.pb and "
+                     "optionally neuron.neff, each once"),
+    "no StableHLO": (lambda path: _write(path, [(n, d) for n, d in _entries(path) if n != NEURON_STABLEHLO]),
+                     "members ['program.json', 'neuron.hlo.pb', 'cpu.hlo.pb']; a program archive holds program.json, "
+                     "neuron.hlo.pb, neuron.stablehlo.mlirbc, cpu.hlo.pb"),
     "member twice": (lambda path: _write(path, _entries(path) + _entries(path)[:1]),
-                     "members ['program.json', 'neuron.hlo.pb', 'cpu.hlo.pb', 'program.json']; a program archive"),
+                     "members ['program.json', 'neuron.hlo.pb', 'neuron.stablehlo.mlirbc', 'cpu.hlo.pb', "
+                     "'program.json']; a program archive"),
     "a directory of 65535 entries": (_directory_entries(65535), "the zip directory declares 65535 entries in"),
     "3 GiB declared NEFF": (lambda path: (_replaced({NEFF: b"NEFF"})(path), _declared_size(NEFF, 3 * 2**30)(path)),
                             f"neuron.neff: declares {3 * 2**30} bytes; at most {2 * 2**30} for this manifest's "
@@ -239,6 +247,62 @@ def test_the_lint_refuses_a_tampered_archive_in_one_line(pristine, tmp_path):
     rehash(artifacts, first)
     line = one_line_refusal(CliRunner().invoke(cli, ["inspect", str(artifacts), "--lint"]))
     assert "neuron.hlo.pb: not an HLO module XLA reads" in line
+
+
+def test_the_stablehlo_member_is_the_neuron_module_as_a_portable_artifact(pristine):
+    original, _, first = pristine
+    entries = dict(_entries(original / first))
+    version = json.loads(entries[PROGRAM_JSON])["stablehlo_version"]
+    artifact = entries[NEURON_STABLEHLO]
+    assert artifact.startswith(b"ML\xefR") and f"StableHLO_v{version}".encode() in artifact[:64]  # MLIR bytecode, versioned
+    assert version.count(".") == 2 and tuple(map(int, version.split("."))) >= (1, 0, 0)
+    neuron = module_text(entries[NEURON_HLO])
+    assert module_text(stablehlo_to_hlo(original / first, artifact)) == neuron and "AwsNeuronTopK" in neuron
+
+
+def _edited_stablehlo(original: Path, first: str) -> bytes:
+    """The program's StableHLO with one constant changed: the same signature, another module."""
+    from jax._src.lib import _jax
+    from jax._src.lib.mlir import ir
+    from jax.interpreters import mlir
+
+    entries = dict(_entries(original / first))
+    version = json.loads(entries[PROGRAM_JSON])["stablehlo_version"]
+    with mlir.make_ir_context():
+        text = mlir.module_to_string(_jax.mlir.deserialize_portable_artifact(entries[NEURON_STABLEHLO]))
+        constant = re.search(r"dense<(-?[0-9.]+e[+-][0-9]+)> : tensor<f32>", text)
+        edited = text.replace(constant.group(0), constant.group(0).replace(constant.group(1), "1.250000e+00"), 1)
+        assert edited != text
+        bytecode = mlir.module_to_bytecode(ir.Module.parse(edited))
+    return _jax.mlir.serialize_portable_artifact(bytecode, version, False)
+
+
+@pytest.mark.parametrize("member, problem", [
+    (lambda original, first, other: b"ML\xefR" + bytes(64),
+     "neuron.stablehlo.mlirbc: not a StableHLO portable artifact jaxlib reads"),
+    (lambda original, first, other: dict(_entries(original / other))[NEURON_STABLEHLO],  # another program's module
+     "neuron.stablehlo.mlirbc: the module's parameter 47 (input_ids) is int32[4, 1]"),
+])
+def test_the_lint_refuses_a_stablehlo_member_that_is_not_the_programs(pristine, tmp_path, member, problem):
+    """The runtime never reads the StableHLO (XLA:CPU runs cpu.hlo.pb, a Neuron host the NEFF): the
+    lint and neuron-finish, which do, refuse it in one line."""
+    original, _, first = pristine
+    other = next(g.file for g in read_manifest(original).ranks[0].graphs if g.file != first)
+    artifacts = Path(shutil.copytree(original, tmp_path / "artifacts"))
+    _replaced({NEURON_STABLEHLO: member(original, first, other)})(artifacts / first)
+    rehash(artifacts, first)
+    line = one_line_refusal(CliRunner().invoke(cli, ["inspect", str(artifacts), "--lint"]))
+    assert problem in line, line
+
+
+def test_the_lint_finds_a_stablehlo_member_of_another_module(pristine, tmp_path):
+    original, _, first = pristine
+    artifacts = Path(shutil.copytree(original, tmp_path / "artifacts"))
+    _replaced({NEURON_STABLEHLO: _edited_stablehlo(original, first)})(artifacts / first)
+    rehash(artifacts, first)
+    result = CliRunner().invoke(cli, ["inspect", str(artifacts), "--lint"])
+    assert result.exit_code == 1
+    assert f"lint: {first}: neuron.stablehlo.mlirbc is not the module of neuron.hlo.pb" in result.stderr
 
 
 def test_what_jaxlib_logs_of_a_malformed_module_is_not_shown(pristine, tmp_path):

@@ -4,6 +4,12 @@ turns its Neuron HLO into a NEFF.
     program.json     the parameter / result names, shapes and dtypes (`ProgramSignature`), the
                      world size, and the neuronx-cc command that makes (or made) the NEFF
     neuron.hlo.pb    the HloModuleProto for neuronx-cc (`xla.variants.NEURON`)
+    neuron.stablehlo.mlirbc
+                     the same module as StableHLO, the portable artifact (versioned MLIR bytecode,
+                     at the version program.json names): the form the Neuron SDK's own frameworks
+                     now lower through. It is what the HLO is made from (jaxlib's
+                     `mlir_module_to_xla_computation` of it gives neuron.hlo.pb's module), so a
+                     toolchain that takes StableHLO compiles the very module linted here
     cpu.hlo.pb       the same module in the form XLA:CPU runs (`xla.variants.CPU`): what `graphc
                      run` serves here, to validate the graphs token for token
     neuron.neff      where `neuronx-cc` was on PATH at compile time, or after `graphc
@@ -14,9 +20,10 @@ manifest's hash), so `read_archive` trusts nothing in it: the zip's directory is
 zipfile parses it (entries, size), members by name and declared size before any is read (bounds
 derived from the manifest's program: `member_limits`), each read size-limited; program.json
 through its schema (`graphc.typed.build`) and against the manifest (world, parameter names, the
-step inputs' shapes and dtypes, the vocabulary, the weights being bound); each HLO member read is
-parsed, its program shape must be the signature's, and the CPU one may reach nothing beyond itself
-(`HOST_OPCODES`). Every refusal is one ArtifactError line.
+step inputs' shapes and dtypes, the vocabulary, the weights being bound); each module member read
+is parsed (the StableHLO one deserialized and converted to HLO), its program shape must be the
+signature's, and the CPU one may reach nothing beyond itself (`HOST_OPCODES`). Every refusal is
+one ArtifactError line.
 
 Light on purpose (no torch; jaxlib imported only to parse an HLO member): the compiler, the
 runners, the lint and `graphc neuron-finish` share it.
@@ -53,7 +60,9 @@ NEURONX_CC = "neuronx-cc"
 NEURON_TARGET = "trn1"
 """The Neuron generation NEFFs are compiled for (`neuronx-cc --target`)."""
 PROGRAM_JSON, NEURON_HLO, CPU_HLO, NEFF = "program.json", "neuron.hlo.pb", "cpu.hlo.pb", "neuron.neff"
-REQUIRED = (PROGRAM_JSON, NEURON_HLO, CPU_HLO)
+NEURON_STABLEHLO = "neuron.stablehlo.mlirbc"
+MODULES = (NEURON_HLO, NEURON_STABLEHLO, CPU_HLO)
+REQUIRED = (PROGRAM_JSON, *MODULES)
 MEMBERS = (*REQUIRED, NEFF)
 DIRECTORY_BYTES = 4096
 """The most bytes a program archive's zip directory may declare (an entry takes some 60)."""
@@ -111,6 +120,9 @@ class ProgramDescription:
     """The ranks the module's collectives span (the manifest's topology.world)."""
     neuronx_cc: list[str]
     """The command that makes (or made) the NEFF, run in a folder holding neuron.hlo.pb."""
+    stablehlo_version: str
+    """The StableHLO version neuron.stablehlo.mlirbc is serialized at: any consumer whose
+    StableHLO is this version or newer reads it (`xla.lower.STABLEHLO_COMPATIBILITY`)."""
 
 
 def parameter_names(weights: int, samples: bool) -> list[str]:
@@ -138,7 +150,7 @@ def available() -> bool:
 def toolchain() -> str:
     """What decides whether a compile makes NEFFs (part of the compile cache's key: an archive
     cached without a NEFF must not be reused where neuronx-cc is installed, nor the reverse)."""
-    return f"{NEURONX_CC} at {shutil.which(NEURONX_CC)}"
+    return f"{NEURONX_CC} at {shutil.which(NEURONX_CC)}; members {', '.join(REQUIRED)}"  # a new member: a new key
 
 
 def neff_of(neuron_hlo: bytes, command: list[str]) -> bytes:
@@ -178,14 +190,14 @@ def member_limits(context: GraphContext) -> dict[str, int]:
     """The most bytes each member may declare, for the program of `context` (see `HLO_BYTES`)."""
     parameters = len(context.rank.weight_names) + len(STEP_INPUTS) + 1
     hlo = HLO_BYTES + HLO_BYTES_PER_PARAMETER * parameters
-    return {PROGRAM_JSON: JSON_BYTES + JSON_BYTES_PER_PARAMETER * parameters, NEURON_HLO: hlo, CPU_HLO: hlo,
+    return {PROGRAM_JSON: JSON_BYTES + JSON_BYTES_PER_PARAMETER * parameters, **dict.fromkeys(MODULES, hlo),
             NEFF: NEFF_BYTES}
 
 
 def read_archive(path: Path, context: GraphContext,
                  members: tuple[str, ...]) -> tuple[ProgramDescription, dict[str, bytes]]:
     """program.json, checked against `context`, and each of `members` the archive holds (by name),
-    an HLO member parsed and checked against the signature; otherwise one ArtifactError line."""
+    a module member parsed and checked against the signature; otherwise one ArtifactError line."""
     limits = member_limits(context)
     try:
         with open(path, "rb") as handle:
@@ -198,10 +210,28 @@ def read_archive(path: Path, context: GraphContext,
     # UTF-8 name), seek to, decompress, or does not implement (a version or flag beyond deflate).
     except (zipfile.BadZipFile, UnicodeDecodeError, zlib.error, EOFError, OSError, NotImplementedError) as e:
         raise _refused(path, f"not a readable zip archive ({e})") from None
-    for name in (NEURON_HLO, CPU_HLO):
+    for name in MODULES:
         if name in files:
-            _check_module(path, name, files[name], description.signature, context)
+            data = stablehlo_to_hlo(path, files[name]) if name == NEURON_STABLEHLO else files[name]
+            _check_module(path, name, data, description.signature, context)
     return description, files
+
+
+def stablehlo_to_hlo(path: Path, artifact: bytes) -> bytes:
+    """The HloModuleProto of a StableHLO portable artifact (as graphc makes neuron.hlo.pb from
+    it); refused in one line if it does not deserialize or convert."""
+    from jax._src.lib import _jax, xla_client
+    from jax.interpreters import mlir
+
+    try:
+        with native_log_held(), mlir.make_ir_context():
+            module = _jax.mlir.deserialize_portable_artifact(artifact)
+            computation = xla_client._xla.mlir.mlir_module_to_xla_computation(
+                mlir.module_to_bytecode(module), use_tuple_args=False, return_tuple=True)
+    except RuntimeError as e:  # jaxlib's errors (JaxRuntimeError, XlaRuntimeError) are RuntimeErrors
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise _refused(path, f"{NEURON_STABLEHLO}: not a StableHLO portable artifact jaxlib reads ({first})") from None
+    return computation.as_serialized_hlo_module_proto()
 
 
 def _refused(path: Path, message: str) -> ArtifactError:

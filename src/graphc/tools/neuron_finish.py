@@ -19,7 +19,7 @@ from graphc.artifacts.directory import atomic_directory, read_manifest, sha256_f
 from graphc.artifacts.manifest import MANIFEST
 from graphc.artifacts.signing import SIGNATURE, sign
 from graphc.backends import GraphContext, backend
-from graphc.backends.neuron_archive import (CPU_HLO, NEFF, NEURON_HLO, NEURON_TARGET, available, manifest_extras,
+from graphc.backends.neuron_archive import (MODULES, NEFF, NEURON_HLO, NEURON_TARGET, available, manifest_extras,
                                             neff_of, neuronx_cc_command, program_contexts, read_archive,
                                             write_archive)
 from graphc.errors import GraphcError
@@ -52,6 +52,6 @@ def finish(artifacts: Path, out: Path, target: str = NEURON_TARGET, force: bool 
 
 def _add_neff(archive: Path, context: GraphContext, command: list[str]) -> None:
     # A NEFF already there is replaced, so never read.
-    description, files = read_archive(archive, context, (NEURON_HLO, CPU_HLO))
+    description, files = read_archive(archive, context, MODULES)
     files[NEFF] = neff_of(files[NEURON_HLO], command)
     write_archive(archive, dataclasses.replace(description, neuronx_cc=command), files)

@@ -14,7 +14,8 @@ Rules (each names the instruction that breaks it):
 - every collective's `replica_groups` are the topology's groups of some kind (cp / world or ep).
 
 `lint_archives` checks every program archive of a neuron artifacts directory (`graphc inspect
---lint`, through the backend's record).
+--lint`, through the backend's record): its Neuron HLO by these rules, and its StableHLO by being
+that same module (converted to HLO, the text is the Neuron HLO's: every rule holds of it too).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import TYPE_CHECKING
 
 from jax._src.lib import xla_client
 
-from graphc.backends.neuron_archive import NEURON_HLO, program_contexts, read_archive
+from graphc.backends.neuron_archive import (NEURON_HLO, NEURON_STABLEHLO, program_contexts, read_archive,
+                                           stablehlo_to_hlo)
 from graphc.errors import GraphcError
 from graphc.topology import GROUPS, Topology
 
@@ -122,11 +124,16 @@ def check_neuron_module(proto: bytes, topology: Topology, pool_parameter: int) -
 
 
 def lint_archives(artifacts: Path, manifest: Manifest) -> list[str]:
-    """Every rule broken by the Neuron HLO of each distinct program archive, one line each."""
+    """Every rule broken by the Neuron HLO of each distinct program archive, and each StableHLO
+    member that is not that module, one line each."""
     topology = manifest.topology.topology()
     problems = []
     for name, context in program_contexts(manifest).items():
-        description, files = read_archive(artifacts / name, context, (NEURON_HLO,))
+        path = artifacts / name
+        description, files = read_archive(path, context, (NEURON_HLO, NEURON_STABLEHLO))
         pool = description.signature.parameters.index("kv_pool")
         problems += [f"{name}: {problem}" for problem in lint_neuron_module(files[NEURON_HLO], topology, pool)]
+        if module_text(stablehlo_to_hlo(path, files[NEURON_STABLEHLO])) != module_text(files[NEURON_HLO]):
+            problems.append(f"{name}: {NEURON_STABLEHLO} is not the module of {NEURON_HLO} (converted to HLO, "
+                            "its text differs): a toolchain taking StableHLO would compile an unlinted module")
     return problems

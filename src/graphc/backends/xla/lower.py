@@ -2,7 +2,10 @@
 
 The program is decomposed to core ATen (`run_decompositions`), then interpreted node by node with
 the rules of `aten.py` and `graphc_ops.py` under `jax.jit`, lowered to StableHLO and converted to
-an HLO module: the input neuronx-cc documents (`--framework XLA`), and one XLA:CPU runs here.
+an HLO module: the input neuronx-cc documents (`--framework XLA`), and one XLA:CPU runs here. The
+StableHLO is kept too, as a portable artifact (`LoweredModule.stablehlo`): the module the HLO was
+converted from, serialized at a version some weeks older than this jaxlib's
+(`STABLEHLO_COMPATIBILITY`), for toolchains that take StableHLO.
 
 The module's signature (`neuron_archive.ProgramSignature`, recorded beside it): the weights, then
 the step inputs (`graphc.step.STEP_INPUTS`), then `noise` [B, V] fp32 when the program samples
@@ -20,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax._src.lib import xla_client
+from jax._src.lib import _jax, xla_client
+from jaxlib.mlir.dialects import stablehlo
 from jax.interpreters import mlir
 from jax._src.lib.mlir import ir
 from torch.export import ExportedProgram
@@ -40,6 +44,21 @@ JAX_DTYPES = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.fl
               torch.float8_e4m3fn: aten_rules.FP8_BITS}
 """torch dtype -> the dtype its values take in the lowered program (no int64: see the module doc;
 float8_e4m3fn as its bits: see `aten.FP8_BITS`)."""
+STABLEHLO_COMPATIBILITY = stablehlo.StablehloCompatibilityRequirement.WEEK_12
+"""How old a StableHLO consumer may be and still read the artifact: the Neuron SDK ships on its own
+cadence, some releases behind the jaxlib pinned here; twelve weeks is the widest window StableHLO
+names short of its oldest version (which would refuse ops newer than it)."""
+
+
+@dataclass(frozen=True)
+class LoweredModule:
+    """One variant of a program: the serialized `HloModuleProto`, and the StableHLO portable
+    artifact it was converted from (at `stablehlo_version`)."""
+
+    hlo: bytes
+    stablehlo: bytes
+    stablehlo_version: str
+
 
 @dataclass
 class Lowering:
@@ -151,16 +170,16 @@ def _auto_functionalized(node, value, rules):
 
 
 def lower_to_hlo(program: ExportedProgram, topology: Topology,
-                 variants: tuple[Variant, ...]) -> tuple[list[bytes], ProgramSignature]:
-    """The serialized `HloModuleProto` of `program` for each of `variants` (in their order), and
-    their signature. The program is decomposed once for them all: a decomposition retraces the
+                 variants: tuple[Variant, ...]) -> tuple[list[LoweredModule], ProgramSignature]:
+    """`program`'s module for each of `variants` (in their order), and their signature. The program is decomposed once for them all: a decomposition retraces the
     whole program through AOT autograd, which at DeepSeek-V3's 61 layers takes minutes."""
     program = program.run_decompositions()
     lowered = [_lower_variant(program, topology, variant) for variant in variants]
     return [module for module, _ in lowered], lowered[0][1]
 
 
-def _lower_variant(program: ExportedProgram, topology: Topology, variant: Variant) -> tuple[bytes, ProgramSignature]:
+def _lower_variant(program: ExportedProgram, topology: Topology,
+                   variant: Variant) -> tuple[LoweredModule, ProgramSignature]:
     num_blocks = _num_blocks(program)
     user_inputs = [n for n in program.graph.nodes if n.op == "placeholder"
                    and _input_kind(program, n.name) == InputKind.USER_INPUT]
@@ -186,14 +205,17 @@ def _lower_variant(program: ExportedProgram, topology: Topology, variant: Varian
     with module.context:
         module.operation.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(
             ir.IntegerType.get_signless(32), topology.world)
-    computation = xla_client._xla.mlir.mlir_module_to_xla_computation(
-        mlir.module_to_bytecode(module), use_tuple_args=False, return_tuple=True)
+    bytecode = mlir.module_to_bytecode(module)
+    computation = xla_client._xla.mlir.mlir_module_to_xla_computation(bytecode, use_tuple_args=False,
+                                                                       return_tuple=True)
+    version = stablehlo.get_version_from_compatibility_requirement(STABLEHLO_COMPATIBILITY)
+    portable = _jax.mlir.serialize_portable_artifact(bytecode, version, False)  # no Shardy: one replica's program
     outputs = _output_names(program)
     if outputs != list(OUTPUTS):
         raise GraphcError(f"xla lowering: the program's outputs are {outputs}, not a step's {list(OUTPUTS)}")
     signature = ProgramSignature(names, [list(a.shape) for a in avals], [np.dtype(a.dtype).name for a in avals],
                                  outputs, [np.dtype(o.dtype).name for o in jax.tree.leaves(lowered.out_info)], samples)
-    return computation.as_serialized_hlo_module_proto(), signature
+    return LoweredModule(computation.as_serialized_hlo_module_proto(), portable, version), signature
 
 
 def _input_kind(program: ExportedProgram, name: str):
