@@ -348,7 +348,7 @@ def inspect(artifacts: Path, lint: bool) -> None:
                    f"{'samples' if rank.samples else 'no sampler'}")
         for g in rank.graphs:
             label = g.bucket.name
-            program = backend(m.backend).program_of(rank.rank)  # ranks share programs
+            program = backend(m.backend).program_of(rank.rank, m.topology.topology())  # ranks share programs
             counts = m.extra.get("op_counts", {}).get(f"{label} {program}", {})
             graphc_ops = ", ".join(f"{op} x{n}" for op, n in sorted(counts.items()) if op.startswith("graphc::"))
             click.echo(f"  {label:12s} {g.file} ({(artifacts / g.file).stat().st_size / 1e6:.2f} MB; "

@@ -15,7 +15,7 @@ import pytest
 import graphc
 from graphc.backends import BACKENDS
 from graphc.errors import GraphcError
-from graphc.models.moe_forms import MOE_EXCHANGES
+from graphc.models.moe_forms import MOE_EXCHANGES, moe_exchange
 from graphc.topology import Topology
 
 SOURCE = Path(graphc.__file__).parent
@@ -60,22 +60,28 @@ def test_the_backends_without_hooks_add_nothing():
             assert (record.cache_toolchain(), record.extras(), record.lint(Path("unused"), None)) == ("", {}, [])
 
 
-@pytest.mark.parametrize("name", [name for name, record in BACKENDS.items() if record.data_parallel])
-def test_the_data_parallel_backends_take_every_topology_and_exchange(name):
+@pytest.mark.parametrize("name", [name for name, record in BACKENDS.items() if record.lowerings is None])
+def test_the_cpu_backends_take_every_topology_and_exchange(name):
     for exchange in MOE_EXCHANGES:
         BACKENDS[name].check_topology(Topology(cp=1, ep=2, dp=2), exchange)
 
 
-def test_neuron_refuses_data_parallel_attention_and_the_all_to_alls():
+def test_neuron_takes_data_parallel_attention_and_the_even_all_to_all_and_refuses_a2a_v():
     neuron = BACKENDS["neuron"]
-    for exchange in ("local", "static", "ag_rs"):
-        neuron.check_topology(Topology(cp=2, ep=2), exchange)
+    for exchange in ("local", "static", "ag_rs", "a2a_even"):
+        neuron.check_topology(Topology(cp=2, ep=4, dp=2), exchange)
     with pytest.raises(GraphcError) as refused:
-        neuron.check_topology(Topology(cp=1, ep=2, dp=2), "ag_rs")
-    assert str(refused.value) == ("topology.dp: 2; the neuron backend serves one attention replica (dp = 1): use the "
-                                  "export or inductor backend for data-parallel attention")
-    for exchange in ("a2a_even", "a2a_v"):
-        with pytest.raises(GraphcError) as refused:
-            neuron.check_topology(Topology(cp=2, ep=2), exchange)
-        assert str(refused.value) == (f"model.moe_lowering: {exchange} has no neuron lowering yet; the neuron "
-                                      "backend takes ag_rs (or the static MoE)")
+        neuron.check_topology(Topology(cp=2, ep=4, dp=2), "a2a_v")
+    assert str(refused.value) == ("model.moe_lowering: a2a_v has no neuron lowering yet; the neuron backend takes "
+                                  "ag_rs or a2a_even (or the static MoE)")
+    # `auto` pads where the variable form would be the choice (groups of 4 and 8) but is not lowered.
+    assert [moe_exchange("auto", ep, False, lowerings=neuron.lowerings) for ep in (2, 4, 8)] == ["a2a_even"] * 3
+    assert [moe_exchange("auto", ep, False) for ep in (2, 4, 8)] == ["a2a_even", "a2a_v", "a2a_v"]
+
+
+def test_replica_leaders_run_the_leaders_program():
+    """With data-parallel attention the first rank of each replica samples: it runs the leader's
+    program (the sampler kept), every other rank the followers'."""
+    neuron, topology = BACKENDS["neuron"], Topology(cp=2, ep=4, dp=2)
+    assert [neuron.program_of(rank, topology) for rank in range(4)] == ["leader", "followers", "leader", "followers"]
+    assert [BACKENDS["export"].program_of(rank, topology) for rank in range(4)] == ["every-rank"] * 4

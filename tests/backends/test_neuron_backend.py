@@ -81,6 +81,29 @@ def test_neuron_artifacts_serve_the_export_tokens(preset, cp, ep, tp, compiled):
             assert json.loads(archive.read("program.json"))["signature"]["samples"]
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("preset, dp, cp, ep", [
+    ("lora-groups", 2, 1, 2),
+    pytest.param("wide-16e", 2, 2, 4, marks=pytest.mark.slow),  # `auto` pads the group of 4 (no a2a_v here)
+])
+def test_data_parallel_neuron_artifacts_serve_the_export_tokens_over_the_even_all_to_all(preset, dp, cp, ep, compiled):
+    """Two replicas, each sampling its own rows in the leader's program, the experts over the
+    world reached by HLO all-to-alls; a batch of one leaves the second replica all padding."""
+    requests = _requests()
+    batches = [requests, requests[:1]]
+    export = compiled(preset, "export", "dp", cp, ep, True, dp)
+    artifacts = compiled(preset, "neuron", "dp", cp, ep, True, dp)
+    expected, alone = serve(export, batches)
+    got, got_alone = serve(artifacts, batches)
+    assert [r.output_ids for r in got.results] == [r.output_ids for r in expected.results]
+    assert [r.output_ids for r in got_alone.results] == [r.output_ids for r in alone.results]
+    manifest = read_manifest(artifacts)
+    assert {g.moe_exchange for rank in manifest.ranks for g in rank.graphs} == {"a2a_even"}
+    assert [rank.samples for rank in manifest.ranks] == [r % (cp) == 0 for r in range(dp * cp)]
+    lint = CliRunner().invoke(cli, ["inspect", str(artifacts), "--lint"])
+    assert lint.exit_code == 0 and "no problem(s)" in lint.stdout, lint.output
+
+
 def test_the_lint_catches_followers_that_do_not_share_a_program(compiled):
     artifacts = compiled("wide-16e", "neuron", MULTI_RANK_BUCKETS, 2, 2)
     manifest = read_manifest(artifacts)
@@ -91,6 +114,13 @@ def test_the_lint_catches_followers_that_do_not_share_a_program(compiled):
     three = dataclasses.replace(manifest, ranks=[leader, follower, other])
     [problem] = lint_artifacts(artifacts, three)
     assert "the followers run 2 different files; one program must serve every follower" in problem
+    # A third rank that samples (a replica's first) but runs the followers' program.
+    sampling = dataclasses.replace(manifest, ranks=[leader, follower,
+                                                    dataclasses.replace(follower, rank=2, samples=True)])
+    problems = lint_artifacts(artifacts, sampling)
+    assert len(problems) == len(leader.graphs) and all(
+        "the ranks that sample run 2 different files; every replica's first rank runs the leader's program" in p
+        for p in problems)
 
 
 def test_one_steps_logits_and_kv_writes_match_the_export_graph(compiled):
@@ -138,7 +168,6 @@ def test_the_pool_size_is_fixed_at_compile_time(compiled, monkeypatch):
 
 
 @pytest.mark.parametrize("topology, lowering, says", [
-    ({"dp": 2, "cp": 1, "ep": 2}, "auto", r"^topology\.dp: 2; the neuron backend serves one attention replica"),
     ({"dp": 1, "cp": 2, "ep": 2}, "a2a_v", r"^model\.moe_lowering: a2a_v has no neuron lowering yet"),
 ])
 def test_what_the_neuron_backend_cannot_compile_yet_is_refused_before_any_work(topology, lowering, says, tmp_path,

@@ -61,8 +61,8 @@ def test_a_wrong_bucket_fails_the_sweep_and_is_named(model_path, tmp_path, monke
     original = Engine._run
 
     def wrong_in_decode_4(self, bucket, inputs):
-        tokens = original(self, bucket, inputs)
-        return (tokens + 1) % 256 if bucket.name == "decode-4" else tokens
+        tokens, logits = original(self, bucket, inputs)
+        return ((tokens + 1) % 256 if bucket.name == "decode-4" else tokens), logits
 
     monkeypatch.setattr(Engine, "_run", wrong_in_decode_4)
     result = CliRunner().invoke(cli, ["sweep", str(model_path), "--topologies", "1x1", "--out", str(tmp_path)])

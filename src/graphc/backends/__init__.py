@@ -72,28 +72,26 @@ class Backend:
     that are this backend's own, one line each."""
     neuron_finish: bool = False
     """Whether `graphc neuron-finish` takes its artifacts (adds each program's NEFF on a Neuron host)."""
-    data_parallel: bool = True
-    """Whether it serves data-parallel attention (dp > 1)."""
     lowerings: tuple[str, ...] | None = None
     """The MoE lowerings it compiles (`moe_forms.MOE_LOWERINGS`' names); None: every one."""
 
-    def programs(self, world: int) -> tuple[str, ...]:
-        """The programs compiled per bucket for `world` ranks (`PROGRAMS`): at most two, whatever the world."""
+    def programs(self, topology: Topology) -> tuple[str, ...]:
+        """The programs compiled per bucket for `topology` (`PROGRAMS`): at most two, whatever the
+        world; no followers' where every rank samples (replicas of one rank)."""
         if not self.follower_programs:
             return (EVERY_RANK,)
-        return (LEADER,) if world == 1 else (LEADER, FOLLOWERS)
+        return (LEADER,) if topology.replica == 1 else (LEADER, FOLLOWERS)
 
-    def program_of(self, rank: int) -> str:
-        """Which of `programs` rank `rank` runs."""
-        return EVERY_RANK if not self.follower_programs else LEADER if rank == 0 else FOLLOWERS
+    def program_of(self, rank: int, topology: Topology) -> str:
+        """Which of `programs` rank `rank` runs: the leader's wherever a rank samples (the first of
+        each attention replica), the followers' elsewhere."""
+        if not self.follower_programs:
+            return EVERY_RANK
+        return LEADER if rank == topology.replica_leader(topology.dp_rank(rank)) else FOLLOWERS
 
     def check_topology(self, topology: Topology, exchange: str) -> None:
         """Refuse a topology this backend cannot compile yet; `exchange` is its graphs' MoE
         exchange (`moe_forms.moe_exchange`)."""
-        if topology.dp > 1 and not self.data_parallel:
-            others = " or ".join(b.name for b in BACKENDS.values() if b.data_parallel)
-            raise GraphcError(f"topology.dp: {topology.dp}; the {self.name} backend serves one attention replica "
-                              f"(dp = 1): use the {others} backend for data-parallel attention")
         # `local` and `static` exchange nothing to lower: every backend compiles them.
         if self.lowerings is not None and exchange not in ("local", "static", *self.lowerings):
             raise GraphcError(f"model.moe_lowering: {exchange} has no {self.name} lowering yet; the {self.name} "
@@ -132,13 +130,14 @@ BACKENDS = {backend.name: backend for backend in (
             compiler="graphc.backends.export:compile_program", loader="graphc.runtime.graph_loaders:load_export"),
     Backend("inductor", "aoti.pt2", parallel_compile=True, serves_here=True,
             compiler="graphc.backends.inductor:compile_program", loader="graphc.runtime.graph_loaders:load_inductor"),
-    # Samples in the leader's program alone and lowers no all-to-all: no data-parallel attention yet.
+    # The all-to-all's even form only: a2a_v sizes its sends from the split matrix, which XLA's
+    # static-shape all-to-all cannot take (`auto` pads instead: `moe_forms.moe_lowering_for`).
     Backend("neuron", "neuron.zip", parallel_compile=True, serves_here=True,
             compiler="graphc.backends.neuron:compile_program", loader="graphc.runtime.graph_loaders:load_neuron",
             fixed_pool=True, follower_programs=True, toolchain="graphc.backends.neuron_archive:toolchain",
             manifest_extras="graphc.backends.neuron_archive:manifest_extras",
-            linter="graphc.backends.xla.lint:lint_archives", neuron_finish=True, data_parallel=False,
-            lowerings=("ag_rs",)),
+            linter="graphc.backends.xla.lint:lint_archives", neuron_finish=True,
+            lowerings=("ag_rs", "a2a_even")),
 )}
 
 BackendName = Literal[tuple(BACKENDS)]  # noqa: typed.build reads the names from this Literal

@@ -70,7 +70,8 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
     backend = options.backend or config.backend
     topology = config.topology.topology()
     exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated,
-                            static_enabled="static_moe" not in options.disabled_passes)
+                            static_enabled="static_moe" not in options.disabled_passes,
+                            lowerings=backend_named(backend).lowerings)
     b, kv = config.buckets, config.kv_cache
     table_width = blocks_per_row(b.context_limit, kv.block_size)
     dtype = getattr(torch, config.model.dtype)
@@ -106,7 +107,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         manager = PassManager(passes, verify, verify=options.verify_passes,
                               disabled=options.disabled_passes & {name for name, _ in passes},
                               dump_dir=options.dump_graphs)
-        names = backend_named(backend).programs(topology.world)
+        names = backend_named(backend).programs(topology)
         programs, pass_logs = {}, {}
         for name in names:
             for bucket in buckets:
@@ -116,7 +117,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                 _sync_output_signature(program)
                 programs[name, bucket] = program
                 pass_logs[f"{bucket.name} {name}"] = log.changes()
-        run_by = {rank: backend_named(backend).program_of(rank) for rank in range(topology.world)}
+        run_by = {rank: backend_named(backend).program_of(rank, topology) for rank in range(topology.world)}
         for bucket in buckets:  # refuse any bucket whose ranks' collectives could hang
             issued = {name: program_collectives(programs[name, bucket].graph_module) for name in names}
             check_collective_schedule(topology, bucket.name, {rank: issued[run_by[rank]] for rank in run_by})
@@ -157,7 +158,8 @@ def check_backend_topology(backend: str, config: GraphcConfig, static_enabled: b
     its backends, data-parallel attention, MoE exchanges), then what the backend does not (its
     record's `Backend.check_topology`)."""
     topology = config.topology.topology()
-    exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated, static_enabled)
+    exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated, static_enabled,
+                            backend_named(backend).lowerings)
     config.family.check_compile(config.model_args, topology, exchange, backend)
     backend_named(backend).check_topology(topology, exchange)
 

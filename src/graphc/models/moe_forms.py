@@ -61,11 +61,13 @@ MOE_LOWERING_CHOICES = ("auto", *MOE_LOWERINGS)
 MoeLoweringChoice = Literal[MOE_LOWERING_CHOICES]  # noqa: as `MoeFormChoice`
 
 
-def moe_lowering_for(group_size: int) -> str:
+def moe_lowering_for(group_size: int, lowerings: tuple[str, ...] | None = None) -> str:
     """The all-to-all lowering for an EP group of `group_size` ranks: a variable-count all-to-all
-    where the target collective library has one (groups of 4 and 8 on Neuron), else a padded even
-    one. A function of the group size alone, so every rank picks the same (never a rank's splits)."""
-    return "a2a_v" if group_size in (4, 8) else "a2a_even"
+    where the target collective library has one (groups of 4 and 8 on Neuron) and the backend
+    lowers it (`lowerings`: the backend's, None for every one), else a padded even one. A
+    function of the group size alone, so every rank picks the same (never a rank's splits)."""
+    variable = group_size in (4, 8) and (lowerings is None or "a2a_v" in lowerings)
+    return "a2a_v" if variable else "a2a_even"
 
 
 def shared_experts_reduced_with_routed(exchange: str, ep: int, tp: int) -> bool:
@@ -75,13 +77,15 @@ def shared_experts_reduced_with_routed(exchange: str, ep: int, tp: int) -> bool:
     return exchange == "static" and ep == tp > 1
 
 
-def moe_exchange(choice: str, ep: int, tokens_replicated: bool, static_enabled: bool = True) -> str:
-    """The exchange of every graph of a topology: `choice` (a lowering or `auto`) applies where
-    tokens must travel (not replicated over the EP group, or the static form disabled)."""
+def moe_exchange(choice: str, ep: int, tokens_replicated: bool, static_enabled: bool = True,
+                 lowerings: tuple[str, ...] | None = None) -> str:
+    """The exchange of every graph of a topology: `choice` (a lowering or `auto`, which picks among
+    the backend's `lowerings`) applies where tokens must travel (not replicated over the EP group,
+    or the static form disabled)."""
     if ep == 1:
         return "local"
     if tokens_replicated and static_enabled:
         return "static"
     if choice != "auto":
         return choice
-    return "ag_rs" if tokens_replicated else moe_lowering_for(ep)
+    return "ag_rs" if tokens_replicated else moe_lowering_for(ep, lowerings)

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from graphc.backends import backend
 from graphc.buckets.selection import all_buckets
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
@@ -220,7 +221,8 @@ def _decode_step(config, args, topology, tensors, target: Device, rows: int, per
     worst = min(local, routes) * per_expert * moe_layers
     context = blocks_per_row(config.buckets.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
     kv_read = rows * math.ceil(context / topology.cp) * per_token
-    exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated)
+    exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated,
+                            lowerings=backend(config.backend).lowerings)
     collectives = sum(c.count * c.bytes_in for c in step_collectives(args, topology, Bucket("decode", rows),
                                                                       config.model.dtype, exchange, context,
                                                                       config.kv_cache.block_size))

@@ -95,9 +95,10 @@ def describe(config: GraphcConfig, workload: Histogram | None) -> list[str]:
     if workload:
         lines += _waste_lines(config, workload)
     topology = t.topology()
-    exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated)
+    exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated,
+                            lowerings=backend(config.backend).lowerings)
     world = topology.world
-    programs = backend(config.backend).programs(world)
+    programs = backend(config.backend).programs(topology)
     lines += [f"graphs: {len(buckets)} per rank x {world} rank(s) = {len(buckets) * world} in all, "
               f"{len(buckets) * len(programs)} distinct ({' and '.join(programs)} program per bucket; "
               "a rank's KV shard and experts are an input, its tensor-parallel slice its weights)"]

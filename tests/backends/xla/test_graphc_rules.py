@@ -1,7 +1,8 @@
 """The lowering rules of graphc:: ops against their torch kernels (graphc.ops), on one process.
 
-The collectives' rules run here over groups of one replica (under jit, as lowered); their
-multi-rank behaviour is what test_neuron_backend.py serves at 2 and 4 ranks.
+The collectives' rules run here over groups of one replica (under jit, as lowered), the all-to-all
+MoE's also over four ranks vmapped on one axis; their multi-rank behaviour as lowered is what
+test_neuron_backend.py serves at 2 and 4 ranks.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from graphc.backends.xla import graphc_ops
 from graphc.backends.xla.aten import Out
 from graphc.backends.xla.lower import Lowering
 from graphc.backends.xla.variants import CPU
-from graphc.ops import collectives, moe, paged_attention, sampler, sparse
+from graphc.ops import all_to_all, collectives, moe, paged_attention, sampler, sparse
 from graphc.step import PADDING_SLOT
 from graphc.topology import Topology
 
@@ -109,3 +110,53 @@ def test_index_topk_combine_orders_candidates_by_score_then_position():
     combined = _in_jit(lambda low, p, s: graphc_ops.index_topk_combine(low, _out(positions), p, s, "cp"),
                        _jax(positions), _jax(scores))
     assert np.asarray(combined).tolist() == [[[1, 2, 0, sparse.NO_KEY]]] == positions.tolist()
+
+
+def test_the_even_all_to_all_moe_equals_the_torch_kernels_at_one_rank():
+    g = torch.Generator().manual_seed(5)
+    hidden, weights = torch.randn(4, 8, generator=g), torch.rand(4, 2, generator=g)
+    ids, valid = torch.randint(0, 4, (4, 2), generator=g), torch.tensor([True, True, False, True])
+    expected = all_to_all._moe_a2a_dispatch(hidden, ids, weights, valid, 4, "ep", 1, "a2a_even")
+    got = _in_jit(lambda low, *a: graphc_ops.moe_a2a_dispatch(low, None, *a, 4, "ep", 1, "a2a_even"),
+                  _jax(hidden), _jax(ids), _jax(weights), _jax(valid))
+    for mine, theirs in zip(got, expected):
+        assert np.array_equal(np.asarray(mine), theirs.numpy())
+    partial, sent, received = expected[0] * 3, expected[3], expected[4]
+    combined = _in_jit(lambda low, *a: graphc_ops.moe_a2a_combine(low, _out(hidden), *a, "ep", 1, "a2a_even"),
+                       _jax(partial), _jax(sent), _jax(received))
+    assert np.array_equal(np.asarray(combined), all_to_all._moe_a2a_combine(partial, sent, received, "ep", 1,
+                                                                             "a2a_even").numpy())
+
+
+def test_the_even_all_to_all_moe_routes_every_token_to_its_experts_ranks(monkeypatch):
+    """Four ranks as one vmapped axis (jax's own all-to-all standing in for the HLO one): each
+    token's rows reach the ranks holding its experts, renumbered there, and come back summed;
+    a padding token is sent nowhere."""
+    ranks, tokens, experts = 4, 3, 8
+    monkeypatch.setattr(graphc_ops.collectives, "all_to_all",
+                        lambda x, groups: jax.lax.all_to_all(x, "ranks", 0, 0, tiled=True))
+    g = torch.Generator().manual_seed(6)
+    hidden, weights = torch.randn(ranks, tokens, 5, generator=g), torch.rand(ranks, tokens, 2, generator=g)
+    ids = torch.randint(0, experts, (ranks, tokens, 2), generator=g)
+    valid = torch.ones(ranks, tokens, dtype=torch.bool)
+    valid[1, 2] = False
+    lowering = Lowering(Topology(cp=1, ep=ranks, dp=ranks), CPU)
+
+    def rank(h, i, w, v):
+        rows, local_ids, local_weights, sent, received = graphc_ops.moe_a2a_dispatch(
+            lowering, None, h, i, w, v, experts, "ep", ranks, "a2a_even")
+        me = jax.lax.axis_index("ranks")
+        held = local_ids < experts // ranks
+        scale = jnp.where(held, local_weights * (local_ids + me * (experts // ranks) + 1), 0).sum(-1)  # expert e: x (e + 1)
+        return graphc_ops.moe_a2a_combine(lowering, None, rows * scale[:, None], sent, received, "ep", ranks,
+                                          "a2a_even"), sent
+
+    combined, sent = jax.vmap(rank, axis_name="ranks")(_jax(hidden), _jax(ids), _jax(weights), _jax(valid))
+    expected = hidden * (weights * (ids + 1)).sum(-1, keepdim=True) * valid[..., None]
+    np.testing.assert_allclose(np.asarray(combined), expected.numpy(), rtol=1e-6)
+    destinations = (ids // (experts // ranks))  # [ranks, T, K]
+    assert np.asarray(sent)[1, :, 2].tolist() == [False] * ranks  # the padding token went nowhere
+    for r in range(ranks):
+        for t in range(tokens):
+            assert set(np.flatnonzero(np.asarray(sent)[r, :, t])) == (set(destinations[r, t].tolist()) if valid[r, t]
+                                                                      else set())

@@ -1,5 +1,5 @@
-"""Cross-replica collectives as jax primitives: one `all-reduce` / `all-gather` / `reduce-scatter`
-HLO instruction each, over explicit `replica_groups` and without channel ids.
+"""Cross-replica collectives as jax primitives: one `all-reduce` / `all-gather` / `reduce-scatter` /
+`all-to-all` HLO instruction each, over explicit `replica_groups` and without channel ids.
 
 That is the per-rank form neuronx-cc takes (a module compiled for `num_replicas` = world, each
 rank running it as its replica) and the one XLA:CPU runs across processes with gloo. jax's own
@@ -76,6 +76,18 @@ def _reduce_scatter_lowering(ctx, x, *, groups):
 mlir.register_lowering(reduce_scatter_p, _reduce_scatter_lowering)
 
 
+all_to_all_p = Primitive("graphc_all_to_all")
+all_to_all_p.def_abstract_eval(lambda x, *, groups: core.ShapedArray(x.shape, x.dtype))
+
+
+def _all_to_all_lowering(ctx, x, *, groups):
+    return hlo.AllToAllOp([x], split_dimension=0, concat_dimension=0, split_count=_size(groups),
+                          replica_groups=_groups_attribute(groups)).results
+
+
+mlir.register_lowering(all_to_all_p, _all_to_all_lowering)
+
+
 def all_reduce(x, groups: Groups):
     """The sum of `x` over each rank's group."""
     return all_reduce_p.bind(x, groups=groups)
@@ -89,3 +101,9 @@ def all_gather(x, groups: Groups):
 def reduce_scatter(x, groups: Groups):
     """The sum over the group of `x` [G * T, ...], this rank's rows [T, ...] (rank-major)."""
     return reduce_scatter_p.bind(x, groups=groups)
+
+
+def all_to_all(x, groups: Groups):
+    """An even all-to-all of `x` [G * T, ...]: block g of this rank's rows goes to the group's
+    rank g, and block g of the result came from it (rank-major, as `torch.distributed`'s)."""
+    return all_to_all_p.bind(x, groups=groups)

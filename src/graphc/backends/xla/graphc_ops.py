@@ -1,6 +1,6 @@
 """Lowering rules for the graphc:: ops that reach the XLA lowering (the others are inlined to
 ATen by `passes/inline_reference_kernels.py` first): the KV write, the sampler, the grouped
-expert GEMM and the collectives.
+expert GEMM and the collectives (the all-to-all MoE's included).
 
 Each rule takes the `Lowering` (topology groups, HLO variant, the sampler's noise), the node's
 `Out` and the op's arguments; each follows its torch kernel in `graphc.ops` (tested against it).
@@ -14,6 +14,7 @@ import torch
 
 from graphc.backends.xla import collectives
 from graphc.backends.xla.aten import Out
+from graphc.errors import GraphcError
 from graphc.ops.sparse import NO_KEY
 
 SAMPLER_MIN_TEMPERATURE = 1e-6
@@ -93,6 +94,44 @@ def moe_combine(lowering, out: Out, partial, group: str, group_size: int = 1):
     return collectives.reduce_scatter(partial, lowering.groups(group))
 
 
+def moe_a2a_dispatch(context, outs, hidden, ids, weights, valid, num_experts: int, group: str, group_size: int,
+                     lowering: str):
+    """`graphc.ops.all_to_all._moe_a2a_dispatch`'s `a2a_even` form: every source's [G, T] blocks,
+    masked rows included, cross in one even all-to-all, and their routes (weights, then ids,
+    exact in fp32) in another."""
+    _check_even(lowering)
+    groups = context.groups(group)
+    tokens, per_token = ids.shape
+    local = num_experts // group_size
+    destination = jnp.arange(group_size)[:, None, None]  # [G, 1, 1]
+    held = ((ids // local)[None] == destination) & valid[None, :, None]  # [G, T, K]
+    local_ids = jnp.where(held, ids[None] - destination * local, local)
+    local_weights = jnp.where(held, weights[None], jnp.zeros_like(weights)[None])
+    sent = held.any(-1)  # [G, T]
+    blocks = jnp.where(sent[..., None], hidden[None], jnp.zeros_like(hidden)[None]).reshape(-1, hidden.shape[-1])
+    routes = jnp.concatenate([local_weights, local_ids.astype(jnp.float32)], axis=-1).reshape(-1, 2 * per_token)
+    rows = collectives.all_to_all(blocks, groups)
+    routes = collectives.all_to_all(routes, groups)
+    received = (routes[:, per_token:] < local).any(-1).reshape(group_size, tokens)
+    return rows, routes[:, per_token:].astype(ids.dtype), routes[:, :per_token], sent, received
+
+
+def moe_a2a_combine(context, out: Out, partial, sent, received, group: str, group_size: int, lowering: str):
+    """`graphc.ops.all_to_all._moe_a2a_combine`'s `a2a_even` form: the expert outputs back to
+    their sources in one even all-to-all, summed over destinations in rank order."""
+    _check_even(lowering)
+    tokens, width = sent.shape[1], partial.shape[-1]
+    returned = collectives.all_to_all(partial, context.groups(group)).reshape(group_size, tokens, width)
+    return jnp.where(sent[..., None], returned, jnp.zeros_like(returned)).sum(0)
+
+
+def _check_even(lowering: str) -> None:
+    # The backend refuses a2a_v before capture (`Backend.check_topology`); a program that still
+    # holds one was not compiled by graphc's pipeline.
+    if lowering != "a2a_even":
+        raise GraphcError(f"xla lowering: the {lowering} all-to-all has no XLA rule; only a2a_even is lowered")
+
+
 def all_reduce(lowering, out: Out, partial, group: str):
     return collectives.all_reduce(partial, lowering.groups(group))
 
@@ -129,6 +168,8 @@ RULES = {
     ops.moe_dispatch.default: moe_dispatch,
     ops.moe_combine.default: moe_combine,
     ops.all_reduce.default: all_reduce,
+    ops.moe_a2a_dispatch.default: moe_a2a_dispatch,
+    ops.moe_a2a_combine.default: moe_a2a_combine,
     ops.gather_columns.default: gather_columns,
     ops.index_topk_combine.default: index_topk_combine,
 }
