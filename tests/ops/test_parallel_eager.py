@@ -54,8 +54,10 @@ def test_ranks_give_single_rank_logits_and_tokens(cp, ep, moe_exchange, tiny_che
     _check_against_single_rank(results, Topology(cp, ep), [PROMPT], single_rank)
 
 
-# (2, 1, 2): compiled, runtime/test_data_parallel.py; four replicas there too (4, 1, 4, slow tier).
-@pytest.mark.parametrize("dp, cp, ep", [pytest.param(4, 1, 4, marks=pytest.mark.slow), (2, 2, 4)])
+# Compiled, runtime/test_data_parallel.py serves (2, 1, 2) with every lowering and (2, 2, 4) with auto
+# (a2a_v) per commit; these four-rank eager cases are the nightly tier's.
+@pytest.mark.parametrize("dp, cp, ep", [pytest.param(4, 1, 4, marks=pytest.mark.slow),
+                                        pytest.param(2, 2, 4, marks=pytest.mark.slow)])
 def test_data_parallel_replicas_give_single_rank_tokens_with_every_lowering(dp, cp, ep, tiny_checkpoints,
                                                                           single_rank):
     """Each replica its own prompt; the all-to-all lowerings are bit-identical to each other."""

@@ -36,7 +36,7 @@ def reference_tokens(tiny_checkpoints):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("cp, ep", [(1, 1), (2, 2), (4, 4)])
+@pytest.mark.parametrize("cp, ep", [(1, 1), (2, 2), pytest.param(4, 4, marks=pytest.mark.slow)])  # 4+ ranks: nightly
 def test_eager_paged_ranks_equal_the_reference(cp, ep, tiny_checkpoints):
     """Chunks of 7 over blocks of 4, then 12 decode steps: logits within fp32 rounding of the
     reference's on the whole sequence, and its tokens."""

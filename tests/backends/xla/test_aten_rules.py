@@ -130,6 +130,8 @@ CASES = [
     _case("exp-neg-inf", aten.exp.default, MASKED, tol=FP32),
     _case("log", aten.log.default, POSITIVE * 10, tol=FP32),
     _case("log-zero-is-neg-inf", aten.log.default, POSITIVE.masked_fill(B, 0.0), tol=FP32),
+    _case("log1p-tiny-and-large", aten.log1p.default, POSITIVE * torch.tensor([1e-7, 1e-3, 1, 10, 1e3, 0, 5]),
+          tol=FP32),
     _case("cos", aten.cos.default, _randn(3, 5, 7, scale=4), tol=FP32),
     _case("sin", aten.sin.default, _randn(3, 5, 7, scale=4), tol=FP32),
     _case("sigmoid", aten.sigmoid.default, _randn(3, 5, 7, scale=6), tol=FP32),
@@ -234,6 +236,10 @@ CASES = [
     _case("cumsum-bool-dtype-int32", aten.cumsum.default, B, 1, dtype=torch.int32),
     _case("cumsum-int", aten.cumsum.default, I, 0),
     _case("cumsum-int-dtype-f32", aten.cumsum.default, I, -2, dtype=torch.float32, tol=FP32),
+    _case("softmax-last", aten._softmax.default, _randn(3, 5, 7, scale=4), -1, False, tol=FP32),
+    _case("softmax-dim0-neg-inf-partial-rows", aten._softmax.default, MASKED.masked_fill(MASKED.isinf().all(-1,
+          keepdim=True), 0.0), 0, False, tol=FP32),
+    _case("softmax-bf16", aten._softmax.default, XB, 1, False, tol=BF16),
     _case("native_layer_norm", aten.native_layer_norm.default, _randn(3, 5, 7, scale=3) + 1, [7],
           _randn(7, seed=1), _randn(7, seed=2), 1e-5, tol=FP32),
     _case("native_layer_norm-two-dims-no-affine", aten.native_layer_norm.default, X, [5, 7], None, None, 1e-6,
@@ -270,6 +276,9 @@ CASES = [
     _case("split_with_sizes-empty-piece", aten.split_with_sizes.default, X, [0, 5], 1),
     _case("cat-negative-dim", aten.cat.default, [X, _randn(3, 5, 2, seed=1), MASKED], -1),
     _case("cat-int-dim0", aten.cat.default, [I, I[:1]]),
+    _case("constant_pad_nd-last-two-dims", aten.constant_pad_nd.default, X, [1, 2, 0, 3], -1.5),
+    _case("constant_pad_nd-crops-negative", aten.constant_pad_nd.default, I, [-2, 1]),
+    _case("constant_pad_nd-bool", aten.constant_pad_nd.default, B, [0, 0, 0, 0, 2, 0], True),
     _case("cat-skips-legacy-empty", aten.cat.default, [X[0], torch.empty(0), X[1]], 0),
     _case("cat-empty-piece", aten.cat.default, [X, X[:, :0]], 1),
     _case("index-none-then-tensor", aten.index.Tensor, X, [None, torch.tensor([4, 0, 0, 2])]),
@@ -434,7 +443,7 @@ def test_first_argmax_is_torch_argmax(name, x):
     np.testing.assert_array_equal(got, torch.argmax(x, dim=-1).numpy())
 
 
-@pytest.mark.parametrize("preset", ["lora-groups", SPARSE_V32])
+@pytest.mark.parametrize("preset", ["lora-groups", SPARSE_V32, "v4"])
 def test_rules_cover_every_op_of_a_step_program(preset, tiny_checkpoints):
     """Every op of a decode step program after the neuron passes and run_decompositions has a rule
     (or is ignored, a graphc op, or the functional KV write)."""

@@ -7,6 +7,8 @@ test_neuron_backend.py serves at 2 and 4 ranks.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,7 @@ from graphc.backends.xla import graphc_ops
 from graphc.backends.xla.aten import Out
 from graphc.backends.xla.lower import Lowering
 from graphc.backends.xla.variants import CPU
-from graphc.ops import all_to_all, collectives, moe, paged_attention, sampler, sparse
+from graphc.ops import all_to_all, collectives, hyper_connections, moe, paged_attention, sampler, sparse
 from graphc.step import PADDING_SLOT
 from graphc.topology import Topology
 
@@ -92,9 +94,30 @@ def test_collectives_over_a_group_of_one_are_the_torch_ops_on_one_device():
     for rule in (graphc_ops.moe_dispatch, graphc_ops.moe_combine):
         moved = _in_jit(lambda low, h, rule=rule: rule(low, _out(hidden), h, "ep", 1), _jax(hidden))
         assert np.array_equal(np.asarray(moved), hidden.numpy())
-    summed = _in_jit(lambda low, h: graphc_ops.all_reduce(low, _out(hidden), h, "world"), _jax(hidden))
-    assert np.array_equal(np.asarray(summed), hidden.numpy())
-    assert np.array_equal(np.asarray(collectives.all_reduce(hidden, "world")), hidden.numpy())
+    for rule, kernel in ((graphc_ops.all_reduce, collectives.all_reduce),
+                         (graphc_ops.all_reduce_max, collectives.all_reduce_max)):
+        reduced = _in_jit(lambda low, h, rule=rule: rule(low, _out(hidden), h, "world"), _jax(hidden))
+        assert np.array_equal(np.asarray(reduced), hidden.numpy())
+        assert np.array_equal(np.asarray(kernel(hidden, "world")), hidden.numpy())
+
+
+@pytest.mark.parametrize("rule, combiner", [(graphc_ops.all_reduce, "add"), (graphc_ops.all_reduce_max, "maximum")])
+def test_each_all_reduce_combines_with_its_own_operation(rule, combiner):
+    """The group's values are summed or maxed by the all-reduce's region: the one thing a group
+    of one cannot show."""
+    text = jax.jit(lambda x: rule(_lowering(), None, x, "world")).lower(jnp.zeros((2, 3))).as_text()
+    [region] = re.findall(r'"stablehlo.all_reduce".*?\}\)', text, flags=re.S)
+    assert set(re.findall(r"stablehlo\.(add|maximum)", region)) == {combiner}
+
+
+def test_hc_sinkhorn_equals_the_torch_kernel():
+    g = torch.Generator().manual_seed(8)
+    comb = torch.softmax(torch.randn(3, 5, 4, 4, generator=g), dim=-1) + 1e-6
+    expected = hyper_connections.hc_sinkhorn(comb, 20, 1e-6)
+    got = jax.jit(lambda c: graphc_ops.hc_sinkhorn(_lowering(), _out(expected), c, 20, 1e-6))(_jax(comb))
+    np.testing.assert_allclose(np.asarray(got), expected.numpy(), rtol=2e-6, atol=0)
+    np.testing.assert_allclose(np.asarray(got).sum(-1), 1, rtol=1e-4)  # doubly stochastic, to eps
+    np.testing.assert_allclose(np.asarray(got).sum(-2), 1, rtol=1e-4)
 
 
 def test_index_topk_combine_orders_candidates_by_score_then_position():

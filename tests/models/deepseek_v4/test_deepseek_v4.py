@@ -214,13 +214,15 @@ def test_fp8_released_weights_load_dequantised(tmp_path):
                                stored["layers.0.attn.compressor.wkv.weight"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("backend, topology, options, says", [
-    ("neuron", {"cp": 1, "ep": 1}, [], r"^model\.checkpoint: DeepseekV4ForCausalLM has no neuron lowering yet"),
-    ("export", {"dp": 2, "cp": 1, "ep": 2}, [], r"^topology\.dp: 2; DeepseekV4ForCausalLM is served with dp = 1"),
-    ("export", {"cp": 2, "ep": 2}, ["--disable-pass", "static_moe"],
+# V4.1 beside V4: its Engram n-gram hash is 64-bit integer arithmetic, which the XLA programs
+# (run without x64) do not lower yet.
+@pytest.mark.parametrize("preset, backend, topology, options, says", [
+    ("v41", "neuron", {"cp": 1, "ep": 1}, [], r"^model\.checkpoint: \S+ has no neuron lowering yet; use the export or"),
+    ("v4", "export", {"dp": 2, "cp": 1, "ep": 2}, [], r"^topology\.dp: 2; DeepseekV4ForCausalLM is served with dp = 1"),
+    ("v4", "export", {"cp": 2, "ep": 2}, ["--disable-pass", "static_moe"],
      r"^model\.moe_lowering: ag_rs routes the tokens it gathers, but DeepSeek-V4's hash-routed layers"),
 ])
-def test_what_v4_cannot_compile_yet_is_refused_before_any_work(backend, topology, options, says, tmp_path,
+def test_what_v4_cannot_compile_yet_is_refused_before_any_work(preset, backend, topology, options, says, tmp_path,
                                                                tiny_checkpoints):
     import yaml
     from click.testing import CliRunner
@@ -228,7 +230,7 @@ def test_what_v4_cannot_compile_yet_is_refused_before_any_work(backend, topology
     from graphc.cli import cli
     from support import TEST_BUCKETS, model_yaml
 
-    config = {**model_yaml(tiny_checkpoints["v4"], TEST_BUCKETS["small"], backend), "topology": topology}
+    config = {**model_yaml(tiny_checkpoints[preset], TEST_BUCKETS["small"], backend), "topology": topology}
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(config))
     result = CliRunner().invoke(cli, ["compile", str(tmp_path / "model.yaml"), "-o", str(tmp_path / "out"), *options])
     assert result.exit_code == 2, result.output

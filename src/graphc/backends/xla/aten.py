@@ -184,6 +184,18 @@ def _scalar_tensor(out, value, **_):
     return jnp.asarray(value, dtype=out.dtype)
 
 
+def _softmax(out, x, dim, half_to_float=False):
+    return jax.nn.softmax(x.astype(out.dtype), axis=_axis(dim, x.ndim))
+
+
+def _constant_pad_nd(out, x, pad, value=0):
+    """torch's pad list: (before, after) pairs from the last dim backwards; negative entries crop."""
+    config = [(0, 0, 0)] * x.ndim
+    for pair in range(len(pad) // 2):
+        config[x.ndim - 1 - pair] = (pad[2 * pair], pad[2 * pair + 1], 0)
+    return jax.lax.pad(x, jnp.asarray(value, x.dtype), config)
+
+
 def _native_layer_norm(out, x, normalized_shape, weight, bias, eps):
     """(y, mean, rstd) over the trailing `normalized_shape` dims, statistics in fp32 as ATen's."""
     axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
@@ -232,6 +244,7 @@ RULES: dict = {
     aten.neg.default: _unary(jnp.negative),
     aten.exp.default: _unary(jnp.exp),
     aten.log.default: _unary(jnp.log),
+    aten.log1p.default: _unary(jnp.log1p),
     aten.cos.default: _unary(jnp.cos),
     aten.sin.default: _unary(jnp.sin),
     aten.sigmoid.default: _unary(jax.nn.sigmoid),
@@ -272,6 +285,7 @@ RULES: dict = {
     aten.sum.dim_IntList: _reduction(jnp.sum),
     aten.mean.dim: _reduction(jnp.mean),
     aten.cumsum.default: _cumsum,
+    aten._softmax.default: _softmax,
     aten.native_layer_norm.default: _native_layer_norm,
     aten.view.default: lambda out, x, size: x.reshape(out.shape),
     aten._unsafe_view.default: lambda out, x, size: x.reshape(out.shape),
@@ -284,6 +298,7 @@ RULES: dict = {
     aten.slice.Tensor: _slice,
     aten.split_with_sizes.default: _split_with_sizes,
     aten.cat.default: _cat,
+    aten.constant_pad_nd.default: _constant_pad_nd,
     aten.index.Tensor: _index,
     aten.index_select.default: _index_select,
     aten.gather.default: _gather,

@@ -26,11 +26,11 @@ def _groups_attribute(groups: Groups) -> ir.DenseIntElementsAttr:
     return ir.DenseIntElementsAttr.get(np.asarray(groups, dtype=np.int64))
 
 
-def _sum_region(op, dtype) -> None:
+def _reduction_region(op, dtype, combine=hlo.add) -> None:
     scalar = ir.RankedTensorType.get([], mlir.dtype_to_ir_type(dtype))
     block = op.regions[0].blocks.append(scalar, scalar)
     with ir.InsertionPoint(block):
-        hlo.return_([hlo.add(*block.arguments)])
+        hlo.return_([combine(*block.arguments)])
 
 
 def _size(groups: Groups) -> int:
@@ -38,12 +38,12 @@ def _size(groups: Groups) -> int:
 
 
 all_reduce_p = Primitive("graphc_all_reduce")
-all_reduce_p.def_abstract_eval(lambda x, *, groups: core.ShapedArray(x.shape, x.dtype))
+all_reduce_p.def_abstract_eval(lambda x, *, groups, maximum=False: core.ShapedArray(x.shape, x.dtype))
 
 
-def _all_reduce_lowering(ctx, x, *, groups):
+def _all_reduce_lowering(ctx, x, *, groups, maximum=False):
     op = hlo.AllReduceOp([x.type], [x], replica_groups=_groups_attribute(groups))
-    _sum_region(op, ctx.avals_in[0].dtype)
+    _reduction_region(op, ctx.avals_in[0].dtype, hlo.maximum if maximum else hlo.add)
     return op.results
 
 
@@ -69,7 +69,7 @@ reduce_scatter_p.def_abstract_eval(
 def _reduce_scatter_lowering(ctx, x, *, groups):
     out = mlir.aval_to_ir_type(ctx.avals_out[0])
     op = hlo.ReduceScatterOp(out, x, scatter_dimension=mlir.i64_attr(0), replica_groups=_groups_attribute(groups))
-    _sum_region(op, ctx.avals_in[0].dtype)
+    _reduction_region(op, ctx.avals_in[0].dtype)
     return op.results
 
 
@@ -91,6 +91,11 @@ mlir.register_lowering(all_to_all_p, _all_to_all_lowering)
 def all_reduce(x, groups: Groups):
     """The sum of `x` over each rank's group."""
     return all_reduce_p.bind(x, groups=groups)
+
+
+def all_reduce_max(x, groups: Groups):
+    """The elementwise maximum of `x` over each rank's group."""
+    return all_reduce_p.bind(x, groups=groups, maximum=True)
 
 
 def all_gather(x, groups: Groups):

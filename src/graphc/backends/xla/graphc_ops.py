@@ -1,6 +1,7 @@
 """Lowering rules for the graphc:: ops that reach the XLA lowering (the others are inlined to
 ATen by `passes/inline_reference_kernels.py` first): the KV write, the sampler, the grouped
-expert GEMM and the collectives (the all-to-all MoE's included).
+expert GEMM, DeepSeek-V4's Sinkhorn normalisation and the collectives (the all-to-all MoE's
+included).
 
 Each rule takes the `Lowering` (topology groups, HLO variant, the sampler's noise), the node's
 `Out` and the op's arguments; each follows its torch kernel in `graphc.ops` (tested against it).
@@ -136,6 +137,20 @@ def all_reduce(lowering, out: Out, partial, group: str):
     return collectives.all_reduce(partial, lowering.groups(group))
 
 
+def all_reduce_max(lowering, out: Out, partial, group: str):
+    return collectives.all_reduce_max(partial, lowering.groups(group))
+
+
+def hc_sinkhorn(lowering, out: Out, comb, iterations: int, eps: float):
+    """`graphc.ops.hyper_connections.hc_sinkhorn_reference`, unrolled: columns normalised, then
+    `iterations` - 1 rounds of rows then columns."""
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    for _ in range(iterations - 1):
+        comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    return comb
+
+
 def gather_columns(lowering, out: Out, part, group: str, group_size: int = 1):
     gathered = collectives.all_gather(part, lowering.groups(group))  # [G, ..., N]
     return jnp.moveaxis(gathered, 0, -2).reshape(out.shape)
@@ -168,6 +183,8 @@ RULES = {
     ops.moe_dispatch.default: moe_dispatch,
     ops.moe_combine.default: moe_combine,
     ops.all_reduce.default: all_reduce,
+    ops.all_reduce_max.default: all_reduce_max,
+    ops.hc_sinkhorn.default: hc_sinkhorn,
     ops.moe_a2a_dispatch.default: moe_a2a_dispatch,
     ops.moe_a2a_combine.default: moe_a2a_combine,
     ops.gather_columns.default: gather_columns,

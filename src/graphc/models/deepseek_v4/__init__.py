@@ -29,7 +29,6 @@ FAMILY = Family(
     keeps_fp32=layout.keeps_fp32,
     index_tensors=layout.INDEX_TENSORS,
     fp8_quantised=layout.FP8_RELEASED,
-    backends=("export", "inductor"),
     data_parallel=False,
     check_exchange=_check_exchange,
     attention_collectives=predictions.attention_collectives,
