@@ -185,7 +185,9 @@ def _scalar_tensor(out, value, **_):
 
 
 def _softmax(out, x, dim, half_to_float=False):
-    return jax.nn.softmax(x.astype(out.dtype), axis=_axis(dim, x.ndim))
+    """In fp32 at least, as ATen accumulates a bf16 softmax, then in the output's dtype."""
+    wide = jnp.promote_types(out.dtype, jnp.float32)
+    return jax.nn.softmax(x.astype(wide), axis=_axis(dim, x.ndim)).astype(out.dtype)
 
 
 def _constant_pad_nd(out, x, pad, value=0):
