@@ -192,3 +192,19 @@ def run_step(step, model, bucket: Bucket, seed: int = 0, coordinates: tuple[int,
 
 def copy_program(program):
     return copy.deepcopy(program)
+
+
+def serve_arrivals(scheduler, arrivals: list, run_step, max_steps: int = 2000) -> list:
+    """Submit each (step, request) of `arrivals` once that many steps have run, and run steps
+    (`run_step(step) -> one token per row`) until every request has ended; their results, in
+    arrival order. Requests arriving over time are what lets one reuse another's cached prefix."""
+    pending, indices, steps = sorted(arrivals, key=lambda arrival: arrival[0]), [], 0
+    while pending or not scheduler.done:
+        while pending and pending[0][0] <= steps:
+            indices.append(scheduler.submit(pending.pop(0)[1]))
+        if not scheduler.done:
+            step = scheduler.next_step()
+            scheduler.complete(step, run_step(step))
+        steps += 1
+        assert steps < max_steps, "the scheduler did not finish"
+    return [scheduler.results[i] for i in indices]

@@ -143,6 +143,9 @@ class RuntimeSection:
     leaves after the prompt (`graphc.request.default_max_new_tokens`)."""
     sampling: Sampling = field(default_factory=Sampling)
     """Default sampling parameters of a request."""
+    prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes seen before (`graphc.runtime.prefix_cache`: exact for
+    every family); GRAPHC_PREFIX_CACHING=0 turns it off at run time without recompiling."""
 
 
 @dataclass(frozen=True)

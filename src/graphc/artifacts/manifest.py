@@ -142,6 +142,7 @@ class RuntimeInfo:
     max_num_prefilling_tokens: int
     max_new_tokens: int
     sampling: Sampling
+    prefix_caching: bool = True
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from graphc.artifacts.manifest import GraphEntry, Manifest, RankEntry
 from graphc.backends import BACKENDS, GraphContext, backend
 from graphc.buckets.selection import Bucket
 from graphc.errors import GraphcError
+from graphc.runtime.prefix_cache import prefix_caching_enabled
 import graphc.ops  # noqa: F401  (graphs call graphc:: ops: register them before loading)
 from graphc.step import kv_pool_shape
 
@@ -53,10 +54,12 @@ class LoadedRank:
 
 
 def check_servable(artifacts: Path, manifest: Manifest) -> None:
-    """Refuse shapes-only artifacts (programs without weights) before anything starts."""
+    """Refuse shapes-only artifacts (programs without weights), and a GRAPHC_PREFIX_CACHING that is
+    neither 0 nor 1, before anything starts."""
     if manifest.shapes_only:
         raise GraphcError(f"{artifacts}: compiled shapes-only (from a config.json without weights): nothing to serve; "
                           "compile the checkpoint with its weights to run it")
+    prefix_caching_enabled(manifest.runtime.prefix_caching)
 
 
 def kv_pool_blocks(manifest: Manifest) -> int:

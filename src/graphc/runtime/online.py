@@ -38,6 +38,8 @@ class Ticket:
     index: int | None = None
     """The scheduler's index, once the engine thread has taken the request."""
     cancelled: bool = False
+    cached_tokens: int = 0
+    """Prompt tokens its sequence read from the prefix cache (set before its first token is delivered)."""
 
 
 @dataclass
@@ -47,7 +49,10 @@ class EngineState:
     waiting: int = 0
     running: int = 0
     blocks_in_use: int = 0
+    cached_blocks: int = 0
     num_blocks: int = 0
+    prefix_cache_tokens: tuple[int, int] = (0, 0)
+    """Prompt tokens looked up in the prefix cache and found there, since the start."""
     steps: dict[str, int] = field(default_factory=dict)
     failure: str | None = None
 
@@ -140,6 +145,7 @@ class OnlineEngine:
                 if not self.session.idle:
                     for emitted in self.session.step():
                         ticket = self._tickets[emitted.index]
+                        ticket.cached_tokens = emitted.cached_tokens
                         if emitted.result is not None:
                             del self._tickets[emitted.index]
                             del scheduler.results[emitted.index]  # delivered: a server keeps no history
@@ -174,6 +180,8 @@ class OnlineEngine:
             self.state.waiting = len(scheduler.waiting)
             self.state.running = len(scheduler.running)
             self.state.blocks_in_use = scheduler.blocks_in_use
+            self.state.cached_blocks = scheduler.cached_blocks
+            self.state.prefix_cache_tokens = scheduler.prefix_cache_tokens
             self.state.steps = {name: stats.steps for name, stats in self.engine.stats.items()}
 
     def _fail(self, message: str) -> None:

@@ -5,6 +5,7 @@ Pure Python plus small tensors, shared by the eager reference and the runtime.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -19,24 +20,71 @@ class OutOfBlocks(GraphcError):
 
 
 class BlockAllocator:
-    """A free list over the pool's `num_blocks` blocks."""
+    """A free list over the pool's `num_blocks` blocks, and the full blocks kept for reuse.
+
+    A block published under a key (`graphc.runtime.prefix_cache`: the hash chain of the tokens
+    that decide its contents) stays cached after its last holder releases it: idle, evicted least
+    recently used only when an allocation finds the free list empty. Idle blocks count as free, so
+    caching never makes a request wait. Without published blocks this is a plain free list.
+    """
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._block_of: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._holders: dict[int, int] = {}  # published block -> sequences holding it
+        self._idle: OrderedDict[int, None] = OrderedDict()  # published, held by none; oldest first
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: never handed out, or cached and idle."""
+        return len(self._free) + len(self._idle)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Published blocks, held or idle."""
+        return len(self._key_of)
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise OutOfBlocks(f"KV pool exhausted: need {count} more block(s), {len(self._free)} free "
+        if count > self.free_blocks:
+            raise OutOfBlocks(f"KV pool exhausted: need {count} more block(s), {self.free_blocks} free "
                               f"of {self.num_blocks}; raise kv_cache.num_blocks or GRAPHC_NUM_KV_BLOCKS")
-        return [self._free.pop() for _ in range(count)]
+        return [self._free.pop() if self._free else self._evict() for _ in range(count)]
+
+    def _evict(self) -> int:
+        block, _ = self._idle.popitem(last=False)
+        del self._block_of[self._key_of.pop(block)], self._holders[block]
+        return block
 
     def release(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        for block in blocks:
+            if block in self._key_of:
+                self._holders[block] -= 1
+                if not self._holders[block]:
+                    self._idle[block] = None  # the most recently used end
+        self._free.extend(reversed([block for block in blocks if block not in self._key_of]))
+
+    def lookup(self, key: bytes) -> int | None:
+        """The cached block published under `key`, if it is still cached."""
+        return self._block_of.get(key)
+
+    def is_idle(self, block: int) -> bool:
+        return block in self._idle
+
+    def hold(self, block: int) -> None:
+        """One more sequence reads the cached `block` (a hit): it is not evicted while held."""
+        self._holders[block] += 1
+        self._idle.pop(block, None)
+
+    def publish(self, block: int, key: bytes) -> bool:
+        """Cache `block`, held by the one sequence that wrote it, under `key`. False when another
+        block already holds that content (two requests computed it at once): this one stays
+        private and returns to the free list on release."""
+        if key in self._block_of:
+            return False
+        self._block_of[key], self._key_of[block], self._holders[block] = block, key, 1
+        return True
 
 
 @dataclass

@@ -3,8 +3,10 @@
 Each replica is a `Scheduler` of its own (queue, KV allocators, running sequences); this one
 admits requests to replicas and decides the one bucket every replica runs in a step, because the
 ranks' MoE exchanges tokens across replicas and every rank must run the same graph:
-1. **Admission**: a request goes to the replica with the most free KV blocks (net of what its
-   queue will take), the lowest-numbered on ties; it is served there to the end.
+1. **Admission**: a request goes to the replica whose prefix cache holds the longest prefix of
+   its prompt among those with room for it (free KV blocks net of what their queues will take);
+   with no cached prefix anywhere, to the replica with the most room, the lowest-numbered on ties.
+   It is served there to the end.
 2. **Which step**: a prefill step if any replica has a long prompt waiting and either nothing
    else can run anywhere or the previous step was not a prefill (the one-replica alternation,
    over all replicas); each replica with a long prompt runs one chunk of its oldest, in the
@@ -50,6 +52,15 @@ class ReplicatedScheduler:
         return sum(replica.blocks_in_use for replica in self.replicas)
 
     @property
+    def cached_blocks(self) -> int:
+        return sum(replica.cached_blocks for replica in self.replicas)
+
+    @property
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        counts = [replica.prefix_cache_tokens for replica in self.replicas]
+        return sum(q for q, _ in counts), sum(h for _, h in counts)
+
+    @property
     def done(self) -> bool:
         return all(replica.done for replica in self.replicas)
 
@@ -58,14 +69,20 @@ class ReplicatedScheduler:
 
     def submit(self, request: Request) -> int:
         index, self._submitted = self._submitted, self._submitted + 1
-        self.replicas[self._emptiest()].submit(request, index)
+        self.replicas[self._route(request)].submit(request, index)
         return index
 
-    def _emptiest(self) -> int:
+    def _route(self, request: Request) -> int:
+        """Rule 1: the replica with the longest cached prefix among those with room, else the roomiest."""
         def room(replica: Scheduler) -> int:
-            queued = sum(sum(replica.blocks_needed(request)) for _, request in replica.waiting)
+            queued = sum(sum(replica.blocks_needed(waiting)) for _, waiting in replica.waiting)
             return sum(a.free_blocks for a in replica.allocators) - queued
         rooms = [room(replica) for replica in self.replicas]
+        needed = sum(self.replicas[0].blocks_needed(request))
+        cached = [replica.cached_prefix(request) if space >= needed else 0
+                  for replica, space in zip(self.replicas, rooms)]
+        if max(cached) > 0:
+            return cached.index(max(cached))
         return rooms.index(max(rooms))
 
     def cancel(self, index: int) -> Result | None:

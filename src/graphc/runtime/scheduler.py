@@ -3,7 +3,9 @@
 Policy, step by step:
 1. **Admission** (FIFO). A request is admitted once the pool has free blocks for its whole life:
    min(prompt + max_new_tokens, context_limit) - 1 positions (the last token is never cached). Reserving up front means a running
-   sequence never runs out of blocks (no preemption needed). A request that could never fit (a
+   sequence never runs out of blocks (no preemption needed). With prefix caching
+   (`graphc.runtime.prefix_cache`) the blocks of the prompt's longest cached prefix are shared
+   instead, and its prefill starts after them; cached blocks nobody holds count as free. A request that could never fit (a
    prompt of context_limit tokens or more, or more blocks than the pool holds) fails at once with
    a per-request error; the others are still served.
 2. **Which step.** Prompts are split into chunks of at most `max_prefill_chunk` tokens (the
@@ -24,7 +26,7 @@ Policy, step by step:
    Alternating a/b-c keeps long prompts from stalling running decodes.
 3. **Finishing.** A sequence ends at one of its model's EOS ids (once it has `min_new_tokens`),
    at max_new_tokens, when prompt + generated reaches context_limit, or when it is cancelled;
-   its blocks return to the pool at once.
+   its blocks return to the pool at once (its full blocks stay cached with prefix caching).
 
 Requests arrive at any time (`submit`, between steps) and are admitted by the same rules; a batch
 given to the constructor is the same as submitting it in order.
@@ -41,6 +43,7 @@ from graphc.artifacts.manifest import Manifest
 from graphc.backends import backend
 from graphc.buckets.selection import Bucket, max_prefill_chunk, smallest_fitting
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks
+from graphc.runtime.prefix_cache import PrefixCache, prefix_caching_enabled, root_key
 from graphc.sampling import Sampling
 from graphc.step import ceil_div
 
@@ -67,6 +70,8 @@ class Result:
     first_token_seconds: float | None = None
     """Time to first token: from the scheduler's start (the `generate` call) to this request's
     first generated token."""
+    cached_tokens: int = 0
+    """Prompt tokens read from the prefix cache instead of computed."""
 
 
 @dataclass
@@ -77,6 +82,9 @@ class Sequence:
     prefilled: int = 0
     output: list[int] = field(default_factory=list)
     first_token_seconds: float | None = None
+    cached_tokens: int = 0
+    block_keys: list[bytes] = field(default_factory=list)
+    """The prefix cache's keys of its first full blocks (with prefix caching)."""
 
     @property
     def prefilling(self) -> bool:
@@ -94,6 +102,8 @@ class Emitted:
     index: int
     token: int
     result: Result | None
+    cached_tokens: int = 0
+    """Prompt tokens the request read from the prefix cache."""
 
 
 Row = tuple[Sequence, list[int], int]
@@ -124,17 +134,21 @@ class Scheduler:
         `num_blocks` per rank, the manifest's or GRAPHC_NUM_KV_BLOCKS') and runtime section."""
         buckets, kv = manifest.buckets, manifest.kv_cache
         scratch = int(backend(manifest.backend).fixed_pool)  # the scratch block is never allocated
+        caching = prefix_caching_enabled(manifest.runtime.prefix_caching)
         return cls(requests, prefill=buckets.prefill, decode=buckets.decode, context_limit=buckets.context_limit,
                    block_size=kv.block_size, num_blocks=num_blocks - scratch,
                    max_num_prefilling_tokens=manifest.runtime.max_num_prefilling_tokens,
                    eos_token_ids=manifest.model.eos_token_id, kv_shards=manifest.topology.cp,
-                   prompt_as_decode=buckets.prompt_as_decode)
+                   prompt_as_decode=buckets.prompt_as_decode,
+                   prefix_cache_salt=(manifest.model_fingerprint, manifest.model.dtype) if caching else None)
 
     def __init__(self, requests: list[Request], *, prefill: list[int], decode: list[int], context_limit: int,
                  block_size: int, num_blocks: int, max_num_prefilling_tokens: int, eos_token_ids: list[int],
-                 kv_shards: int = 1, prompt_as_decode: int = 0):
+                 kv_shards: int = 1, prompt_as_decode: int = 0, prefix_cache_salt: tuple[str, ...] | None = None):
         """`num_blocks` is each rank's pool; with `kv_shards` context-parallel ranks, a sequence's
-        block j lives on rank j % kv_shards and is allocated from that rank's pool."""
+        block j lives on rank j % kv_shards and is allocated from that rank's pool. With
+        `prefix_cache_salt` (what decides a block's contents besides its tokens) full blocks
+        are cached and reused."""
         self.prefill, self.decode = sorted(prefill), sorted(decode)
         self.context_limit, self.block_size = context_limit, block_size
         self.eos = set(eos_token_ids)
@@ -143,6 +157,8 @@ class Scheduler:
         self.kv_shards = kv_shards
         self.allocators = [BlockAllocator(num_blocks) for _ in range(kv_shards)]
         self.allocator = self.allocators[0]
+        self.prefix_cache = (None if prefix_cache_salt is None else
+                             PrefixCache(self.allocators, block_size, root_key(*prefix_cache_salt, str(block_size))))
         self.results: dict[int, Result] = {}
         self.waiting: deque[tuple[int, Request]] = deque()
         self.running: list[Sequence] = []
@@ -184,6 +200,17 @@ class Scheduler:
         """KV blocks held by admitted requests, over every shard's pool."""
         return sum(a.num_blocks - a.free_blocks for a in self.allocators)
 
+    @property
+    def cached_blocks(self) -> int:
+        """Full blocks the prefix cache holds (in use or idle), over every shard's pool."""
+        return sum(a.cached_blocks for a in self.allocators)
+
+    @property
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        """Prompt tokens of admitted requests looked up in the prefix cache, and found there."""
+        cache = self.prefix_cache
+        return (cache.queried_tokens, cache.hit_tokens) if cache else (0, 0)
+
     def _lifetime(self, request: Request) -> int:
         """KV positions the request can ever write: every prompt token and every generated token
         but the last (which is returned, never fed back)."""
@@ -217,13 +244,24 @@ class Scheduler:
         """Admit waiting requests in order while the pool holds their whole lives (rule 1)."""
         while self.waiting:
             index, request = self.waiting[0]
+            hits, keys = self.prefix_cache.match(request.prompt) if self.prefix_cache else ([], [])
             needed = self.blocks_needed(request)
+            if hits:
+                needed = self.prefix_cache.fresh_needed(needed, hits)
             if any(n > allocator.free_blocks for n, allocator in zip(needed, self.allocators)):
                 return
             self.waiting.popleft()
-            sequence = Sequence(index, request, SequenceBlocks(self.block_size, num_shards=self.kv_shards))
+            if self.prefix_cache:
+                self.prefix_cache.hold(len(request.prompt), hits)
+            cached = len(hits) * self.block_size
+            sequence = Sequence(index, request, SequenceBlocks(self.block_size, list(hits), self.kv_shards),
+                                prefilled=cached, cached_tokens=cached, block_keys=keys)
             sequence.blocks.reserve(self._lifetime(request), self.allocators)
             self.running.append(sequence)
+
+    def cached_prefix(self, request: Request) -> int:
+        """Prompt tokens of `request` the prefix cache holds now (0 without caching)."""
+        return len(self.prefix_cache.match(request.prompt)[0]) * self.block_size if self.prefix_cache else 0
 
     def next_step(self) -> Step:
         self.admit()
@@ -275,22 +313,35 @@ class Scheduler:
             if sequence.prefilling:
                 sequence.prefilled = start + len(run)
                 if sequence.prefilling:
+                    self._publish(sequence)
                     continue  # a middle chunk: its sample is not a generated token
             sequence.output.append(token)
+            self._publish(sequence)
             if len(sequence.output) == 1:
                 sequence.first_token_seconds = time.perf_counter() - self.started
             reason = self._finish_reason(sequence)
             if reason:
                 self._finish(sequence, reason)
-            emitted.append(Emitted(sequence.index, token, self.results.get(sequence.index) if reason else None))
+            emitted.append(Emitted(sequence.index, token, self.results.get(sequence.index) if reason else None,
+                                   sequence.cached_tokens))
         return emitted
+
+    def _publish(self, sequence: Sequence) -> None:
+        """Offer the prefix cache the sequence's blocks whose every position is now written."""
+        if self.prefix_cache is None:
+            return
+        prompt = sequence.request.prompt
+        written = sequence.prefilled if sequence.prefilling else len(prompt) + len(sequence.output) - 1
+        if written // self.block_size > len(sequence.block_keys):
+            self.prefix_cache.publish(sequence.blocks.blocks, sequence.block_keys, prompt + sequence.output, written)
 
     def _finish(self, sequence: Sequence, reason: str) -> None:
         self.running.remove(sequence)
         for shard, allocator in enumerate(self.allocators):
             allocator.release(sequence.blocks.shard_blocks(shard))
         self.results[sequence.index] = Result(sequence.request, sequence.output, reason,
-                                              first_token_seconds=sequence.first_token_seconds)
+                                              first_token_seconds=sequence.first_token_seconds,
+                                              cached_tokens=sequence.cached_tokens)
 
     def _finish_reason(self, sequence: Sequence) -> str | None:
         request = sequence.request

@@ -62,10 +62,16 @@ class _EngineCollector:
             ("graphc_requests_running", "Requests admitted and generating", state.running),
             ("graphc_kv_blocks_in_use", "KV blocks held by admitted requests (every shard)", state.blocks_in_use),
             ("graphc_kv_blocks_total", "KV blocks in the pool (every shard)", state.num_blocks),
+            ("graphc_kv_blocks_cached", "Full KV blocks kept by the prefix cache, in use or idle (every shard)",
+             state.cached_blocks),
             ("graphc_generation_tokens_per_second", f"Tokens over the last {RATE_WINDOW_SECONDS:.0f} s",
              self.metrics.tokens_per_second()),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        queried, hit = state.prefix_cache_tokens
+        yield CounterMetricFamily("graphc_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=queried)
+        yield CounterMetricFamily("graphc_prefix_cache_hits", "Prompt tokens found in the prefix cache", value=hit)
         steps = CounterMetricFamily("graphc_steps", "Steps run, by bucket", labels=["bucket"])
         for bucket, count in sorted(state.steps.items()):
             steps.add_metric([bucket], count)

@@ -135,7 +135,8 @@ CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
 
 def _usage(generation: Generation) -> dict:
     prompt, completion = len(generation.request.prompt), len(generation.ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": generation.ticket.cached_tokens}}
 
 
 class GenerationStream(StreamingResponse):
