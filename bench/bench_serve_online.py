@@ -15,7 +15,13 @@ traffic for both servers).
    of at most P tokens arrive (Poisson); their time to first token with and without
    prompt-as-decode graphs, and the ratio. Without them, each short prompt takes a prefill step
    of its own between the running decodes' steps; with them, it joins the decode step.
+3. Prefix caching: 32 requests sharing a 192-token prefix, each with its own 16-token suffix,
+   arriving over time (Poisson, 4/s), served by the P = 4 artifacts with GRAPHC_PREFIX_CACHING=1
+   and =0: mean time to first token of each and the ratio, whether the greedy tokens are equal,
+   and the hit rate (`graphc_prefix_cache_hits` / `_queries` from /metrics).
 Absolute times are this machine's; the ratios within one run are the result.
+
+    .venv/bin/python bench/bench_serve_online.py --sections prefix   # the prefix-caching figure alone
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import statistics
@@ -37,6 +44,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 BUCKETS = {"prefill": [16, 64], "decode": [1, 4, 8], "context_limit": 256}
 PROMPT_AS_DECODE = 4
+PREFIX_REQUESTS, PREFIX_TOKENS, SUFFIX_TOKENS = 32, 192, 16
 
 
 def compile_artifacts(work: Path, backend: str) -> dict[str, Path]:
@@ -58,10 +66,10 @@ def compile_artifacts(work: Path, backend: str) -> dict[str, Path]:
 
 
 class Server:
-    def __init__(self, artifacts: Path):
+    def __init__(self, artifacts: Path, env: dict[str, str] | None = None):
         self.process = subprocess.Popen([str(Path(sys.executable).parent / "graphc"), "serve", str(artifacts),
                                          "--port", "0", "--model-name", "tiny", "--max-waiting", "1024"],
-                                        stderr=subprocess.PIPE, text=True)
+                                        stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
         for line in self.process.stderr:
             if match := re.search(r"on (http://\S+)", line):
                 self.url = match.group(1)
@@ -75,7 +83,7 @@ class Server:
 
 async def one_request(client, url: str, prompt: list[int], max_tokens: int, start: float, ignore_eos=True) -> dict:
     await asyncio.sleep(max(0.0, start - time.monotonic()))
-    sent, times = time.monotonic(), []
+    sent, times, ids_seen = time.monotonic(), [], []
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": ignore_eos,
             "temperature": 0}
     try:
@@ -86,9 +94,10 @@ async def one_request(client, url: str, prompt: list[int], max_tokens: int, star
                 if line.startswith("data: {"):
                     ids = json.loads(line[6:])["choices"][0].get("token_ids", [])
                     times += [time.monotonic()] * len(ids)
+                    ids_seen += ids
     except httpx2.HTTPError:
         return {"failed": True}
-    return {"failed": not times, "sent": sent, "times": times}
+    return {"failed": not times, "sent": sent, "times": times, "ids": ids_seen}
 
 
 def traffic(rate: float, count: int, seed: int) -> list[tuple[float, list[int], int]]:
@@ -142,15 +151,66 @@ async def short_prompts_under_load(url: str, count: int, seed: int) -> list[floa
     return [r["times"][0] - r["sent"] for r in results if not r["failed"]]
 
 
+def shared_prefix_traffic(seed: int) -> list[tuple[float, list[int], int]]:
+    """Section 3's requests: a 192-token prefix, a 16-token suffix each, Poisson arrivals at 4/s."""
+    rng, at = random.Random(seed), 0.0
+    prefix, out = [rng.randrange(3, 250) for _ in range(PREFIX_TOKENS)], []
+    for _ in range(PREFIX_REQUESTS):
+        at += rng.expovariate(4.0)
+        out.append((at, prefix + [rng.randrange(3, 250) for _ in range(SUFFIX_TOKENS)], 8))
+    return out
+
+
+def prefix_cache_counts(url: str) -> tuple[float, float]:
+    text = httpx2.get(f"{url}/metrics").text
+    return tuple(float(re.search(rf"^graphc_prefix_cache_{name}_total (\S+)$", text, re.M).group(1))
+                 for name in ("queries", "hits"))
+
+
+def prefix_caching(artifacts: Path) -> None:
+    print(f"\nprefix caching: {PREFIX_REQUESTS} requests, a {PREFIX_TOKENS}-token shared prefix + "
+          f"{SUFFIX_TOKENS}-token suffixes, Poisson 4/s, 8 new tokens each")
+    outcome = {}
+    for caching in ("1", "0"):
+        server = Server(artifacts, {"GRAPHC_PREFIX_CACHING": caching})
+        try:
+            asyncio.run(run_traffic(server.url, traffic(4, 8, seed=1)))  # warm-up: unrelated prompts
+            before = prefix_cache_counts(server.url)
+            results = asyncio.run(run_traffic(server.url, shared_prefix_traffic(seed=11)))
+            queries, hits = (b - a for a, b in zip(before, prefix_cache_counts(server.url)))
+            floor = asyncio.run(run_traffic(server.url, [(0.1 * i, [5 + i], 1) for i in range(16)]))
+        finally:
+            server.stop()
+        done = [r for r in results if not r["failed"]]
+        ttft = statistics.mean(r["times"][0] - r["sent"] for r in done)
+        outcome[caching] = ttft, [r["ids"] for r in done], len(results) - len(done)
+        floor_ms = statistics.mean(r["times"][0] - r["sent"] for r in floor) * 1e3
+        print(f"  GRAPHC_PREFIX_CACHING={caching}: mean TTFT {ttft * 1e3:7.1f} ms (a 1-token prompt's: "
+              f"{floor_ms:.1f} ms), {len(done)} done, "
+              f"{len(results) - len(done)} failed, hit rate {hits / queries if queries else 0:.1%} "
+              f"({hits:.0f} of {queries:.0f} prompt tokens)")
+    (on, on_ids, _), (off, off_ids, _) = outcome["1"], outcome["0"]
+    print(f"  mean TTFT {off / on:.2f}x lower with caching; tokens equal: {on_ids == off_ids}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="2,8,32")
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--backend", default="inductor", choices=["export", "inductor"])
     parser.add_argument("--work", type=lambda p: Path(p).resolve(), default=ROOT / "build" / "bench-serve-online")
+    parser.add_argument("--sections", default="load,prefix", help="load (sections 1 and 2), prefix (section 3)")
     options = parser.parse_args()
     options.work.mkdir(parents=True, exist_ok=True)
     artifacts = compile_artifacts(options.work, options.backend)
+    sections = set(options.sections.split(","))
+    if "load" in sections:
+        load_and_short_prompts(artifacts, options)
+    if "prefix" in sections:
+        prefix_caching(artifacts["P=4"])
+
+
+def load_and_short_prompts(artifacts: dict[str, Path], options) -> None:
     rates = [float(r) for r in options.rates.split(",")]
     print(f"tiny lora-groups preset, {options.backend}, {options.requests} requests per rate, streaming, greedy\n")
     print(f"{'server':6s} {'rate/s':>7s} {'done':>5s} {'failed':>6s} {'tok/s':>8s} {'TTFT p50':>9s} {'p99':>8s} "

@@ -211,11 +211,12 @@ def test_unknown_keys_of_mixed_types(data):
         ("runtime.sampling.top_p", True, r"^runtime\.sampling\.top_p: expected a number, got True$"),
         ("model.checkpoint", 5, r"^model\.checkpoint: expected a path string, got 5$"),
         ("model.checkpoint", "", r"^model\.checkpoint: expected a path string, got ''$"),
+        ("runtime.prefix_caching", "yes", r"^runtime\.prefix_caching: expected true or false, got 'yes'$"),
     ],
     ids=[
         "str-for-int", "bool-for-int", "bool-in-list", "list-for-mapping", "str-for-mapping", "none-for-mapping",
         "float-for-int", "float-in-list", "int-for-list", "mapping-for-list", "bad-dtype", "bad-sparse-probabilities", "bad-backend",
-        "str-for-float", "bool-for-float", "int-for-path", "empty-path",
+        "str-for-float", "bool-for-float", "int-for-path", "empty-path", "str-for-bool",
     ],
 )
 def test_wrong_type(data, key, value, match):

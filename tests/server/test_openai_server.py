@@ -126,6 +126,20 @@ def test_models_health_and_metrics(server):
             "graphc_generation_tokens_per_second"} <= set(metrics)
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens_in_usage_and_metrics(server):
+    prompt = [(17 * i) % 240 + 9 for i in range(30)]  # 29 positions before its last token: 3 blocks of 8
+    before = server.metrics()
+    first = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    chunks = list(server.client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    after = server.metrics()
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 24
+    assert after["graphc_prefix_cache_queries_total"] - before["graphc_prefix_cache_queries_total"] == 60
+    assert after["graphc_prefix_cache_hits_total"] - before["graphc_prefix_cache_hits_total"] == 24
+    assert after["graphc_kv_blocks_cached"] >= 3
+
+
 def test_fifty_clients_that_disconnect_mid_stream_free_every_block(server):
     def leave_early(n: int) -> int:
         body = {"model": "tiny", "prompt": prompts(50)[n], "max_tokens": 80, "stream": True, "ignore_eos": True}
