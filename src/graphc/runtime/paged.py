@@ -77,14 +77,12 @@ class BlockAllocator:
         self._holders[block] += 1
         self._idle.pop(block, None)
 
-    def publish(self, block: int, key: bytes) -> bool:
-        """Cache `block`, held by the one sequence that wrote it, under `key`. False when another
-        block already holds that content (two requests computed it at once): this one stays
-        private and returns to the free list on release."""
-        if key in self._block_of:
-            return False
-        self._block_of[key], self._key_of[block], self._holders[block] = block, key, 1
-        return True
+    def publish(self, block: int, key: bytes) -> None:
+        """Cache `block`, held by the one sequence that wrote it, under `key`, unless another block
+        already holds that content (two requests computed it at once): then this one stays private
+        and returns to the free list on release."""
+        if key not in self._block_of:
+            self._block_of[key], self._key_of[block], self._holders[block] = block, key, 1
 
 
 @dataclass
