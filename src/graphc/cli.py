@@ -226,6 +226,34 @@ def keygen(private_key: Path) -> None:
     click.echo(f"wrote private key {private_key} and public key {public}")
 
 
+def _host_options(command):
+    """torchrun's multi-node options, for a job whose ranks span hosts (one command per host)."""
+    options = [
+        click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Hosts the job's ranks span; run the same command on each, with its own --node-rank."),
+        click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="This host's number; host 0 runs the leader (rank 0) and the rendezvous store."),
+        click.option("--master-addr", default=None, help="Host 0's address, reachable from every host [127.0.0.1]."),
+        click.option("--master-port", type=click.IntRange(1, 65535), default=None,
+                     help="The rendezvous store's port on host 0 [29500]."),
+        click.option("--rdzv-endpoint", default=None, help="HOST:PORT: --master-addr and --master-port in one."),
+        click.option("--nproc-per-node", type=click.IntRange(min=1), default=None,
+                     help="Ranks on each host (default: the artifacts' ranks / --nnodes)."),
+        click.option("--join-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+                     help="Seconds the hosts wait for each other to join before naming the missing ones."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _hosts(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, nproc_per_node, join_timeout):
+    from graphc.runtime.hosts import HostOptions
+
+    return HostOptions.from_cli(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, nproc_per_node,
+                                join_timeout)
+
+
 @cli.command()
 @click.argument("artifacts", type=click.Path(path_type=Path))
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="Comma-separated token ids; repeatable.")
@@ -243,10 +271,12 @@ def keygen(private_key: Path) -> None:
 @click.option("--trusted-key", type=click.Path(path_type=Path), default=None,
               help="Ed25519 public key (PEM): refuse artifacts it did not sign, before loading anything.")
 @click.option("--verbose", is_flag=True, help="Several ranks: also show the launcher's own log lines.")
+@_host_options
 def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed,
-        ignore_eos, as_json, trusted_key, verbose) -> None:
+        ignore_eos, as_json, trusted_key, verbose, **host_options) -> None:
     """Generate from precompiled ARTIFACTS (no compilation at serve time); artifacts compiled for
-    several ranks run as one process per rank (torchrun's agent), the leader printing."""
+    several ranks run as one process per rank (torchrun's agent), the leader printing. A job
+    that spans hosts runs this command on each host (--nnodes, --node-rank, ...); host 0 prints."""
     from graphc.artifacts.directory import read_manifest
     from graphc.request import Asked, first_sampling_error, read_prompts_file, run_request
     from graphc.runtime.launch import serve
@@ -257,6 +287,7 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
     bad = first_sampling_error(overrides)  # before any file is read
     if bad:
         raise GraphcError(f"--{bad[0].replace('_', '-')} {bad[1]}")
+    hosts = _hosts(**host_options)
     manifest = read_manifest(artifacts, trusted_key)
     world = manifest.topology.world
     tokenizer = None
@@ -270,8 +301,13 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
         raise click.UsageError("give at least one prompt: --prompt-ids, --prompt or --prompts-file")
     resolved = [run_request(a, manifest, tokenizer, max_new_tokens, overrides, not ignore_eos) for a in asked]
     servable = [request for request, error in resolved if error is None]
-    click.echo(f"loading {artifacts}: {world} rank(s), backend {manifest.backend}", err=True)
-    [outcome] = serve(artifacts, [servable], manifest, trusted_key, verbose) if servable else [None]
+    hosts.layout(world)  # before anything loads
+    on = f", host {hosts.node_rank} of {hosts.nnodes}" if hosts.nnodes > 1 else ""
+    click.echo(f"loading {artifacts}: {world} rank(s){on}, backend {manifest.backend}", err=True)
+    outcomes = serve(artifacts, [servable], manifest, trusted_key, verbose, hosts=hosts) if servable else [None]
+    if outcomes is None:  # another host's part of the job: the leader's host prints
+        return
+    [outcome] = outcomes
     served = iter(outcome.results if outcome else [])
     results = [Result(request, [], "error", error) if error else _named(next(served), where.where)
                for (request, error), where in zip(resolved, asked)]
@@ -318,14 +354,16 @@ def _named(result, where: str):
               show_default=True, help="Seconds a chat template may take to render a request; past it, HTTP 400.")
 @click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=BODY_SECONDS, show_default=True,
               help="Seconds a client has to send a request's body once its headers are in; past it, HTTP 408.")
+@_host_options
 def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_key, api_key, max_body_bytes,
-          template_timeout, body_timeout) -> None:
+          template_timeout, body_timeout, **host_options) -> None:
     """Serve ARTIFACTS over HTTP with OpenAI's API: /v1/completions (streaming too), /v1/models,
-    /health, /metrics (Prometheus). Requests are batched continuously as they arrive."""
+    /health, /metrics (Prometheus). Requests are batched continuously as they arrive. A job that
+    spans hosts runs this command on each host (--nnodes, --node-rank, ...); host 0 serves HTTP."""
     from graphc.server.launch import serve_http
 
     serve_http(artifacts, host, port, max_waiting, grace_period, model_name, trusted_key,
-               RequestLimits(max_body_bytes, template_timeout, body_timeout), api_key)
+               RequestLimits(max_body_bytes, template_timeout, body_timeout), api_key, _hosts(**host_options))
 
 
 @cli.command()

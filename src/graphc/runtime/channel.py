@@ -16,6 +16,12 @@ writing its number into the header after the slot (x86 keeps stores in order). A
 step k's tokens, then k into its returned word; the leader reads them before it schedules step
 k + 1, so they are never overwritten unread. The leader creates and alone unlinks the segment;
 followers detach without unlinking (the launcher removes it too, should the leader die first).
+
+A job that spans hosts has one segment per host: on the leader's host the leader publishes as
+above; on each other host its first rank (the host's relay, `graphc.runtime.cross_host`) creates
+the segment and republishes there each step it receives from the leader, so a follower reads its
+own host's segment whichever host it is on. `publisher` and `readers` say who writes and who reads
+one segment; acknowledgements are awaited from its readers only.
 """
 
 from __future__ import annotations
@@ -67,15 +73,19 @@ class StepChannel:
         name: job-unique segment name (the launcher derives it from the run id).
         world: ranks in the job.
         max_rows, max_width, blocks_per_row: the largest step (from the bucket table).
-        rank: 0 creates the segment (removing a stale one of the same name); others attach.
+        rank: the publisher creates the segment (removing a stale one of the same name); others attach.
         timeout: seconds to wait for the other side before `ChannelTimeout`; None waits as long as
             it takes (a server's followers, idle between requests, under an agent that stops them all
             if a rank dies).
+        publisher: the rank that writes the steps (the leader; on another host, its relay).
+        readers: the ranks that read this segment (default: every rank but the publisher).
     """
 
     def __init__(self, name: str, world: int, max_rows: int, max_width: int, blocks_per_row: int, rank: int,
-                 timeout: float | None = 120.0):
+                 timeout: float | None = 120.0, publisher: int = 0, readers: tuple[int, ...] | None = None):
         self.name, self.world, self.rank, self.timeout = name, world, rank, timeout
+        self.publisher = publisher
+        self.readers = tuple(r for r in range(world) if r != publisher) if readers is None else readers
         self.max_rows, self.max_width, self.blocks_per_row = max_rows, max_width, blocks_per_row
         header = 3 + 2 * world
         largest = self._shapes(max_rows, max_width)
@@ -84,7 +94,7 @@ class StepChannel:
         self.slot_words = HEADER_WORDS + sum(self.capacity.values())
         returned = world * max_rows
         size = 8 * (header + returned + 2 * self.slot_words) + STARTUP_BYTES
-        if rank == 0:
+        if rank == publisher:
             remove_segment(name)  # a crashed run's leftover of the same name
             self.segment = shared_memory.SharedMemory(name=name, create=True, size=size)
         else:
@@ -95,7 +105,7 @@ class StepChannel:
         slots = header + returned
         self.slots = [words[slots + i * self.slot_words: slots + (i + 1) * self.slot_words] for i in range(2)]
         self.startup = np.ndarray((STARTUP_BYTES,), dtype=np.uint8, buffer=self.segment.buf, offset=8 * words.size)
-        if rank == 0:
+        if rank == publisher:
             self.header[:] = -1
 
     def _attach(self, name: str, size: int):
@@ -143,9 +153,7 @@ class StepChannel:
 
     def publish(self, step: int, bucket: Bucket, fields: dict[str, torch.Tensor]) -> None:
         """Leader: write step `step`, run in `bucket` (every field [world, ...]: each rank's)."""
-        self._wait(lambda: all(self.header[3 + r] >= step - 2 for r in range(1, self.world)),
-                   f"followers to read step {step - 2}")
-        slot = self.slots[step % 2]
+        slot = self._free_slot(step)
         slot[:3] = (KINDS.index(bucket.kind), bucket.size, bucket.tokens_per_row)
         offset = HEADER_WORDS
         for name in STEP_FIELDS:
@@ -154,6 +162,20 @@ class StepChannel:
             slot[offset: offset + values.size] = values
             offset += self.capacity[name]
         self.header[0] = step
+
+    def published_words(self, step: int) -> np.ndarray:
+        """Step `step`'s slot as published (what a relay sends to the other hosts)."""
+        return self.slots[step % 2]
+
+    def republish(self, step: int, words: np.ndarray) -> None:
+        """A host's relay: publish step `step` from a slot the leader published on its own host."""
+        self._free_slot(step)[:] = words
+        self.header[0] = step
+
+    def _free_slot(self, step: int) -> np.ndarray:
+        self._wait(lambda: all(self.header[3 + r] >= step - 2 for r in self.readers),
+                   f"followers to read step {step - 2}")
+        return self.slots[step % 2]
 
     def receive(self, step: int) -> tuple[Bucket, dict[str, torch.Tensor]] | None:
         """Follower: wait for step `step`; None once the leader has stopped the job."""
@@ -194,7 +216,7 @@ class StepChannel:
     def close(self) -> None:
         self.header = self.returned = self.slots = self.startup = None  # views first: the buffer cannot close under them
         self.segment.close()
-        if self.rank == 0:
+        if self.rank == self.publisher:
             try:
                 self.segment.unlink()
             except FileNotFoundError:

@@ -83,9 +83,11 @@ class Engine:
         """The rank's place in its groups: the one input that tells the shared graphs which rank runs them."""
 
     def startup_info(self) -> dict:
-        """What every rank must agree on before serving (published once by the leader)."""
+        """What every rank must agree on before serving (published once by the leader): the model
+        too, as a host's copy of the artifacts may not be the leader's."""
         m = self.manifest
-        return {"buckets": dataclasses.asdict(m.buckets), "kv_blocks": self.loaded.num_blocks, "block_size": m.kv_cache.block_size}
+        return {"model_fingerprint": m.model_fingerprint, "buckets": dataclasses.asdict(m.buckets),
+                "kv_blocks": self.loaded.num_blocks, "block_size": m.kv_cache.block_size}
 
     def run_bucket(self, bucket: Bucket, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """One step of `bucket`'s graph on this rank's pool: its sampled tokens [B] and logits [B, V]

@@ -11,6 +11,11 @@ launches take the same path) and returns the leader's results. Each worker:
    samples and publishes each step, followers follow.
 If any rank dies, the agent stops the others and `serve` raises naming the lost rank; the
 launcher removes the channel's segment whatever happened.
+
+A job that spans hosts (`HostOptions`: one command per host) runs the same way on each host under
+`HostRendezvous`, every host's launcher verifying the artifacts before it joins; each host has
+its own segment and the leader's steps reach the other hosts through `CrossHostChannel`. A lost
+host (or one that never joins) is named by every host that remains, within `LOST_SECONDS`.
 """
 
 from __future__ import annotations
@@ -29,8 +34,11 @@ from graphc.artifacts.directory import read_manifest
 from graphc.artifacts.manifest import Manifest
 from graphc.errors import GraphcError, Interrupted
 from graphc.runtime.channel import StepChannel, remove_segment
+from graphc.runtime.cross_host import CrossHostChannel, cross_host_groups
 from graphc.runtime.engine import BucketStats, Engine
+from graphc.runtime.hosts import HostLayout, HostOptions
 from graphc.runtime.loader import check_servable, kv_pool_blocks
+from graphc.runtime.rendezvous import RUN_ID, HostRendezvous
 from graphc.runtime.scheduler import Request, Result
 
 FAULT_ENV = "GRAPHC_FAULT_INJECTION"
@@ -77,7 +85,7 @@ class BatchesJob(Job):
         return [generate_batch(engine, batch) for batch in self.batches]
 
 
-def _worker(artifacts: str, job, channel_name: str, trusted_key: str | None):
+def _worker(artifacts: str, job, channel_name: str, trusted_key: str | None, layout: HostLayout):
     import torch
     import torch.distributed as dist
 
@@ -98,7 +106,8 @@ def _worker(artifacts: str, job, channel_name: str, trusted_key: str | None):
     try:
         manifest = read_manifest(Path(artifacts), trusted_key)  # every rank verifies what it loads
         register_groups(manifest.topology.topology(), rank)
-        engine = open_engine(artifacts, manifest, rank, channel_name, job.follower_timeout)
+        groups = cross_host_groups(layout, job.follower_timeout) if layout.hosts > 1 else None
+        engine = open_engine(artifacts, manifest, rank, channel_name, job.follower_timeout, layout, groups)
         dist.barrier()
         if rank == 0:
             try:
@@ -120,18 +129,24 @@ def _worker(artifacts: str, job, channel_name: str, trusted_key: str | None):
 
 
 def open_engine(artifacts: str, manifest: Manifest, rank: int, channel_name: str,
-                timeout: float | None = 120.0) -> Engine:
+                timeout: float | None = 120.0, layout: HostLayout | None = None, groups=None) -> Engine:
     """This rank's engine on the job's step channel, once it agrees with the leader on the
-    start-up metadata (bucket table, prompt-as-decode size, context limit, KV pool).
+    start-up metadata (bucket table, prompt-as-decode size, context limit, KV pool). `layout`:
+    the job's hosts (default: one); `groups`: `cross_host_groups` where there are several.
 
     Raises:
         GraphcError: this follower's serving parameters differ from the leader's.
     """
     world = manifest.topology.world
+    layout = layout or HostLayout(1, world)
     buckets = manifest.buckets
+    host_ranks = layout.ranks(layout.host_of(rank))
     channel = StepChannel(channel_name, world, max_rows=max(buckets.decode),
                           max_width=max(*buckets.prefill, buckets.prompt_as_decode),
-                          blocks_per_row=manifest.kv_cache.blocks_per_row, rank=rank, timeout=timeout)
+                          blocks_per_row=manifest.kv_cache.blocks_per_row, rank=rank, timeout=timeout,
+                          publisher=host_ranks[0], readers=tuple(host_ranks[1:]))
+    if layout.hosts > 1:
+        channel = CrossHostChannel(channel, layout, groups)
     try:
         engine = Engine(artifacts, rank=rank, channel=channel, manifest=manifest)  # manifest verified by the caller
         if rank == 0:
@@ -165,7 +180,8 @@ def _arm_fault_injection(rank: int) -> None:
 
 
 def serve(artifacts: Path, batches: list[list[Request]], manifest: Manifest | None = None,
-          trusted_key: Path | None = None, verbose: bool = False, monitor_interval: float = 0.5) -> list[BatchOutcome]:
+          trusted_key: Path | None = None, verbose: bool = False, monitor_interval: float = 0.5,
+          hosts: HostOptions = HostOptions()) -> list[BatchOutcome] | None:
     """Run each batch of requests in turn (one `generate` each) and return the leader's results
     and bucket statistics per batch: `graphc run`'s and `graphc sweep`'s one way to serve.
 
@@ -173,49 +189,54 @@ def serve(artifacts: Path, batches: list[list[Request]], manifest: Manifest | No
     once for all the batches (torchrun's agent). `manifest`: already read (and verified) by the
     caller; otherwise read here, refusing with `trusted_key` artifacts that key did not sign.
     `verbose` lets the elastic agent's own log lines through (by default only graphc's one-line
-    errors show).
+    errors show). `hosts`: this host's part of a job that spans hosts; on any host but the
+    leader's (host 0) the result is None.
 
     Raises:
-        GraphcError: a rank failed (named), after every other rank was stopped.
+        GraphcError: a rank failed, or a host was lost (named), after every other rank was stopped.
     """
-    return run_job(artifacts, BatchesJob(batches), manifest, trusted_key, verbose, monitor_interval)
+    return run_job(artifacts, BatchesJob(batches), manifest, trusted_key, verbose, monitor_interval, hosts)
 
 
 def run_job(artifacts: Path, job: Job, manifest: Manifest | None = None, trusted_key: Path | None = None,
-            verbose: bool = False, monitor_interval: float = 0.5):
+            verbose: bool = False, monitor_interval: float = 0.5, hosts: HostOptions = HostOptions()):
     """`job.lead(engine)`'s result: in this process for one rank, under `launch_ranks` for several
     (the arguments as `serve`'s)."""
     manifest = manifest or read_manifest(artifacts, trusted_key)
-    check_servable(Path(artifacts), manifest)  # before any rank starts
-    if manifest.topology.world == 1:
+    check_servable(Path(artifacts), manifest)  # before any rank starts (on every host, before it joins)
+    world = manifest.topology.world
+    hosts.layout(world)  # host options that do not fit the artifacts: refused before anything starts
+    if world == 1:
         return job.lead(Engine(artifacts, manifest=manifest))
     kv_pool_blocks(manifest)  # GRAPHC_NUM_KV_BLOCKS checked here, not once per rank after start-up
-    return launch_ranks(Path(artifacts), job, manifest.topology.world, monitor_interval, trusted_key, verbose)
+    return launch_ranks(Path(artifacts), job, world, monitor_interval, trusted_key, verbose, hosts)
 
 
 def launch_ranks(artifacts: Path, job, world: int, monitor_interval: float = 0.5, trusted_key: Path | None = None,
-                 verbose: bool = False):
-    """One process per rank under torchrun's agent: rank 0 runs `job.lead(engine)` (its return is
-    this function's), the others follow its steps.
+                 verbose: bool = False, hosts: HostOptions = HostOptions()):
+    """One process per rank under torchrun's agent (this host's ranks, with `hosts`): rank 0
+    runs `job.lead(engine)` (its return is this function's, None on other hosts), the others
+    follow its steps.
 
     Raises:
-        GraphcError: a rank failed (named), after every other rank was stopped.
+        GraphcError: a rank failed, or a host was lost or never joined (named), after every other
+            rank was stopped.
         Interrupted: SIGINT / SIGTERM stopped the job (unless `job.ends_on_signal`).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
+    layout = hosts.layout(world)
     run_id = uuid.uuid4().hex[:16]
     channel_name = f"graphc-{run_id}"  # job-unique: two jobs on one host never collide
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=run_id, rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=monitor_interval,
-                          start_method="spawn", shutdown_timeout=job.shutdown_seconds)
+    config, rendezvous = _launch_config(layout, hosts, run_id, monitor_interval, job.shutdown_seconds)
     try:
         with _agent_logs(verbose):
             outputs = elastic_launch(config, _worker)(str(artifacts), job, channel_name,
-                                                      None if trusted_key is None else str(trusted_key))
+                                                      None if trusted_key is None else str(trusted_key), layout)
     except SignalException as e:  # the agent stopped every rank before raising
+        _leave(rendezvous, f"stopped by {signal.Signals(e.sigval).name}")
         if job.ends_on_signal:
             return None
         raise Interrupted(e.sigval) from None
@@ -224,10 +245,50 @@ def launch_ranks(artifacts: Path, job, world: int, monitor_interval: float = 0.5
         reason = f"exit code {failure.exitcode}" + (f" (signal {-failure.exitcode})" if failure.exitcode < 0 else "")
         message = (failure.message or {}).get("message", "") if isinstance(failure.message, dict) else ""
         detail = f": {message.splitlines()[-1]}" if message else ""
-        raise GraphcError(f"rank {rank} failed with {reason}{detail}; the other ranks were stopped") from None
+        failed = f"rank {rank} failed with {reason}{detail}"
+        lost = rendezvous.watch.verdict() if rendezvous is not None and rendezvous.watch else None
+        _leave(rendezvous, lost or failed)
+        raise GraphcError(f"{lost or failed}; the other ranks were stopped") from None
+    except BaseException as e:
+        _leave(rendezvous, str(e) or type(e).__name__)
+        raise
     finally:
         remove_segment(channel_name)  # the leader unlinks it; if it died first, nobody did
-    return outputs[0]
+    _leave(rendezvous, "ok")
+    return outputs.get(0)
+
+
+def _launch_config(layout: HostLayout, hosts: HostOptions, run_id: str, monitor_interval: float,
+                   shutdown_seconds: int):
+    """torchrun's agent configuration for this host, and the hosts' rendezvous (None on one host)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    from torch.distributed.launcher.api import LaunchConfig
+
+    common = dict(nproc_per_node=layout.ranks_per_host, max_restarts=0, monitor_interval=monitor_interval,
+                  start_method="spawn", shutdown_timeout=shutdown_seconds)
+    if layout.hosts == 1:
+        return LaunchConfig(min_nodes=1, max_nodes=1, run_id=run_id, rdzv_backend="c10d",
+                            rdzv_endpoint="localhost:0", **common), None
+    backend = f"graphc-{run_id}"  # the agent builds its handler by name: this one, ours
+    rendezvous = HostRendezvous(hosts, layout, backend, on_lost=lambda _: _stop_local_ranks())
+    rendezvous_handler_registry.register(backend, lambda params: rendezvous)
+    return LaunchConfig(min_nodes=layout.hosts, max_nodes=layout.hosts, run_id=RUN_ID, rdzv_backend=backend,
+                        rdzv_endpoint=hosts.endpoint, **common), rendezvous
+
+
+def _stop_local_ranks() -> None:
+    """Another host is lost: kill this host's ranks (the agent then reports them failed, and the
+    launcher names the lost host). A rank may be idle, waiting for a step that will never come."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+
+
+def _leave(rendezvous: HostRendezvous | None, reason: str) -> None:
+    if rendezvous is not None:
+        rendezvous.leave(reason)
 
 
 @contextlib.contextmanager

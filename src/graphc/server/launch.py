@@ -19,6 +19,7 @@ import uvicorn
 
 from graphc.errors import GraphcError
 from graphc.runtime.engine import Engine
+from graphc.runtime.hosts import HostOptions
 from graphc.runtime.online import OnlineEngine
 from graphc.server.limits import RequestLimits
 from graphc.server.routes import create_app
@@ -122,11 +123,13 @@ def bound_listener(host: str, port: int) -> socket.socket:
 
 def serve_http(artifacts: Path, host: str, port: int, max_waiting: int, grace_seconds: float,
                model_name: str | None = None, trusted_key: Path | None = None,
-               limits: RequestLimits = RequestLimits(), api_key: str | None = None) -> None:
+               limits: RequestLimits = RequestLimits(), api_key: str | None = None,
+               hosts: HostOptions = HostOptions()) -> None:
     """Serve `artifacts` on (host, port) (0: any free port) until SIGTERM or Ctrl-C: in this
     process on one rank; with several, this process is torchrun's agent, the server runs in the
     leader rank's process and the followers run its steps. The address is bound (or refused)
-    before any graph loads."""
+    before any graph loads. `hosts`: this host's part of a job that spans hosts: only host 0
+    (the leader's) serves HTTP, the others run their ranks until the leader stops."""
     from graphc.artifacts.directory import read_manifest
     from graphc.runtime.launch import launch_ranks
     from graphc.runtime.loader import check_servable, kv_pool_blocks
@@ -137,10 +140,12 @@ def serve_http(artifacts: Path, host: str, port: int, max_waiting: int, grace_se
     check_servable(Path(artifacts), manifest)  # before the address is bound or any rank starts
     job = HttpJob(str(artifacts), host, port, max_waiting, grace_seconds, model_name or Path(artifacts).resolve().name,
                   limits, api_key)
-    listener = bound_listener(host, port)
-    if manifest.topology.world == 1:
-        job.lead(Engine(artifacts, manifest=manifest), listener)
-        return
-    listener.close()  # the leader rank binds it again; here it only showed the address can be bound
+    hosts.layout(manifest.topology.world)  # host options that do not fit: refused before anything starts
+    if hosts.node_rank == 0:
+        listener = bound_listener(host, port)
+        if manifest.topology.world == 1:
+            job.lead(Engine(artifacts, manifest=manifest), listener)
+            return
+        listener.close()  # the leader rank binds it again; here it only showed the address can be bound
     kv_pool_blocks(manifest)  # GRAPHC_NUM_KV_BLOCKS checked here, not once per rank after start-up
-    launch_ranks(Path(artifacts), job, manifest.topology.world, trusted_key=trusted_key)
+    launch_ranks(Path(artifacts), job, manifest.topology.world, trusted_key=trusted_key, hosts=hosts)

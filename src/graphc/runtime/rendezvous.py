@@ -1,0 +1,286 @@
+"""How the hosts of a job find each other, and how each learns that another is gone.
+
+`HostRendezvous` is torchrun's static rendezvous (host 0 serves a TCPStore at the master
+address, every host's `--node-rank` is its group rank, so ranks are laid out host by host) plus
+what a deployment needs to be told in one line: which host never joined, and which was lost.
+
+- **Joining**: each host writes `graphc/joined/H` and waits for every other host's key until
+  `--join-timeout`; a host that never came is named (and so is host 0 if its store never answers).
+- **Liveness**: each host's launcher beats (`graphc/beat/H`, a counter, twice a second) and
+  watches the others' counters: a host whose counter stands still for `LOST_SECONDS` without having
+  left is lost (its processes were killed, or its network is gone), and so is host 0 when its
+  store stops answering. A launcher that stops writes why first (`graphc/left/H`: "ok" or the
+  failure), so a host ending normally is never taken for a lost one. The watch runs in the
+  launchers, not in the ranks: a host whose ranks are idle (a server between requests) still
+  learns of a lost host within `LOST_SECONDS` and stops its ranks.
+
+Counters, not clocks: the hosts' clocks need not agree.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.elastic.rendezvous import (RendezvousHandler, RendezvousInfo, RendezvousStoreInfo)
+
+from graphc.errors import GraphcError
+from graphc.runtime.hosts import HostLayout, HostOptions
+
+BEAT_SECONDS = 0.5
+LOST_SECONDS = 10.0
+"""A host whose beat stands still this long is lost. Long against a beat (a launcher busy on a
+loaded host still beats), short against the 30 s within which the others must stop."""
+STORE_SECONDS = 5.0
+"""A store operation's timeout once every host has joined."""
+RUN_ID = "graphc"
+"""The agents' key prefix: the same on every host (the store is the job's own, at its port)."""
+
+
+def _key(kind: str, host: int) -> str:
+    return f"graphc/{kind}/{host}"
+
+
+class HostRendezvous(RendezvousHandler):
+    """The rendezvous of host `options.node_rank` among `layout.hosts`, registered with the agent
+    as `backend`; `on_lost(message)` is called once (from the watch thread) when another host is
+    lost or fails."""
+
+    def __init__(self, options: HostOptions, layout: HostLayout, backend: str, on_lost: Callable[[str], None]):
+        self.options, self.layout, self.backend, self.on_lost = options, layout, backend, on_lost
+        self.host = options.node_rank
+        self.store: TCPStore | None = None
+        self.watch: HostWatch | None = None
+
+    def get_backend(self) -> str:
+        return self.backend
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # the ranks' process group bootstraps from the agents' store
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        self.store = self._connect()
+        self.store.set(_key("joined", self.host), "1")
+        deadline = time.monotonic() + self.options.join_timeout
+        missing = list(range(self.layout.hosts))
+        while missing:
+            missing = [h for h in missing if not self.store.check([_key("joined", h)])]
+            if missing and time.monotonic() > deadline:
+                names = ", ".join(self.layout.describe(h) for h in missing)
+                raise GraphcError(f"{names} never joined within {self.options.join_timeout:g} s (rendezvous at "
+                                  f"{self.options.endpoint}); start `--node-rank {missing[0]}` there, or raise "
+                                  "--join-timeout")
+            time.sleep(0.05)
+        self.watch = HostWatch(self.options, self.layout, self.on_lost)
+        return RendezvousInfo(PrefixStore(RUN_ID, self.store), self.host, self.layout.hosts,
+                              RendezvousStoreInfo(self.options.master_addr, self.options.master_port))
+
+    def _connect(self) -> TCPStore:
+        timeout = timedelta(seconds=self.options.join_timeout)
+        addr, port = self.options.master_addr, self.options.master_port
+        try:
+            if self.host == 0:
+                return TCPStore(addr, port, None, True, timeout, wait_for_workers=False, multi_tenant=True)
+            return TCPStore(addr, port, None, False, timeout)
+        except Exception as e:  # c10d raises DistNetworkError / DistStoreError / RuntimeError
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if self.host == 0:
+                raise GraphcError(f"cannot serve the rendezvous at {self.options.endpoint}: {reason}; "
+                                  "choose another --master-port") from None
+            raise GraphcError(f"{self.layout.describe(0)} did not answer at {self.options.endpoint} within "
+                              f"{self.options.join_timeout:g} s: {reason}") from None
+
+    def leave(self, reason: str) -> None:
+        """Tell the other hosts this one stops, and why ("ok" or the failure); stop watching."""
+        if self.watch is not None:
+            self.watch.leave(reason)
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return RUN_ID
+
+    def shutdown(self) -> bool:
+        if self.watch is not None:
+            self.watch.stop()
+        return True
+
+
+class HostWatch:
+    """The beat of this host and the watch over the others (a daemon thread, its own store
+    connection so the agent's is never shared across threads)."""
+
+    def __init__(self, options: HostOptions, layout: HostLayout, on_lost: Callable[[str], None]):
+        self.host, self.layout, self.on_lost = options.node_rank, layout, on_lost
+        self.store = TCPStore(options.master_addr, options.master_port, None, False, timedelta(seconds=STORE_SECONDS))
+        self.lost: str | None = None
+        """What was lost, once known: the message the launcher reports."""
+        now = time.monotonic()
+        self._seen = {h: (-1, now) for h in range(layout.hosts) if h != self.host}
+        self._answered = now
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="graphc-host-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(BEAT_SECONDS):
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                verdict = self._look()
+            if verdict is not None:
+                self.lost = verdict
+                self._stopped.set()
+                self.on_lost(verdict)
+                return
+
+    def _look(self) -> str | None:
+        """One beat: ours out, the others' in; what was lost, if anything."""
+        now = time.monotonic()
+        try:
+            self.store.add(_key("beat", self.host), 1)
+            for host, (count, since) in self._seen.items():
+                if self.store.check([_key("left", host)]):
+                    reason = self.store.get(_key("left", host)).decode()
+                    if reason != "ok":
+                        return f"{self.layout.describe(host)} stopped: {reason}"
+                    self._seen[host] = (count, float("inf"))  # ended normally: never lost
+                    continue
+                latest = self.store.add(_key("beat", host), 0)
+                if latest != count:
+                    self._seen[host] = (latest, now)
+                elif now - since > LOST_SECONDS:
+                    return (f"{self.layout.describe(host)} was lost: no sign of it for {now - since:.0f} s "
+                            "(its processes died or its network is gone)")
+            self._answered = now
+        except Exception:  # the store is served by host 0's launcher: it is gone, or unreachable
+            if now - self._answered > LOST_SECONDS:
+                return (f"{self.layout.describe(0)} was lost: its rendezvous store has not answered for "
+                        f"{now - self._answered:.0f} s")
+        return None
+
+    def verdict(self) -> str | None:
+        """After a rank of this host failed: a lost host, if that is what the failure was. Waits
+        until every other host has beaten since (or left), or one is lost."""
+        with self._lock:
+            try:
+                counts = {host: self.store.add(_key("beat", host), 0) for host in self._seen}
+            except Exception:
+                counts = {}  # host 0's store is gone: the watch will say so
+        while self.lost is None and not self._stopped.is_set():
+            if counts and all(seen == float("inf") or count > counts[host]
+                              for host, (count, seen) in self._seen.items()):
+                return None
+            time.sleep(BEAT_SECONDS / 2)
+        return self.lost
+
+    def leave(self, reason: str) -> None:
+        """Tell the other hosts this one stops, and why ("ok" or the failure); stop watching."""
+        if self.watch is not None:
+            self.watch.leave(reason)
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return RUN_ID
+
+    def shutdown(self) -> bool:
+        if self.watch is not None:
+            self.watch.stop()
+        return True
+
+
+class HostWatch:
+    """The beat of this host and the watch over the others (a daemon thread, its own store
+    connection so the agent's is never shared across threads)."""
+
+    def __init__(self, options: HostOptions, layout: HostLayout, on_lost: Callable[[str], None]):
+        self.host, self.layout, self.on_lost = options.node_rank, layout, on_lost
+        self.store = TCPStore(options.master_addr, options.master_port, None, False, timedelta(seconds=STORE_SECONDS))
+        self.lost: str | None = None
+        """What was lost, once known: the message the launcher reports."""
+        now = time.monotonic()
+        self._seen = {h: (-1, now) for h in range(layout.hosts) if h != self.host}
+        self._answered = now
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="graphc-host-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(BEAT_SECONDS):
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                verdict = self._look()
+            if verdict is not None:
+                self.lost = verdict
+                self._stopped.set()
+                self.on_lost(verdict)
+                return
+
+    def _look(self) -> str | None:
+        """One beat: ours out, the others' in; what was lost, if anything."""
+        now = time.monotonic()
+        try:
+            self.store.add(_key("beat", self.host), 1)
+            for host, (count, since) in self._seen.items():
+                if self.store.check([_key("left", host)]):
+                    reason = self.store.get(_key("left", host)).decode()
+                    if reason != "ok":
+                        return f"{self.layout.describe(host)} stopped: {reason}"
+                    self._seen[host] = (count, float("inf"))  # ended normally: never lost
+                    continue
+                latest = self.store.add(_key("beat", host), 0)
+                if latest != count:
+                    self._seen[host] = (latest, now)
+                elif now - since > LOST_SECONDS:
+                    return (f"{self.layout.describe(host)} was lost: no sign of it for {now - since:.0f} s "
+                            "(its processes died or its network is gone)")
+            self._answered = now
+        except Exception:  # the store is served by host 0's launcher: it is gone, or unreachable
+            if now - self._answered > LOST_SECONDS:
+                return (f"{self.layout.describe(0)} was lost: its rendezvous store has not answered for "
+                        f"{now - self._answered:.0f} s")
+        return None
+
+    def settled(self, since: float) -> bool:
+        """Whether every other host has shown a sign of life (or left) after `since`."""
+        return all(seen > since for _, seen in self._seen.values())
+
+    def verdict(self, failed_at: float) -> str | None:
+        """After a rank of this host failed at `failed_at`: a lost host, if that is what the
+        failure was (waits until every other host has shown itself alive, or one is lost)."""
+        while self.lost is None and not self._stopped.is_set() and not self.settled(failed_at):
+            time.sleep(BEAT_SECONDS / 2)
+        return self.lost
+
+    def leave(self, reason: str) -> None:
+        with self._lock:
+            self._stopped.set()
+            try:
+                self.store.set(_key("left", self.host), reason)
+            except Exception:
+                pass  # host 0's store is gone: nobody is left to tell
+
+    def stop(self) -> None:
+        self._stopped.set()
