@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 from pathlib import Path
 
-import click
+# Before torch loads (c10 reads it once): c10d's C++ logs (a lost peer's socket errors, store
+# retries, with C++ stack traces) would bury the one line graphc prints for each failure. Set
+# TORCH_CPP_LOG_LEVEL=INFO to see them.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
-from graphc.backends import BACKENDS
+import click  # noqa: E402
+
+from graphc.backends import BACKENDS  # noqa: E402
 from graphc.errors import GraphcError, Interrupted
 from graphc.models.moe_forms import MOE_LOWERING_CHOICES
 from graphc.server.limits import BODY_SECONDS, MAX_BODY_BYTES, TEMPLATE_SECONDS, RequestLimits

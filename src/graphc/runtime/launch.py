@@ -281,9 +281,12 @@ def _stop_local_ranks() -> None:
     launcher names the lost host). A rank may be idle, waiting for a step that will never come."""
     import psutil
 
-    for child in psutil.Process().children(recursive=True):
+    for child in psutil.Process().children():
         with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
+            if "resource_tracker" in " ".join(child.cmdline()):
+                continue  # multiprocessing's, this process's own: it unlinks what the ranks leave
+            for process in [*child.children(recursive=True), child]:
+                process.kill()
 
 
 def _leave(rendezvous: HostRendezvous | None, reason: str) -> None:

@@ -19,6 +19,7 @@ Counters, not clocks: the hosts' clocks need not agree.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -38,6 +39,10 @@ STORE_SECONDS = 5.0
 """A store operation's timeout once every host has joined."""
 RUN_ID = "graphc"
 """The agents' key prefix: the same on every host (the store is the job's own, at its port)."""
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _key(kind: str, host: int) -> str:
@@ -80,19 +85,26 @@ class HostRendezvous(RendezvousHandler):
                               RendezvousStoreInfo(self.options.master_addr, self.options.master_port))
 
     def _connect(self) -> TCPStore:
-        timeout = timedelta(seconds=self.options.join_timeout)
         addr, port = self.options.master_addr, self.options.master_port
-        try:
-            if self.host == 0:
+        timeout = timedelta(seconds=self.options.join_timeout)
+        if self.host == 0:
+            try:
                 return TCPStore(addr, port, None, True, timeout, wait_for_workers=False, multi_tenant=True)
-            return TCPStore(addr, port, None, False, timeout)
-        except Exception as e:  # c10d raises DistNetworkError / DistStoreError / RuntimeError
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if self.host == 0:
-                raise GraphcError(f"cannot serve the rendezvous at {self.options.endpoint}: {reason}; "
+            except Exception as e:  # c10d's DistNetworkError / RuntimeError
+                raise GraphcError(f"cannot serve the rendezvous at {self.options.endpoint}: {_first_line(e)}; "
                                   "choose another --master-port") from None
-            raise GraphcError(f"{self.layout.describe(0)} did not answer at {self.options.endpoint} within "
-                              f"{self.options.join_timeout:g} s: {reason}") from None
+        # Wait for host 0's store here rather than in TCPStore's own retries, which log each try.
+        deadline = time.monotonic() + self.options.join_timeout
+        while True:
+            try:
+                socket.create_connection((addr, port), timeout=1.0).close()
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise GraphcError(f"{self.layout.describe(0)} did not answer at {self.options.endpoint} within "
+                                      f"{self.options.join_timeout:g} s ({e.strerror or e})") from None
+                time.sleep(0.1)
+        return TCPStore(addr, port, None, False, timeout)
 
     def leave(self, reason: str) -> None:
         """Tell the other hosts this one stops, and why ("ok" or the failure); stop watching."""
@@ -112,9 +124,7 @@ class HostRendezvous(RendezvousHandler):
         return RUN_ID
 
     def shutdown(self) -> bool:
-        if self.watch is not None:
-            self.watch.stop()
-        return True
+        return True  # the agent calls it before the launcher judges a failure: `leave` stops the watch
 
 
 class HostWatch:
@@ -187,100 +197,9 @@ class HostWatch:
         return self.lost
 
     def leave(self, reason: str) -> None:
-        """Tell the other hosts this one stops, and why ("ok" or the failure); stop watching."""
-        if self.watch is not None:
-            self.watch.leave(reason)
-
-    def is_closed(self) -> bool:
-        return False
-
-    def set_closed(self) -> None:
-        pass
-
-    def num_nodes_waiting(self) -> int:
-        return 0
-
-    def get_run_id(self) -> str:
-        return RUN_ID
-
-    def shutdown(self) -> bool:
-        if self.watch is not None:
-            self.watch.stop()
-        return True
-
-
-class HostWatch:
-    """The beat of this host and the watch over the others (a daemon thread, its own store
-    connection so the agent's is never shared across threads)."""
-
-    def __init__(self, options: HostOptions, layout: HostLayout, on_lost: Callable[[str], None]):
-        self.host, self.layout, self.on_lost = options.node_rank, layout, on_lost
-        self.store = TCPStore(options.master_addr, options.master_port, None, False, timedelta(seconds=STORE_SECONDS))
-        self.lost: str | None = None
-        """What was lost, once known: the message the launcher reports."""
-        now = time.monotonic()
-        self._seen = {h: (-1, now) for h in range(layout.hosts) if h != self.host}
-        self._answered = now
-        self._stopped = threading.Event()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="graphc-host-watch", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stopped.wait(BEAT_SECONDS):
-            with self._lock:
-                if self._stopped.is_set():
-                    return
-                verdict = self._look()
-            if verdict is not None:
-                self.lost = verdict
-                self._stopped.set()
-                self.on_lost(verdict)
-                return
-
-    def _look(self) -> str | None:
-        """One beat: ours out, the others' in; what was lost, if anything."""
-        now = time.monotonic()
-        try:
-            self.store.add(_key("beat", self.host), 1)
-            for host, (count, since) in self._seen.items():
-                if self.store.check([_key("left", host)]):
-                    reason = self.store.get(_key("left", host)).decode()
-                    if reason != "ok":
-                        return f"{self.layout.describe(host)} stopped: {reason}"
-                    self._seen[host] = (count, float("inf"))  # ended normally: never lost
-                    continue
-                latest = self.store.add(_key("beat", host), 0)
-                if latest != count:
-                    self._seen[host] = (latest, now)
-                elif now - since > LOST_SECONDS:
-                    return (f"{self.layout.describe(host)} was lost: no sign of it for {now - since:.0f} s "
-                            "(its processes died or its network is gone)")
-            self._answered = now
-        except Exception:  # the store is served by host 0's launcher: it is gone, or unreachable
-            if now - self._answered > LOST_SECONDS:
-                return (f"{self.layout.describe(0)} was lost: its rendezvous store has not answered for "
-                        f"{now - self._answered:.0f} s")
-        return None
-
-    def settled(self, since: float) -> bool:
-        """Whether every other host has shown a sign of life (or left) after `since`."""
-        return all(seen > since for _, seen in self._seen.values())
-
-    def verdict(self, failed_at: float) -> str | None:
-        """After a rank of this host failed at `failed_at`: a lost host, if that is what the
-        failure was (waits until every other host has shown itself alive, or one is lost)."""
-        while self.lost is None and not self._stopped.is_set() and not self.settled(failed_at):
-            time.sleep(BEAT_SECONDS / 2)
-        return self.lost
-
-    def leave(self, reason: str) -> None:
         with self._lock:
             self._stopped.set()
             try:
                 self.store.set(_key("left", self.host), reason)
             except Exception:
                 pass  # host 0's store is gone: nobody is left to tell
-
-    def stop(self) -> None:
-        self._stopped.set()
