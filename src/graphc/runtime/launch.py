@@ -121,9 +121,10 @@ def _worker(artifacts: str, job, channel_name: str, trusted_key: str | None, lay
         if engine is not None:
             engine.channel.close()
         dist.destroy_process_group()
-    if job.ends_on_signal:
+    if job.ends_on_signal and layout.host_of(rank) == 0:
         # The agent, stopping on the signal, never reads a return value, and a worker that
-        # returns waits for it to be read: it would sit there until the agent kills it.
+        # returns waits for it to be read: it would sit there until the agent kills it. Other
+        # hosts' agents got no signal: they read it, and see their ranks succeed.
         os._exit(0)
     return outcomes if rank == 0 else None
 
@@ -236,7 +237,7 @@ def launch_ranks(artifacts: Path, job, world: int, monitor_interval: float = 0.5
             outputs = elastic_launch(config, _worker)(str(artifacts), job, channel_name,
                                                       None if trusted_key is None else str(trusted_key), layout)
     except SignalException as e:  # the agent stopped every rank before raising
-        _leave(rendezvous, f"stopped by {signal.Signals(e.sigval).name}")
+        _leave(rendezvous, "ok" if job.ends_on_signal else f"stopped by {signal.Signals(e.sigval).name}")
         if job.ends_on_signal:
             return None
         raise Interrupted(e.sigval) from None
@@ -254,7 +255,7 @@ def launch_ranks(artifacts: Path, job, world: int, monitor_interval: float = 0.5
         raise
     finally:
         remove_segment(channel_name)  # the leader unlinks it; if it died first, nobody did
-    _leave(rendezvous, "ok")
+    _leave(rendezvous, "ok", agent_exited_normally=True)
     return outputs.get(0)
 
 
@@ -289,9 +290,9 @@ def _stop_local_ranks() -> None:
                 process.kill()
 
 
-def _leave(rendezvous: HostRendezvous | None, reason: str) -> None:
+def _leave(rendezvous: HostRendezvous | None, reason: str, agent_exited_normally: bool = False) -> None:
     if rendezvous is not None:
-        rendezvous.leave(reason)
+        rendezvous.leave(reason, agent_exited_normally)
 
 
 @contextlib.contextmanager

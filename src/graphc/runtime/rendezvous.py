@@ -26,7 +26,10 @@ from datetime import timedelta
 from typing import Callable
 
 from torch.distributed import PrefixStore, TCPStore
-from torch.distributed.elastic.rendezvous import (RendezvousHandler, RendezvousInfo, RendezvousStoreInfo)
+# The agents' exit barrier (torch is pinned exactly; `HostRendezvous.leave` says why it is joined).
+from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from graphc.errors import GraphcError
 from graphc.runtime.hosts import HostLayout, HostOptions
@@ -106,10 +109,24 @@ class HostRendezvous(RendezvousHandler):
                 time.sleep(0.1)
         return TCPStore(addr, port, None, False, timeout)
 
-    def leave(self, reason: str) -> None:
-        """Tell the other hosts this one stops, and why ("ok" or the failure); stop watching."""
-        if self.watch is not None:
-            self.watch.leave(reason)
+    def leave(self, reason: str, agent_exited_normally: bool) -> None:
+        """Tell the other hosts this one stops, and why ("ok" or the failure); stop watching.
+
+        The agents wait for one another when their ranks have all succeeded (torchelastic's exit
+        barrier, up to 300 s). An agent that stopped otherwise (a signal, a failure) never comes
+        to it, so a host whose ranks ended normally would wait there in vain (a server's
+        followers, when its leader's host is stopped by SIGTERM): such a host checks in for it.
+        """
+        if self.watch is None:
+            return
+        self.watch.leave(reason)
+        if not agent_exited_normally:
+            try:
+                _barrier_nonblocking(PrefixStore(RUN_ID, self.store), self.layout.hosts, _TERMINAL_STATE_SYNC_ID)
+            except Exception:
+                pass  # host 0's store is gone: nobody waits on it
+        if self.host == 0:  # the store lives in this process: keep it up until the others are done with it
+            self.watch.wait_for_others(LOST_SECONDS)
 
     def is_closed(self) -> bool:
         return False
@@ -136,6 +153,8 @@ class HostWatch:
         self.store = TCPStore(options.master_addr, options.master_port, None, False, timedelta(seconds=STORE_SECONDS))
         self.lost: str | None = None
         """What was lost, once known: the message the launcher reports."""
+        self.gone: set[int] = set()
+        """Hosts known lost (they will never leave)."""
         now = time.monotonic()
         self._seen = {h: (-1, now) for h in range(layout.hosts) if h != self.host}
         self._answered = now
@@ -172,6 +191,7 @@ class HostWatch:
                 if latest != count:
                     self._seen[host] = (latest, now)
                 elif now - since > LOST_SECONDS:
+                    self.gone.add(host)
                     return (f"{self.layout.describe(host)} was lost: no sign of it for {now - since:.0f} s "
                             "(its processes died or its network is gone)")
             self._answered = now
@@ -195,6 +215,17 @@ class HostWatch:
                 return None
             time.sleep(BEAT_SECONDS / 2)
         return self.lost
+
+    def wait_for_others(self, seconds: float) -> None:
+        """Until every other host not known lost has left (at most `seconds`)."""
+        deadline = time.monotonic() + seconds
+        waiting = [h for h in self._seen if h not in self.gone]
+        while waiting and time.monotonic() < deadline:
+            try:
+                waiting = [h for h in waiting if not self.store.check([_key("left", h)])]
+            except Exception:
+                return
+            time.sleep(0.05)
 
     def leave(self, reason: str) -> None:
         with self._lock:
