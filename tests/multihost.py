@@ -71,6 +71,16 @@ class Host:
         """The host dies: every process of its command, at once."""
         os.killpg(self.process.pid, signal.SIGKILL)
 
+    def ranks(self) -> list[int]:
+        """The pids of this host's rank processes (spawned by its launcher)."""
+        import psutil
+
+        try:
+            launcher = psutil.Process(self.process.pid)
+            return [p.pid for p in launcher.children() if "spawn_main" in " ".join(p.cmdline())]
+        except psutil.NoSuchProcess:
+            return []
+
     def errors(self) -> list[str]:
         """stderr without the progress lines."""
         return [line.rstrip("\n") for line in self.err if not line.startswith("loading ")]

@@ -1,0 +1,118 @@
+"""The hosts' rendezvous and watch, in one process (each host a handler of its own on one
+store): joining, naming a host that never joins, a lost host, a failed one, one that ended."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+
+import graphc.runtime.rendezvous as rendezvous
+from graphc.errors import GraphcError
+from graphc.runtime.hosts import HostOptions
+from graphc.runtime.rendezvous import HostRendezvous
+from multihost import free_port
+
+
+MADE: list[HostRendezvous] = []
+
+
+@pytest.fixture(autouse=True)
+def quick_watch(monkeypatch):
+    monkeypatch.setattr(rendezvous, "LOST_SECONDS", 1.5)
+    monkeypatch.setattr(rendezvous, "BEAT_SECONDS", 0.1)
+    yield
+    for handler in MADE:  # no watch outlives its test (their stores go with it)
+        if handler.watch is not None:
+            handler.watch._stopped.set()
+    MADE.clear()
+
+
+def _hosts(nnodes: int, join_timeout: float = 10.0):
+    """A handler per host, each recording what it was told was lost."""
+    port = free_port()
+    told = {h: [] for h in range(nnodes)}
+    handlers = []
+    for host in range(nnodes):
+        options = HostOptions(nnodes=nnodes, node_rank=host, master_port=port, join_timeout=join_timeout)
+        handlers.append(HostRendezvous(options, options.layout(nnodes), f"test-{host}", told[host].append))
+    MADE.extend(handlers)
+    return handlers, told
+
+
+def _join(handlers):
+    """Every host's `next_rendezvous`, concurrently (each waits for the others); host 0 first, as it serves."""
+    infos, errors = {}, {}
+
+    def join(handler):
+        try:
+            infos[handler.host] = handler.next_rendezvous()
+        except GraphcError as e:
+            errors[handler.host] = str(e)
+
+    threads = [threading.Thread(target=join, args=(h,)) for h in handlers]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.1)
+    for thread in threads:
+        thread.join(30)
+    return infos, errors
+
+
+def test_hosts_join_with_their_node_rank_as_group_rank_and_share_host_0s_store():
+    handlers, _ = _hosts(3)
+    infos, errors = _join(handlers)
+    assert errors == {}
+    assert [(infos[h].rank, infos[h].world_size) for h in range(3)] == [(0, 3), (1, 3), (2, 3)]
+    infos[2].store.set("from-host-2", "x")
+    assert infos[0].store.get("from-host-2") == b"x"
+    for handler in reversed(handlers):
+        handler.leave("ok", agent_exited_normally=True)
+
+
+def test_a_host_that_never_joins_is_named_by_those_that_did():
+    handlers, _ = _hosts(3, join_timeout=1.0)
+    infos, errors = _join(handlers[:2])
+    assert infos == {}
+    assert errors[0].startswith("host 2 (rank 2) never joined within 1 s (rendezvous at 127.0.0.1:")
+    assert errors[1] == errors[0]
+
+
+def test_a_host_whose_store_never_answers_is_named():
+    handlers, _ = _hosts(2, join_timeout=0.5)
+    _, errors = _join(handlers[1:])
+    assert errors[1].startswith("host 0 (rank 0, the leader) did not answer at 127.0.0.1:")
+
+
+def test_a_host_that_stops_beating_is_lost_and_only_its_watchers_are_told():
+    handlers, told = _hosts(3)
+    _join(handlers)
+    handlers[2].watch._stopped.set()  # host 2's launcher is gone (killed): no beat, no word
+    time.sleep(3)
+    lost = r"host 2 \(rank 2\) was lost: no sign of it for \d s \(its processes died or its network is gone\)"
+    assert [len(told[h]) for h in range(3)] == [1, 1, 0]
+    assert re.fullmatch(lost, told[0][0]) and re.fullmatch(lost, told[1][0])
+    assert handlers[0].watch.lost == told[0][0] and handlers[0].watch.gone == {2}
+
+
+def test_a_host_that_left_with_a_failure_is_named_with_it_and_one_that_ended_never_is():
+    handlers, told = _hosts(3)
+    _join(handlers)
+    handlers[1].leave("ok", agent_exited_normally=True)
+    time.sleep(2.5)  # past LOST_SECONDS: ended normally, so never lost
+    assert told[0] == [] and told[2] == []
+    handlers[2].leave("rank 2 failed with exit code 1: RuntimeError: boom", agent_exited_normally=False)
+    time.sleep(0.5)
+    assert told[0] == ["host 2 (rank 2) stopped: rank 2 failed with exit code 1: RuntimeError: boom"]
+
+
+def test_after_a_local_failure_the_verdict_waits_for_the_others_signs_of_life():
+    handlers, _ = _hosts(3)
+    _join(handlers)
+    started = time.monotonic()
+    assert handlers[0].watch.verdict() is None  # both others beat on: the failure was this host's own
+    assert time.monotonic() - started < 1.0
+    handlers[1].watch._stopped.set()
+    assert handlers[0].watch.verdict().startswith("host 1 (rank 1) was lost")
