@@ -531,9 +531,13 @@ def compare(model_yaml, artifacts, prompt_ids, new_tokens, seeds, json_path) -> 
 @click.option("--out", type=click.Path(path_type=Path), default=Path("sweep-report"), show_default=True,
               help="Directory for sweep.xml (JUnit), sweep.md, sweep.json and the stages' artifacts.")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Tokens generated per prompt.")
-def sweep(model_yaml, topologies, backends, out, new_tokens) -> None:
+@_host_options
+def sweep(model_yaml, topologies, backends, out, new_tokens, **host_options) -> None:
     """Compile MODEL_YAML at every topology and backend, run prompts that hit every bucket, and
-    check the tokens against one rank and transformers. Exit status 1 on any mismatch."""
+    check the tokens against one rank and transformers. Exit status 1 on any mismatch. Over
+    several hosts (--nnodes, --node-rank, ...) every host runs this command: a stage whose ranks
+    divide among the hosts spans them (its rendezvous on --master-port + the stage's number), the
+    others run on host 0, which checks and reports."""
     from graphc.tools import sweep as sweeping
     from graphc.config import load_config
 
@@ -545,8 +549,12 @@ def sweep(model_yaml, topologies, backends, out, new_tokens) -> None:
     if unknown or not backend_list:
         raise GraphcError(f"--backends: {unknown[0] if unknown else backends!r} is not a backend that serves on this "
                           f"host; use {', '.join(here)}")
+    hosts = _hosts(**host_options)
     stages = sweeping.sweep(config, out / "artifacts", stages_wanted, backend_list, new_tokens,
-                            log=lambda line: click.echo(line, err=True))
+                            log=lambda line: click.echo(line, err=True), hosts=hosts)
+    if hosts.node_rank > 0:
+        click.echo(f"host {hosts.node_rank}: its part of every stage served; host 0 checks and reports", err=True)
+        return
     paths = sweeping.write_reports(stages, out)
     click.echo(sweeping.markdown(stages))
     click.echo(f"reports: {', '.join(str(p) for p in paths.values())}", err=True)

@@ -1,6 +1,7 @@
 """Jobs that span hosts, each host simulated in its own mount and IPC namespace with its own
-/dev/shm (`multihost.py`): the one-host tokens, greedy and sampled, at a cp / ep and a dp
-topology; `graphc serve` across hosts; a host lost or never joining named by the others."""
+/dev/shm (`multihost.py`): one rank's tokens, greedy and sampled, at cp / ep topologies (V3,
+V4.1) and a dp one (V3; the V4 family has no data-parallel attention); `graphc serve` and
+`graphc sweep` across hosts; a host lost or never joining named by the others."""
 
 from __future__ import annotations
 
@@ -56,7 +57,10 @@ def _run_on_hosts(tmp_path, artifacts, nnodes):
     ("v41", "small", 1, 2, 2, 2),  # Engram's tables and token-id digits over ep, the cp halo
     ("lora-groups", "dp", 2, 2, 4, 2),  # two replicas, one a host: replica 1's leader returns tokens across
     pytest.param("lora-groups", "dp", 2, 2, 4, 4, marks=pytest.mark.slow),  # followers and a replica leader alone
-], ids=["v3-cp2-ep2-2x1", "v41-cp2-ep2-2x1", "v3-dp2-cp2-ep4-2x2", "v3-dp2-cp2-ep4-4x1"])
+    pytest.param("v41", "small", 1, 4, 4, 2, marks=pytest.mark.slow),
+    pytest.param("v41", "small", 1, 4, 4, 4, marks=pytest.mark.slow),
+], ids=["v3-cp2-ep2-2x1", "v41-cp2-ep2-2x1", "v3-dp2-cp2-ep4-2x2", "v3-dp2-cp2-ep4-4x1", "v41-cp4-ep4-2x2",
+        "v41-cp4-ep4-4x1"])
 def test_a_job_over_hosts_gives_one_ranks_tokens(preset, buckets, dp, cp, ep, nnodes, compiled, tmp_path):
     expected = _one_rank_tokens(compiled(preset, "export", buckets))
     assert _run_on_hosts(tmp_path, compiled(preset, "export", buckets, cp, ep, True, dp), nnodes) == expected
@@ -151,3 +155,24 @@ def test_a_host_that_never_joins_is_named(compiled, tmp_path):
     assert follower.wait(60) == 2
     [line] = follower.errors()
     assert line.startswith("error: host 0 (rank 0, the leader) did not answer at 127.0.0.1:"), line
+
+
+@pytest.mark.slow
+def test_a_sweep_over_two_hosts_passes_and_host_0_reports(tiny_checkpoints, tmp_path):
+    import yaml
+
+    from support import TEST_BUCKETS, model_yaml
+
+    config = tmp_path / "model.yaml"
+    config.write_text(yaml.safe_dump(model_yaml(tiny_checkpoints["lora-groups"], TEST_BUCKETS["small"])))
+    port = free_port()
+    hosts = [Host(tmp_path / f"host{h}-shm", h, 2, port, "sweep", str(config), "--topologies", "2x2", "--out",
+                  str(tmp_path / f"out{h}"), env={"GRAPHC_CACHE_DIR": str(tmp_path / f"cache{h}")})
+             for h in range(2)]
+    assert [host.wait(600) for host in hosts] == [0, 0], [host.errors()[-5:] for host in hosts]
+    report = json.loads((tmp_path / "out0" / "sweep.json").read_text())
+    assert [s["topology"] for s in report] == ["1x1", "2x2"]
+    assert all(case["failures"] == [] for stage in report for case in stage["cases"])
+    assert any("serving" in line and "over 2 hosts" in line for line in hosts[0].err)
+    assert hosts[1].errors()[-1] == "host 1: its part of every stage served; host 0 checks and reports"
+    assert not (tmp_path / "out1" / "sweep.json").exists()

@@ -15,7 +15,7 @@ from graphc.cli import cli
 from graphc.config import load_config
 from graphc.errors import GraphcError
 from graphc.runtime.engine import Engine
-from graphc.tools.sweep import bucket_table, parse_topologies, stage_name, sweep
+from graphc.tools.sweep import bucket_table, parse_topologies, stage_hosts, stage_name, sweep
 from graphc.topology import Topology
 from support import TEST_BUCKETS, model_yaml
 
@@ -137,3 +137,14 @@ def test_data_parallel_sweep_stages_at_world_8_and_16(tmp_path, tiny_checkpoints
         assert {bucket for case in stage["cases"] for bucket in case["buckets"]} == expected, stage["topology"]
         assert all(case["failures"] == [] for case in stage["cases"])
     assert "external reference: transformers" in result.stderr
+
+
+def test_a_stage_spans_the_hosts_where_its_ranks_divide_among_them_else_runs_on_host_0():
+    from graphc.runtime.hosts import HostOptions
+
+    leader, other = (HostOptions(nnodes=2, node_rank=h, master_port=29500) for h in (0, 1))
+    spanning = stage_hosts(other, Topology(cp=2, ep=2), index=3)
+    assert (spanning.nnodes, spanning.node_rank, spanning.master_port) == (2, 1, 29503)  # a store per stage
+    assert stage_hosts(leader, Topology(), index=0) == HostOptions()  # 1x1: host 0 alone
+    assert stage_hosts(other, Topology(), index=0) is None  # ... and the other host sits it out
+    assert stage_hosts(HostOptions(), Topology(cp=2, ep=2), index=1) == HostOptions()

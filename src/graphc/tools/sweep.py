@@ -20,6 +20,7 @@ says so when they are not, instead of printing misleading latencies.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import xml.etree.ElementTree as ET
@@ -30,6 +31,7 @@ from typing import Callable
 from graphc.buckets.selection import all_buckets, max_prefill_chunk
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
+from graphc.runtime.hosts import HostOptions
 from graphc.topology import Topology
 
 
@@ -148,13 +150,16 @@ def busy_cores_note(world: int) -> str | None:
     return None
 
 
-def run_stage(artifacts: Path, cases: list[Case]) -> list[CaseResult]:
+def run_stage(artifacts: Path, cases: list[Case], hosts: HostOptions = HostOptions()) -> list[CaseResult] | None:
+    """The stage's cases served in one job (over `hosts`); None on any host but the leader's."""
     from graphc.runtime import Request
     from graphc.runtime.launch import serve
     from graphc.sampling import Sampling
 
     batches = [[Request(p, c.new_tokens, Sampling(), stop_at_eos=False) for p in c.prompts] for c in cases]
-    outcomes = serve(artifacts, batches)
+    outcomes = serve(artifacts, batches, hosts=hosts)
+    if outcomes is None:
+        return None
     results = []
     for case, outcome in zip(cases, outcomes):
         errors = [r.error for r in outcome.results if r.error]
@@ -231,9 +236,23 @@ def transformers_reference(config: GraphcConfig, cases: list[Case]) -> list[list
     return out
 
 
+def stage_hosts(hosts: HostOptions, topology: Topology, index: int) -> HostOptions | None:
+    """The hosts stage `index` runs over: all of them where its ranks divide among them (its
+    rendezvous on `--master-port` + index, as each stage's store is its own), else host 0 alone
+    (None on the others: they sit it out)."""
+    if hosts.nnodes == 1:
+        return hosts
+    if topology.world % hosts.nnodes == 0:
+        return dataclasses.replace(hosts, master_port=hosts.master_port + index, nproc_per_node=None)
+    return HostOptions() if hosts.node_rank == 0 else None
+
+
 def sweep(config: GraphcConfig, workdir: Path, topologies: list[Topology], backends: list[str],
-          new_tokens: int = 8, log: Callable[[str], None] = print, check_cores: bool = True) -> list[Stage]:
-    """Compile and run every stage; returns them with their failures recorded."""
+          new_tokens: int = 8, log: Callable[[str], None] = print, check_cores: bool = True,
+          hosts: HostOptions = HostOptions()) -> list[Stage]:
+    """Compile and run every stage; returns them with their failures recorded. Over several
+    hosts every host runs the same sweep (each compiling every stage it takes part in) and only
+    host 0 checks and reports: the others return no stages."""
     from graphc.config import validate
     from graphc.compiler.pipeline import CompileOptions, compile
 
@@ -244,21 +263,29 @@ def sweep(config: GraphcConfig, workdir: Path, topologies: list[Topology], backe
         validate(staged[topology])
     cases = sweep_cases(config, config.model_args.vocab_size, new_tokens)
     log(f"{len(cases)} cases: " + "; ".join(c.name for c in cases))
-    external_name, external = external_reference(config, cases)
+    external_name, external = external_reference(config, cases) if hosts.node_rank == 0 else ("host 0's", None)
     log(f"external reference: {external_name}")
-    stages = []
+    stages, index = [], itertools.count()
     for backend in backends:
         reference = None
         for topology in topologies:
             name = stage_name(topology)
-            note = busy_cores_note(topology.world) if check_cores else None
+            over = stage_hosts(hosts, topology, next(index))
+            if over is None:
+                log(f"[{backend} {name}] on host 0 alone ({topology.world} rank(s) do not divide among "
+                    f"{hosts.nnodes} hosts)")
+                continue
+            note = busy_cores_note(over.layout(topology.world).ranks_per_host) if check_cores else None
             if note:
                 log(f"[{backend} {name}] note: {note}")
             out = workdir / f"{backend}-{name}"
             log(f"[{backend} {name}] compiling into {out}")
             compile(staged[topology], out, CompileOptions(backend=backend, force=True, show_progress=False))
-            log(f"[{backend} {name}] serving {len(cases)} cases on {topology.world} rank(s)")
-            results = run_stage(out, cases)
+            spread = f" over {over.nnodes} hosts" if over.nnodes > 1 else ""
+            log(f"[{backend} {name}] serving {len(cases)} cases on {topology.world} rank(s){spread}")
+            results = run_stage(out, cases, over)
+            if results is None:
+                continue  # another host's part of the stage: host 0 checks it
             if reference is None:
                 reference = [r.outputs for r in results]  # 1x1 comes first
             else:
