@@ -13,6 +13,8 @@ what a deployment needs to be told in one line: which host never joined, and whi
   failure), so a host ending normally is never taken for a lost one. The watch runs in the
   launchers, not in the ranks: a host whose ranks are idle (a server between requests) still
   learns of a lost host within `LOST_SECONDS` and stops its ranks.
+- **Leaving**: host 0's launcher serves the store, so it waits (at most `LOST_SECONDS`) for the
+  other hosts to leave before it exits.
 
 Counters, not clocks: the hosts' clocks need not agree.
 """
