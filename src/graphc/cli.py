@@ -282,7 +282,8 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
         ignore_eos, as_json, trusted_key, verbose, **host_options) -> None:
     """Generate from precompiled ARTIFACTS (no compilation at serve time); artifacts compiled for
     several ranks run as one process per rank (torchrun's agent), the leader printing. A job
-    that spans hosts runs this command on each host (--nnodes, --node-rank, ...); host 0 prints."""
+    that spans hosts runs this command on each host (--nnodes, --node-rank, ...); host 0 takes the
+    prompts and prints, the others need none."""
     from graphc.artifacts.directory import read_manifest
     from graphc.request import Asked, first_sampling_error, read_prompts_file, run_request
     from graphc.runtime.launch import serve
@@ -303,14 +304,16 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
         tokenizer = Tokenizer.from_file(str(artifacts / manifest.tokenizer))
     asked = [Asked(p, f"prompt {i}") for i, p in enumerate([*map(_parse_ids, prompt_ids), *prompts])]
     asked += read_prompts_file(prompts_file) if prompts_file is not None else []
-    if not asked:
+    if not asked and hosts.node_rank == 0:  # the other hosts of a job take no prompts: the leader serves
         raise click.UsageError("give at least one prompt: --prompt-ids, --prompt or --prompts-file")
     resolved = [run_request(a, manifest, tokenizer, max_new_tokens, overrides, not ignore_eos) for a in asked]
     servable = [request for request, error in resolved if error is None]
     hosts.layout(world)  # before anything loads
     on = f", host {hosts.node_rank} of {hosts.nnodes}" if hosts.nnodes > 1 else ""
     click.echo(f"loading {artifacts}: {world} rank(s){on}, backend {manifest.backend}", err=True)
-    outcomes = serve(artifacts, [servable], manifest, trusted_key, verbose, hosts=hosts) if servable else [None]
+    # Over several hosts every host starts its ranks, even with nothing to serve: the others wait for it.
+    launch = servable or hosts.nnodes > 1
+    outcomes = serve(artifacts, [servable], manifest, trusted_key, verbose, hosts=hosts) if launch else [None]
     if outcomes is None:  # another host's part of the job: the leader's host prints
         return
     [outcome] = outcomes

@@ -43,8 +43,11 @@ def _one_rank_tokens(artifacts) -> list[list[int]]:
 
 
 def _run_on_hosts(tmp_path, artifacts, nnodes):
-    hosts = start_hosts(tmp_path, nnodes, "run", str(artifacts), "--prompts-file", str(_prompts_file(tmp_path)),
-                        "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--json")
+    """Host 0 takes the prompts; the other hosts' commands name only the artifacts."""
+    port, prompts = free_port(), _prompts_file(tmp_path)
+    leader = ("--prompts-file", str(prompts), "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--json")
+    hosts = [Host(tmp_path / f"host{h}-shm", h, nnodes, port, "run", str(artifacts), *(leader if h == 0 else ()))
+             for h in range(nnodes)]
     codes = [host.wait() for host in hosts]
     assert codes == [0] * nnodes, [host.errors() for host in hosts]
     assert all(host.out == [] for host in hosts[1:]), "only the leader's host prints results"
