@@ -41,8 +41,29 @@ def _tokens(rank: int, step: int, rows: int) -> torch.Tensor:
     return torch.arange(rows) + 1000 * rank + 10 * step
 
 
+def _counting_sends(rank: int) -> dict[str, int]:
+    """Count what this rank sends between hosts (broadcasts it roots, point-to-point sends): the
+    channel calls torch.distributed's, patched here, in this rank's own process."""
+    import torch.distributed as dist
+
+    counts = {"broadcast": 0, "send": 0}
+    broadcast, send = dist.broadcast, dist.send
+
+    def counted_broadcast(tensor, src, group=None):
+        counts["broadcast"] += src == rank
+        return broadcast(tensor, src=src, group=group)
+
+    def counted_send(tensor, dst, group=None):
+        counts["send"] += 1
+        return send(tensor, dst=dst, group=group)
+
+    dist.broadcast, dist.send = counted_broadcast, counted_send
+    return counts
+
+
 def _on_rank(rank, topology, names):
     groups = cross_host_groups(LAYOUT, timeout=30.0)
+    sent = _counting_sends(rank)
     host_ranks = LAYOUT.ranks(LAYOUT.host_of(rank))
     local = StepChannel(names[LAYOUT.host_of(rank)], WORLD, ROWS, WIDTH, BLOCKS, rank, timeout=30.0,
                         publisher=host_ranks[0], readers=tuple(host_ranks[1:]))
@@ -55,7 +76,7 @@ def _on_rank(rank, topology, names):
                 channel.publish(step, bucket, _fields(bucket, step))
                 returned.append([channel.returned_tokens(step, r, bucket.rows).tolist() for r in SAMPLERS])
             channel.stop(len(BUCKETS))
-            return returned
+            return returned, sent
         startup, step, intact = channel.receive_startup(), 0, []
         while (message := channel.receive(step)) is not None:
             bucket, fields = message
@@ -64,14 +85,19 @@ def _on_rank(rank, topology, names):
             if rank in SAMPLERS:
                 channel.return_tokens(step, _tokens(rank, step, bucket.rows))
             step += 1
-        return startup, intact
+        return startup, intact, sent
     finally:
         channel.close()
 
 
 def test_every_rank_on_either_host_gets_every_step_and_the_leader_every_replicas_tokens():
     names = [f"graphc-test-{uuid.uuid4().hex[:8]}-host{h}" for h in range(LAYOUT.hosts)]
-    leader, *followers = run_ranks(Topology(cp=WORLD), _on_rank, names)
-    assert followers == [({"kv_blocks": 64}, [True] * len(BUCKETS))] * (WORLD - 1)
-    assert leader == [[_tokens(r, step, b.rows).tolist() for r in SAMPLERS] for step, b in enumerate(BUCKETS)]
+    (returned, leader_sent), *followers = run_ranks(Topology(cp=WORLD), _on_rank, names)
+    assert [(startup, intact) for startup, intact, _ in followers] == [({"kv_blocks": 64}, [True] * len(BUCKETS))] * 3
+    assert returned == [[_tokens(r, step, b.rows).tolist() for r in SAMPLERS] for step, b in enumerate(BUCKETS)]
+    # The record leaves the leader once a step (one broadcast to the other host's relay) and once to
+    # stop; only the sampler on the other host sends anything back, once a step.
+    assert leader_sent == {"broadcast": len(BUCKETS) + 1, "send": 0}
+    assert [sent for _, _, sent in followers] == [{"broadcast": 0, "send": 0}, {"broadcast": 0, "send": len(BUCKETS)},
+                                                  {"broadcast": 0, "send": 0}]
     assert not any(Path("/dev/shm", name).exists() for name in names)
