@@ -116,3 +116,19 @@ def test_after_a_local_failure_the_verdict_waits_for_the_others_signs_of_life():
     assert time.monotonic() - started < 1.0
     handlers[1].watch._stopped.set()
     assert handlers[0].watch.verdict().startswith("host 1 (rank 1) was lost")
+
+
+def test_a_job_that_has_left_frees_its_port_and_the_next_one_starts_afresh():
+    """In one process (a sweep's stages, a library's jobs): the next rendezvous on the same port
+    gets a new store, not the last job's keys."""
+    handlers, _ = _hosts(2)
+    port = handlers[0].options.master_port
+    _join(handlers)
+    for handler in reversed(handlers):
+        handler.leave("ok", agent_exited_normally=True)
+    again = [HostRendezvous(HostOptions(nnodes=2, node_rank=h, master_port=port, join_timeout=10.0),
+                            HostOptions(nnodes=2).layout(2), f"again-{h}", [].append) for h in range(2)]
+    MADE.extend(again)
+    _, errors = _join(again)
+    assert errors == {}
+    assert not again[0].store.check(["graphc/left/1"])  # the first job's word is not in the new store

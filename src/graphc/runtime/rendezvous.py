@@ -94,7 +94,8 @@ class HostRendezvous(RendezvousHandler):
         timeout = timedelta(seconds=self.options.join_timeout)
         if self.host == 0:
             try:
-                return TCPStore(addr, port, None, True, timeout, wait_for_workers=False, multi_tenant=True)
+                # Not multi-tenant: a server already on this port in this process is another job's, with its keys.
+                return TCPStore(addr, port, None, True, timeout, wait_for_workers=False)
             except Exception as e:  # c10d's DistNetworkError / RuntimeError
                 raise GraphcError(f"cannot serve the rendezvous at {self.options.endpoint}: {_first_line(e)}; "
                                   "choose another --master-port") from None
@@ -129,6 +130,9 @@ class HostRendezvous(RendezvousHandler):
                 pass  # host 0's store is gone: nobody waits on it
         if self.host == 0:  # the store lives in this process: keep it up until the others are done with it
             self.watch.wait_for_others(LOST_SECONDS)
+        # The agent's handler registry keeps this handler: drop the connections (on host 0 the
+        # server, which closes with its last reference), so the port is free for the next job.
+        self.store = self.watch.store = None
 
     def is_closed(self) -> bool:
         return False
