@@ -308,7 +308,6 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
         raise click.UsageError("give at least one prompt: --prompt-ids, --prompt or --prompts-file")
     resolved = [run_request(a, manifest, tokenizer, max_new_tokens, overrides, not ignore_eos) for a in asked]
     servable = [request for request, error in resolved if error is None]
-    hosts.layout(world)  # before anything loads
     on = f", host {hosts.node_rank} of {hosts.nnodes}" if hosts.nnodes > 1 else ""
     click.echo(f"loading {artifacts}: {world} rank(s){on}, backend {manifest.backend}", err=True)
     # Over several hosts every host starts its ranks, even with nothing to serve: the others wait for it.
