@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,13 @@ from graphc.models.tensor_shard import TensorShard
 from graphc.ops.distributed import register_groups
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
 from graphc.topology import Topology
+
+
+def channel_segments() -> set[str]:
+    """The step channels' shared-memory segments on this host now: a test compares the set after
+    its job with the set before (a job killed outside the test, e.g. an interrupted run, may have
+    left one of its own)."""
+    return {p.name for p in Path("/dev/shm").glob("graphc-*")}
 
 
 def _free_port() -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from graphc.errors import GraphcError
 from graphc.runtime import Engine, Request
 from graphc.runtime.launch import FAULT_ENV, open_engine, serve
 from graphc.runtime.replicas import ReplicatedScheduler, scheduler_for
-from multirank import run_ranks
+from multirank import channel_segments, run_ranks
 from support import SKEWED
 
 pytestmark = [pytest.mark.multirank, pytest.mark.compiles]
@@ -113,10 +112,10 @@ def test_every_route_on_one_rank(compiled, one_rank):
 def test_a_replica_leader_killed_mid_step_stops_the_job_naming_it(compiled, monkeypatch):
     """Rank 1 samples replica 1's rows and returns them to the leader, which waits on them."""
     artifacts = _artifacts(compiled, 2, 1, 2, "a2a_v")
-    before = {p.name for p in Path("/dev/shm").glob("graphc-*")}
+    before = channel_segments()
     monkeypatch.setenv(FAULT_ENV, "1:3")  # rank 1 SIGKILLs itself at its 4th step
     start = time.monotonic()
     with pytest.raises(GraphcError, match=r"rank 1 failed with exit code -9 \(signal 9\); the other ranks were stopped"):
         serve(artifacts, [_requests()])
     assert time.monotonic() - start < 30 + 20  # within 30 s of the death (plus start-up)
-    assert {p.name for p in Path("/dev/shm").glob("graphc-*")} <= before
+    assert channel_segments() <= before

@@ -18,7 +18,7 @@ from graphc.runtime import Engine, Request
 from graphc.runtime.launch import FAULT_ENV, serve
 from graphc.runtime.loader import NUM_KV_BLOCKS_ENV
 from graphc.topology import Topology
-from multirank import run_ranks
+from multirank import channel_segments, run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.compiles]
 
@@ -35,10 +35,6 @@ def small_artifacts(compiled):
 
 def _requests():
     return [Request(p, NEW_TOKENS, stop_at_eos=False) for p in PROMPTS]
-
-
-def _graphc_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("graphc-*")}
 
 
 @pytest.mark.inductor
@@ -75,13 +71,13 @@ def test_kv_pool_override_on_the_launcher_reaches_every_rank(small_artifacts):
 @pytest.mark.parametrize("lost", [1, 0])
 def test_a_dead_rank_stops_the_job_names_itself_and_leaves_no_segment(lost, small_artifacts, monkeypatch):
     artifacts = small_artifacts("export")
-    before = _graphc_segments()
+    before = channel_segments()
     monkeypatch.setenv(FAULT_ENV, f"{lost}:3")  # that rank SIGKILLs itself at its 4th step
     start = time.monotonic()
     with pytest.raises(GraphcError, match=rf"rank {lost} failed with exit code -9 \(signal 9\); the other ranks were stopped"):
         serve(artifacts, [_requests()])
     assert time.monotonic() - start < 30 + 20  # within 30 s of the death (plus start-up)
-    assert _graphc_segments() <= before
+    assert channel_segments() <= before
 
 
 def test_two_jobs_on_one_host_do_not_collide(small_artifacts):
@@ -125,7 +121,7 @@ def test_an_interrupted_multi_rank_run_exits_with_one_line_and_leaves_nothing(sm
     import signal as signals
 
     script = Path(sys.executable).parent / "graphc"
-    before = _graphc_segments()
+    before = channel_segments()
     prompts = [arg for i in range(200) for arg in ("--prompt-ids", f"3,1,{i % 250 + 2}")]  # minutes of work
     job = subprocess.Popen([str(script), "run", str(small_artifacts("export")), *prompts, "--max-new-tokens", "60",
                             "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -137,7 +133,7 @@ def test_an_interrupted_multi_rank_run_exits_with_one_line_and_leaves_nothing(sm
     lines = [line for line in stderr.splitlines() if not line.startswith("loading ")]
     assert job.returncode == status, stderr
     assert lines == [f"error: stopped by {signals.Signals(signum).name}; every rank was stopped"], stderr
-    assert _graphc_segments() == before
+    assert channel_segments() == before
     deadline = time.monotonic() + 15  # multiprocessing's resource tracker exits a moment after its parent
     while (leftover := subprocess.run(["pgrep", "-g", str(job.pid)], capture_output=True, text=True).stdout) \
             and time.monotonic() < deadline:

@@ -16,6 +16,7 @@ import pytest
 
 from graphc.runtime import Engine, Request
 from graphc.sampling import Sampling
+from multirank import channel_segments
 from servers import Server
 
 pytestmark = pytest.mark.compiles
@@ -216,6 +217,7 @@ def test_sigterm_under_load_finishes_in_flight_streams_and_exits_0(artifacts):
 @pytest.mark.multirank
 def test_two_rank_artifacts_serve_the_one_rank_tokens_and_stop_cleanly(compiled, artifacts):
     """The server runs in the leader rank's process; the follower runs its steps and idles with it."""
+    before = channel_segments()
     server = Server(compiled(PRESET, "export", "prompt_as_decode_small", 2, 2), "--grace-period", "60")
     batch = prompts(6)
     want = expected(artifacts, [Request(p, 12) for p in batch])
@@ -230,7 +232,7 @@ def test_two_rank_artifacts_serve_the_one_rank_tokens_and_stop_cleanly(compiled,
         started = time.monotonic()
         assert server.stop() == 0, "".join(server.lines)
     assert time.monotonic() - started < 60
-    assert not [p for p in Path("/dev/shm").glob("graphc-*")]
+    assert channel_segments() == before
 
 
 def test_chat_completions_render_the_checkpoints_template_as_transformers_does(server, artifacts, tiny_checkpoints):
