@@ -572,7 +572,8 @@ def _describe_config(config, backend: str | None = None) -> str:
         f"model      {config.model.checkpoint} ({config.model.dtype})",
         f"topology   dp={t.dp} cp={t.cp} tp={t.tp} ep={t.ep}" + (f" (MoE exchange {config.model.moe_lowering})" if t.dp > 1 else ""),
         f"buckets    prefill={b.prefill} decode={b.decode} prompt_as_decode={b.prompt_as_decode} "
-        f"context_limit={b.context_limit}",
+        f"context_limit={b.context_limit}" + (f" speculative={config.model.speculative.method} "
+                                              f"k={config.draft_tokens}" if config.draft_tokens else ""),
         f"kv_cache   {kv.num_blocks} blocks x {kv.block_size} tokens",
         f"backend    {backend or config.backend}" + (" (from --backend)" if backend else ""),
     ])

@@ -36,6 +36,7 @@ import yaml
 
 from graphc.backends import BackendName
 from graphc.buckets.planner import BucketPlan, plan_buckets, read_workload
+from graphc.buckets.selection import max_prefill_chunk
 from graphc.errors import ConfigError, GraphcError
 from graphc.models.family import Family
 from graphc.models.moe_forms import MoeFormChoice, MoeLoweringChoice
@@ -45,6 +46,19 @@ from graphc.sampling import SAMPLING_RULES, Sampling, sampling_error
 from graphc.step import blocks_per_row
 from graphc.topology import Topology
 from graphc.typed import build
+
+
+@dataclass(frozen=True)
+class SpeculativeSection:
+    """Speculative decoding: each decoding row carries drafted tokens that its next step verifies
+    (`graphc.models.speculation`), lossless: the tokens are those of decoding without drafts
+    (greedy) or distributed as them (sampling)."""
+
+    method: Literal["mtp"]
+    """Who drafts: 'mtp', the checkpoint's own multi-token-prediction layer (DeepSeek-V3 / V3.2)."""
+    tokens: int
+    """k, tokens drafted per decoding row and step: decode buckets become [B, 1 + k] verify
+    graphs (and prompt-as-decode ones at least that wide)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,8 @@ class ModelSection:
     all-to-all of fixed-position blocks), 'a2a_v' (variable all-to-all over an all-gathered split
     matrix), or 'auto': a2a_v for EP groups of 4 and 8 ranks, else a2a_even. All give the same
     tokens; `graphc compile --moe-lowering` overrides it."""
+    speculative: SpeculativeSection | None = None
+    """Speculative decoding (off when absent), e.g. `{method: mtp, tokens: 2}`."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +189,11 @@ class GraphcConfig:
     def family(self) -> Family:
         """The model family of the checkpoint (`models/registry.py`)."""
         return family_of(self.model_args)
+
+    @property
+    def draft_tokens(self) -> int:
+        """Speculative decoding's k: tokens drafted per decoding row (0: off)."""
+        return self.model.speculative.tokens if self.model.speculative else 0
 
 
 def load_config(path: str | Path) -> GraphcConfig:
@@ -285,7 +306,32 @@ def validate(config: GraphcConfig) -> ModelArgs:
             f"buckets.context_limit: {b.context_limit} exceeds the checkpoint's max_position_embeddings "
             f"({args.max_position_embeddings})"
         )
+    if config.model.speculative is not None:
+        args = _speculative_args(config, args, topology)
     return args
+
+
+def _speculative_args(config: GraphcConfig, args: ModelArgs, topology: Topology) -> ModelArgs:
+    """The args serving the checkpoint's MTP layer as the draft, or the refusal naming the field."""
+    speculative, b = config.model.speculative, config.buckets
+    family = family_of(args)
+    if not family.drafts_with_mtp:
+        raise ConfigError(f"model.speculative: {args.architecture} has no MTP drafting in graphc yet; "
+                          "the DeepSeek-V3 / V3.2 family has")
+    if args.num_nextn_predict_layers < 1:
+        raise ConfigError(f"model.speculative: method 'mtp' needs the checkpoint's multi-token-prediction layer, "
+                          f"and {config.model.checkpoint} has none (config.json num_nextn_predict_layers is "
+                          f"{args.num_nextn_predict_layers})")
+    if not 1 <= speculative.tokens < b.context_limit - 1:
+        raise ConfigError(f"model.speculative.tokens: {speculative.tokens} must be in 1..{b.context_limit - 2} "
+                          f"(a verify row of 1 + tokens must fit under buckets.context_limit {b.context_limit})")
+    if max_prefill_chunk(sorted(b.prefill), config.runtime.max_num_prefilling_tokens) < 2:
+        raise ConfigError("buckets.prefill: speculative decoding runs each prompt chunk's last token again with the "
+                          "next chunk, so chunks need at least 2 tokens; add a prefill bucket of 2 or more")
+    if topology.dp > 1:
+        raise ConfigError(f"model.speculative: topology.dp {topology.dp}: data-parallel replicas are not served "
+                          "with drafts yet (dp = 1 with cp, tp and ep are)")
+    return dataclasses.replace(args, draft_layers=1)
 
 
 def _positive(key: str, value: int) -> None:

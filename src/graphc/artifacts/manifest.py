@@ -124,6 +124,14 @@ class BucketTable:
     decode: list[int]
     prompt_as_decode: int
     context_limit: int
+    draft_tokens: int = 0
+    """Speculative decoding's k (model.yaml's `model.speculative.tokens`; 0: off): tokens the
+    model's MTP layer drafts per decoding row, verified by the next step in [B, 1 + k] graphs."""
+
+    @property
+    def widest(self) -> int:
+        """The most tokens a step row holds."""
+        return max(*self.prefill, self.prompt_as_decode, 1 + self.draft_tokens)
 
 
 @dataclass(frozen=True)

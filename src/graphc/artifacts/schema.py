@@ -49,8 +49,9 @@ def _check(manifest, error: type[GraphcError]) -> None:
     for key, value in positive.items():
         if value < 1:
             raise error(f"{key}: {value} must be a positive integer")
-    if not buckets.prefill or not buckets.decode or buckets.prompt_as_decode < 0:
-        raise error(f"buckets: {dataclasses.asdict(buckets)} needs prefill and decode sizes and prompt_as_decode >= 0")
+    if not buckets.prefill or not buckets.decode or buckets.prompt_as_decode < 0 or buckets.draft_tokens < 0:
+        raise error(f"buckets: {dataclasses.asdict(buckets)} needs prefill and decode sizes, and prompt_as_decode "
+                    "and draft_tokens >= 0")
     try:
         ranks_topology = topology.topology()
     except GraphcError as e:
@@ -68,7 +69,8 @@ def _check(manifest, error: type[GraphcError]) -> None:
             raise error(f"runtime.sampling.{name}: {problem}")
     if sorted(r.rank for r in manifest.ranks) != list(range(topology.world)):
         raise error(f"ranks: {[r.rank for r in manifest.ranks]} are not the ranks 0..{topology.world - 1}")
-    table = sorted(all_buckets(buckets.prefill, buckets.decode, buckets.prompt_as_decode), key=lambda b: b.name)
+    table = sorted(all_buckets(buckets.prefill, buckets.decode, buckets.prompt_as_decode, buckets.draft_tokens),
+                   key=lambda b: b.name)
     for rank in manifest.ranks:
         hashes = [rank.weights_sha256, *(g.sha256 for g in rank.graphs)]
         if not all(SHA256.fullmatch(h) for h in hashes):

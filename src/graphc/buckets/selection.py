@@ -12,6 +12,8 @@ Rules:
 - With a prompt-as-decode size P > 1, every decode bucket B also has a [B, P] graph: its rows
   are running decodes (one real token) and prompts, or prompt tails, of at most P tokens. (P = 1
   needs no graph of its own: a one-token prompt already fits a plain decode row.)
+- With speculative decoding of k drafts, a decoding row is 1 + k tokens wide: decode buckets are
+  [B, 1 + k], and a [B, P] graph exists only where P is wider (narrower prompts fit the verify rows).
 
 The planner (`graphc.buckets.planner`) chooses the sizes from traffic.
 """
@@ -48,9 +50,16 @@ class Bucket:
         return f"{self.kind}-{self.size}" + (f"x{self.tokens_per_row}" if self.tokens_per_row > 1 else "")
 
 
-def all_buckets(prefill: list[int], decode: list[int], prompt_as_decode: int = 0) -> list[Bucket]:
-    return ([Bucket("prefill", s) for s in sorted(prefill)] + [Bucket("decode", s) for s in sorted(decode)]
-            + [Bucket("decode", s, prompt_as_decode) for s in sorted(decode) if prompt_as_decode > 1])
+def all_buckets(prefill: list[int], decode: list[int], prompt_as_decode: int = 0, draft_tokens: int = 0) -> list[Bucket]:
+    return ([Bucket("prefill", s) for s in sorted(prefill)]
+            + [Bucket("decode", s, width) for width in decode_widths(prompt_as_decode, draft_tokens) for s in sorted(decode)])
+
+
+def decode_widths(prompt_as_decode: int, draft_tokens: int = 0) -> list[int]:
+    """The widths of the decode buckets: a running decode's row (1 token, or with `draft_tokens`
+    k, 1 + k: the token and its drafts), then the prompt-as-decode size P where it is wider."""
+    verify = 1 + draft_tokens
+    return [verify] + ([prompt_as_decode] if prompt_as_decode > verify else [])
 
 
 def smallest_fitting(sizes: list[int], n: int) -> int:

@@ -28,7 +28,8 @@ from torch.export import Dim, ExportedProgram
 from graphc.buckets.selection import Bucket
 from graphc.models.checkpoint import QUANTIZED_WEIGHTS
 from graphc.models.fp8 import QuantizedWeight
-from graphc.models.step_model import Parallelism, StepModel
+from graphc.models.speculation import SpeculativeStep
+from graphc.models.step_model import Parallelism, StepInputs, StepModel
 from graphc.ops import sampler
 from graphc.ops.dequantize import dequantize
 from graphc.step import FLOAT_INPUTS, POOL_BLOCKS_DIM, STEP_INPUTS, kv_pool_shape, step_shapes
@@ -49,15 +50,19 @@ def model_weights(model: StepModel) -> dict[str, Tensor]:
 
 
 class StepGraph(torch.nn.Module):
-    """One serving step: the model over the paged cache, then the sampler.
+    """One serving step: the model over the paged cache, then the sampler; with `draft_tokens`
+    k > 0, a speculative step (`graphc.models.speculation`) of a model that serves its MTP layer.
 
     Returns:
-        tokens: [B] the sampled next token of each row.
-        logits: [B, V] the logits it was sampled from.
+        tokens: [B] the sampled next token of each row; speculative: [B, 2 + 2k], the accepted
+            drafts' count n, tokens t_0 .. t_k (t_0 .. t_n are new), the row's next k drafts.
+        logits: [B, V] the logits it was sampled from (speculative: of t_0).
     """
 
-    def __init__(self, model: StepModel, parallel: Parallelism = Parallelism(), moe_form: str | None = None):
+    def __init__(self, model: StepModel, parallel: Parallelism = Parallelism(), moe_form: str | None = None,
+                 draft_tokens: int = 0):
         super().__init__()
+        self.draft_tokens = draft_tokens
         # Held in a list so nn.Module does not register it: its tensors must reach the graph as
         # inputs, not as lifted parameters.
         self._model = [model]
@@ -75,6 +80,11 @@ class StepGraph(torch.nn.Module):
         for name, quantized in self.quantized.items():
             parameters[name] = dequantize(parameters[name], parameters[quantized.scale], *quantized.block,
                                           quantized.dtype)
+        if self.draft_tokens:
+            step = StepInputs(positions, block_table, slot_mapping, kv_pool, parallel, self.moe_form)
+            return torch.func.functional_call(
+                SpeculativeStep(self._model[0], self.draft_tokens), {f"model.{n}": t for n, t in parameters.items()},
+                (input_ids, step, logits_index, temperature, top_k, top_p, seed))
         logits = torch.func.functional_call(
             self._model[0], parameters,
             (input_ids, positions, block_table, slot_mapping, kv_pool, logits_index), {"parallel": parallel, "moe_form": self.moe_form},
@@ -104,7 +114,7 @@ def example_step_inputs(bucket: Bucket, blocks_per_row: int, kv_pool_shape: tupl
 
 def capture_bucket(model: StepModel, bucket: Bucket, blocks_per_row: int, num_blocks: int,
                    block_size: int, parallel: Parallelism = Parallelism(), moe_form: str | None = None,
-                   weights: dict[str, Tensor] | None = None) -> ExportedProgram:
+                   weights: dict[str, Tensor] | None = None, draft_tokens: int = 0) -> ExportedProgram:
     """Export the step for one bucket shape.
 
     `parallel` fixes what changes shapes (group sizes, static or generic MoE; `model` holds one
@@ -112,9 +122,9 @@ def capture_bucket(model: StepModel, bucket: Bucket, blocks_per_row: int, num_bl
     come from the `coordinates` input. `moe_form` fixes the routed
     experts' formulation (`MOE_FORMS`; by default the model's rule for the bucket's size).
     `weights` replaces the model's own (`model_weights`): fake tensors of a shapes-only compile
-    (`models/abstract.abstract_shard`).
+    (`models/abstract.abstract_shard`). `draft_tokens`: speculative decoding's k (0: off).
     """
-    step = StepGraph(model, parallel, moe_form)
+    step = StepGraph(model, parallel, moe_form, draft_tokens)
     args = model.args
     pool_shape = kv_pool_shape(args.cache_layers, num_blocks, block_size, args.kv_cache_dim)
     inputs = example_step_inputs(bucket, blocks_per_row, pool_shape, model.dtype)

@@ -20,6 +20,7 @@ from graphc.buckets.selection import all_buckets
 from graphc.compiler.capture import capture_bucket, model_weights
 from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
 from graphc.config import GraphcConfig
+from graphc.errors import GraphcError
 from graphc.models.abstract import abstract_shard
 from graphc.models.checkpoint import default_sparse_probabilities, holds_weights, load_rank_shard
 from graphc.models.moe_forms import moe_exchange, step_moe_form
@@ -76,6 +77,8 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
     table_width = blocks_per_row(b.context_limit, kv.block_size)
     dtype = getattr(torch, config.model.dtype)
     as_stored = config.model.weights == "as-stored"
+    draft_tokens = config.draft_tokens
+    draft_layers = 1 if draft_tokens else 0  # the MTP layer that drafts
     shapes_only = options.shapes_only or not holds_weights(config.model.checkpoint)
     with atomic_directory(out, options.force) as staging:
         # 1. Model: rank 0's module (its routed experts and tensor-parallel slice; every rank's
@@ -87,18 +90,18 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                                             topology.tp)
         else:
             model = load_rank_shard(config.model.checkpoint, topology, 0, dtype, config.model.sparse_probabilities,
-                                    as_stored)
+                                    as_stored, draft_layers)
             weights = model_weights(model)
         args = model.args
         sparse_probabilities = model.sparse_probabilities if args.sparse_attention else None
         # 2. Capture: one rank-agnostic program per bucket, with what changes shapes fixed.
         parallel = Parallelism(cp=topology.cp, ep=topology.ep, moe_exchange=exchange)
-        buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode)
+        buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode, draft_tokens)
         moe_forms = {bucket: step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
                                            args.n_routed_experts, topology.ep, exchange)
                      for bucket in buckets}
         captured = {bucket: capture_bucket(model, bucket, table_width, kv.num_blocks, kv.block_size, parallel,
-                                           moe_forms[bucket], weights)
+                                           moe_forms[bucket], weights, draft_tokens)
                     for bucket in buckets}
         # 3. Rewrite each bucket's programs (passes/registry.py): at most two whatever the world
         # (`Backend.programs`), the rank's coordinates being an input. Then check that no rank's
@@ -144,7 +147,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         for rank, shard_key in shard_of.items():
             if shard_key not in shards:
                 shard = load_rank_shard(config.model.checkpoint, topology, rank, dtype,
-                                        config.model.sparse_probabilities, as_stored)
+                                        config.model.sparse_probabilities, as_stored, draft_layers)
                 shards[shard_key] = write_weights(model_weights(shard), staging)
                 del shard
         # 6. Manifest: graphs, weights and tokenizer by hash, signed on request.
@@ -162,6 +165,9 @@ def check_backend_topology(backend: str, config: GraphcConfig, static_enabled: b
                             backend_named(backend).lowerings)
     config.family.check_compile(config.model_args, topology, exchange, backend)
     backend_named(backend).check_topology(topology, exchange)
+    if config.model.speculative is not None and backend == "neuron":
+        raise GraphcError("model.speculative: the neuron backend has no lowering of speculative steps yet "
+                          "(graphc::verify_drafts); use the export or inductor backend")
 
 
 def copy_program(capture: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

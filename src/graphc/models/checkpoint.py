@@ -18,6 +18,7 @@ tensor-parallel rank (`tp_shard`) reads only its slice of each weight its family
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import struct
@@ -130,11 +131,12 @@ def _summarise(names: list[str], limit: int = 5) -> str:
 
 
 def load_rank_shard(checkpoint_dir: Path, topology: Topology, rank: int, dtype: torch.dtype,
-                    sparse_probabilities: str | None = None, as_stored: bool = False) -> StepModel:
+                    sparse_probabilities: str | None = None, as_stored: bool = False,
+                    draft_layers: int = 0) -> StepModel:
     """The model of `rank`'s weights: its routed experts (all of them when ep = 1) and its
     tensor-parallel slice of the split weights; ranks with the same `topology.weight_shard` hold
-    the same."""
-    checked = check_checkpoint(Path(checkpoint_dir))
+    the same. `draft_layers`: the MTP layers it serves as speculative decoding's draft."""
+    checked = check_checkpoint(Path(checkpoint_dir), draft_layers)
     ep_rank, tp_rank = topology.weight_shard(rank)
     experts = topology.experts(ep_rank, checked.args.n_routed_experts)
     return load_model(checkpoint_dir, dtype=dtype, experts=experts, sparse_probabilities=sparse_probabilities,
@@ -331,7 +333,7 @@ INDEX_DTYPES = ("I64", "I32")
 """What an index table (V4's `tid2eid`) may be stored as."""
 
 
-def check_checkpoint(checkpoint_dir: Path) -> CheckedCheckpoint:
+def check_checkpoint(checkpoint_dir: Path, draft_layers: int = 0) -> CheckedCheckpoint:
     """Everything the files' headers tell, without reading tensor data: config.json; the tensor
     names (missing, unexpected, scales of no weight); every tensor's dtype and shape; every byte
     range against its file's length (a truncated or corrupt file). `graphc validate` runs it;
@@ -343,6 +345,8 @@ def check_checkpoint(checkpoint_dir: Path) -> CheckedCheckpoint:
     config = read_hf_config(checkpoint_dir)
     family = family_of_config(config)
     args = family.args_from_hf_config(config)
+    if draft_layers:  # the served MTP layer's tensors are expected, not skipped
+        args = dataclasses.replace(args, draft_layers=draft_layers)
     files = _tensor_files(checkpoint_dir)
     ue8m0 = family.ue8m0_scales
     block = _fp8_block(checkpoint_dir, config, files, ue8m0)

@@ -97,6 +97,9 @@ class Family:
     backends: tuple[str, ...] = ("export", "inductor", "neuron")
     data_parallel: bool = True
     """Whether data-parallel attention (dp > 1) is built for it."""
+    drafts_with_mtp: bool = False
+    """Whether its MTP layer serves as speculative decoding's draft (its args' `draft_layers`, its
+    model's `final_hidden`, `logits`, `draft_hidden` and `draft_logits`)."""
     check_exchange: Callable[["ModelArgs", str], None] = _accepts
     """Raises `GraphcError` for an MoE exchange its layers cannot take."""
     probe_refusal: str | None = None

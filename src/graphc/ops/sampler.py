@@ -61,3 +61,74 @@ sample = define_op("sample(Tensor logits, Tensor temperature, Tensor top_k, Tens
                    _sample, lambda logits, temperature, top_k, top_p, seed, samples=None: logits.new_empty(
                      logits.shape[:-1], dtype=torch.int64))
 
+
+
+def filtered_probabilities(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """[N, V] fp32 logits of rows that sample (temperature > 0) -> the distribution `sample` draws
+    from: temperature, then top-k, then the nucleus of top-p (the first token always stays)."""
+    scaled = logits / temperature.clamp_min(1e-6)[:, None]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+    probs = sorted_logits.softmax(dim=-1)
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    kept = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    return torch.zeros_like(kept).scatter(-1, order, kept)
+
+
+def _gumbel_pick(probabilities: Tensor, noise: Tensor) -> int:
+    """A sample of `probabilities` [V] by the Gumbel-max trick on uniform `noise` [V]."""
+    gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
+    return int((probabilities.log() + gumbel).argmax())
+
+
+def _verify_drafts(logits: Tensor, drafts: Tensor, draft_count: Tensor, temperature: Tensor, top_k: Tensor,
+                   top_p: Tensor, seed: Tensor) -> Tensor:
+    """Speculative decoding's verdict on each row's drafts, keeping the model's distribution.
+
+    Row r proposed `draft_count[r]` = m draft tokens d_0..d_{m-1} (at most k), and `logits[r, j]`
+    is the model's prediction of the token d_j stands for (j = 0..k). Greedy rows (temperature
+    0) accept d_j while it is the argmax. Sampling rows follow the speculative-sampling rule
+    (Leviathan et al. 2023; Chen et al. 2023) for a draft that proposes one token with
+    certainty: accept d_j with probability p_j(d_j) (p_j the distribution `sample` draws from),
+    and at the first rejection draw from p_j without d_j, renormalised: every emitted token is
+    distributed as p. Where all m are accepted, the next token is drawn from p_m. Position j's
+    uniform noise is `sampling_noise(seed + j)` (the seed of generated token j): the acceptance
+    reads it at d_j, the draw after a rejection at the other tokens, so the two are independent.
+
+    Args:
+        logits: [B, 1 + k, V]; drafts: [B, k] int64; draft_count: [B] int64 in 0..k.
+        temperature, top_k, top_p, seed: [B], as `sample` takes them.
+
+    Returns:
+        [B, 2 + k] int64: the accepted count n, then tokens t_0..t_k of which t_0..t_n are the
+        row's new tokens (the accepted drafts, then the model's own); the rest are zeros.
+    """
+    rows, positions, vocab = logits.shape
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)  # [B, 1 + k]
+    verdict = torch.zeros(rows, 1 + positions, dtype=torch.int64, device=logits.device)
+    for r in range(rows):
+        count, proposed = int(draft_count[r]), drafts[r].tolist()
+        if temperature[r] <= 0:
+            accepted = next((j for j in range(count) if int(greedy[r, j]) != proposed[j]), count)
+            last = int(greedy[r, accepted])
+        else:
+            p = filtered_probabilities(logits[r], temperature[r].expand(positions), top_k[r].expand(positions),
+                                       top_p[r].expand(positions))  # [1 + k, V]
+            noise = torch.stack([sampling_noise(seed[r: r + 1] + j, vocab)[0] for j in range(positions)])
+            accepted = next((j for j in range(count) if noise[j, proposed[j]] >= p[j, proposed[j]]), count)
+            kept = p[accepted].clone()
+            if accepted < count:  # rejected: the residual max(0, p - one-hot(d)) renormalised
+                kept[proposed[accepted]] = 0.0
+            last = _gumbel_pick(kept / kept.sum(), noise[accepted])
+        verdict[r, : accepted + 2] = torch.tensor([accepted, *proposed[:accepted], last])
+    return verdict
+
+
+verify_drafts = define_op(
+    "verify_drafts(Tensor logits, Tensor drafts, Tensor draft_count, Tensor temperature, Tensor top_k, "
+    "Tensor top_p, Tensor seed) -> Tensor",
+    _verify_drafts,
+    lambda logits, drafts, draft_count, temperature, top_k, top_p, seed: logits.new_empty(
+        (logits.shape[0], 1 + logits.shape[1]), dtype=torch.int64))

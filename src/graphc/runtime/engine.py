@@ -116,11 +116,12 @@ class Engine:
         bucket, per_rank = step.bucket, []
         for rows in step.by_replica():
             sequences = [(s.blocks, tokens, start) for s, tokens, start in rows]
+            drafts = [0 if s.prefilling else len(tokens) - 1 for s, tokens, _ in rows]  # a decoding row's drafts
             sampling = sampler_inputs([s.request.sampling for s, _, _ in rows], [len(s.output) for s, _, _ in rows],
                                       bucket.rows)
             for shard in range(self.topology.cp):
                 fields = step_metadata(sequences, bucket.width, self.manifest.kv_cache.blocks_per_row,
-                                       total_rows=bucket.rows, shard=shard)
+                                       total_rows=bucket.rows, shard=shard, drafts=drafts)
                 per_rank += [{**dict(zip(METADATA_FIELDS, fields)), **sampling}] * self.topology.tp
         return per_rank
 

@@ -143,7 +143,7 @@ def open_engine(artifacts: str, manifest: Manifest, rank: int, channel_name: str
     buckets = manifest.buckets
     host_ranks = layout.ranks(layout.host_of(rank))
     channel = StepChannel(channel_name, world, max_rows=max(buckets.decode),
-                          max_width=max(*buckets.prefill, buckets.prompt_as_decode),
+                          max_width=buckets.widest,
                           blocks_per_row=manifest.kv_cache.blocks_per_row, rank=rank, timeout=timeout,
                           publisher=host_ranks[0], readers=tuple(host_ranks[1:]))
     if layout.hosts > 1:

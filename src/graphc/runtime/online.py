@@ -8,6 +8,7 @@ request's events through the listener they submitted it with, called on the engi
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections import deque
@@ -16,7 +17,7 @@ from typing import Callable
 
 from graphc.errors import GraphcError
 from graphc.runtime.engine import Engine
-from graphc.runtime.scheduler import Request, Result
+from graphc.runtime.scheduler import DraftStats, Request, Result
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class EngineState:
     prefix_cache_tokens: tuple[int, int] = (0, 0)
     """Prompt tokens looked up in the prefix cache and found there, since the start."""
     steps: dict[str, int] = field(default_factory=dict)
+    drafts: DraftStats = field(default_factory=lambda: DraftStats([], []))
+    """Speculative decoding's drafts verified and accepted, per draft position, since the start."""
     failure: str | None = None
 
 
@@ -182,6 +185,7 @@ class OnlineEngine:
             self.state.blocks_in_use = scheduler.blocks_in_use
             self.state.cached_blocks = scheduler.cached_blocks
             self.state.prefix_cache_tokens = scheduler.prefix_cache_tokens
+            self.state.drafts = copy.deepcopy(scheduler.drafts)
             self.state.steps = {name: stats.steps for name, stats in self.engine.stats.items()}
 
     def _fail(self, message: str) -> None:

@@ -136,6 +136,7 @@ def step_metadata(
     blocks_per_row: int,
     total_rows: int | None = None,
     shard: int = 0,
+    drafts: list[int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Pack one step's rows into the model's [B, Q] layout.
 
@@ -148,10 +149,12 @@ def step_metadata(
             padding (position 0, nothing written, logits ignored).
         shard: which context-parallel shard's view to build: its own blocks in the block table,
             and slots only for the tokens whose block lives there.
+        drafts: per row, how many of its tokens are drafts to verify (speculative decoding: they
+            follow the row's last token); none by default.
 
     Returns:
         input_ids [B, Q], positions [B, Q], block_table [B, M], slot_mapping [B, Q] and
-        logits_index [B] (each row's last real token). Padding tokens repeat the row's last
+        logits_index [B] (each row's last real token before its drafts). Padding tokens repeat the row's last
         position, so they attend only to keys that exist, and their slot is `PADDING_SLOT`.
     """
     count = total_rows or len(rows)
@@ -174,6 +177,6 @@ def step_metadata(
             raise ValueError(f"row {b} owns {len(seq.blocks)} blocks; the block table holds {blocks_per_row}")
         own = seq.shard_blocks(shard)
         block_table[b][: len(own)] = own
-        logits_index[b] = n - 1
+        logits_index[b] = n - 1 - (drafts[b] if drafts else 0)
     fields = (input_ids, positions, block_table, slot_mapping, logits_index)
     return tuple(torch.tensor(field, dtype=torch.int64) for field in fields)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from graphc.artifacts.manifest import Manifest
 from graphc.buckets.selection import Bucket, smallest_fitting
-from graphc.runtime.scheduler import Emitted, Request, Result, Scheduler, Step
+from graphc.runtime.scheduler import DraftStats, Emitted, Request, Result, Scheduler, Step
 
 
 class ReplicatedScheduler:
@@ -109,6 +109,13 @@ class ReplicatedScheduler:
             bucket = Bucket("decode", smallest_fitting(first.decode, max(map(len, per_replica))),
                             first.prompt_as_decode if any(shorts) else 1)
         return Step(bucket, [row for rows in per_replica for row in rows], tuple(map(len, per_replica)))
+
+    @property
+    def drafts(self) -> DraftStats:
+        """Every replica's drafts (speculative decoding), position by position."""
+        stats = [replica.drafts for replica in self.replicas]
+        return DraftStats([sum(column) for column in zip(*(s.proposed for s in stats))],
+                          [sum(column) for column in zip(*(s.accepted for s in stats))])
 
     def complete(self, step: Step, tokens: list[int]) -> list[Emitted]:
         emitted, start = [], 0

@@ -24,7 +24,15 @@ Policy, step by step:
       so every sequence advances when there are more), in the smallest decode bucket that
       holds them.
    Alternating a/b-c keeps long prompts from stalling running decodes.
-3. **Finishing.** A sequence ends at one of its model's EOS ids (once it has `min_new_tokens`),
+3. **Speculative decoding** (k drafts: `graphc.models.speculation`). A decoding row runs its
+   last token and up to k drafts its previous step made, as many as could still be emitted (under
+   max_new_tokens and context_limit); its step returns how many were accepted, the tokens to
+   append (those accepted, then the model's own) and the next drafts. Positions past the accepted
+   ones are rolled back by not counting them: the next step writes them again. A sequence
+   reserves k positions more than its life (the drafts ahead of its last token write their KV
+   there), and a prompt chunk that is not the prompt's last ends one token early: that token runs
+   again as the first of the next chunk, once its successor is known to the MTP layer.
+4. **Finishing.** A sequence ends at one of its model's EOS ids (once it has `min_new_tokens`),
    at max_new_tokens, when prompt + generated reaches context_limit, or when it is cancelled;
    its blocks return to the pool at once (its full blocks stay cached with prefix caching).
 
@@ -41,7 +49,7 @@ from dataclasses import dataclass, field
 
 from graphc.artifacts.manifest import Manifest
 from graphc.backends import backend
-from graphc.buckets.selection import Bucket, max_prefill_chunk, smallest_fitting
+from graphc.buckets.selection import Bucket, decode_widths, max_prefill_chunk, smallest_fitting
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks
 from graphc.runtime.prefix_cache import PrefixCache, prefix_caching_enabled, root_key
 from graphc.sampling import Sampling
@@ -85,6 +93,8 @@ class Sequence:
     cached_tokens: int = 0
     block_keys: list[bytes] = field(default_factory=list)
     """The prefix cache's keys of its first full blocks (with prefix caching)."""
+    drafts: list[int] = field(default_factory=list)
+    """Speculative decoding: the tokens its last step drafted after its last output token."""
 
     @property
     def prefilling(self) -> bool:
@@ -93,6 +103,20 @@ class Sequence:
     @property
     def remaining_prompt(self) -> int:
         return len(self.request.prompt) - self.prefilled
+
+
+@dataclass
+class DraftStats:
+    """Speculative decoding's drafts so far: proposed (verified) and accepted, in all and per draft
+    position (position j: the (j + 1)-th token after a row's last one)."""
+
+    proposed: list[int]
+    accepted: list[int]
+
+    def add(self, proposed: int, accepted: int) -> None:
+        for j in range(proposed):
+            self.proposed[j] += 1
+            self.accepted[j] += j < accepted
 
 
 @dataclass(frozen=True)
@@ -139,21 +163,25 @@ class Scheduler:
                    block_size=kv.block_size, num_blocks=num_blocks - scratch,
                    max_num_prefilling_tokens=manifest.runtime.max_num_prefilling_tokens,
                    eos_token_ids=manifest.model.eos_token_id, kv_shards=manifest.topology.cp,
-                   prompt_as_decode=buckets.prompt_as_decode,
+                   prompt_as_decode=buckets.prompt_as_decode, draft_tokens=buckets.draft_tokens,
                    prefix_cache_salt=(manifest.model_fingerprint, manifest.model.dtype) if caching else None)
 
     def __init__(self, requests: list[Request], *, prefill: list[int], decode: list[int], context_limit: int,
                  block_size: int, num_blocks: int, max_num_prefilling_tokens: int, eos_token_ids: list[int],
-                 kv_shards: int = 1, prompt_as_decode: int = 0, prefix_cache_salt: tuple[str, ...] | None = None):
+                 kv_shards: int = 1, prompt_as_decode: int = 0, prefix_cache_salt: tuple[str, ...] | None = None,
+                 draft_tokens: int = 0):
         """`num_blocks` is each rank's pool; with `kv_shards` context-parallel ranks, a sequence's
         block j lives on rank j % kv_shards and is allocated from that rank's pool. With
         `prefix_cache_salt` (what decides a block's contents besides its tokens) full blocks
-        are cached and reused."""
+        are cached and reused. `draft_tokens`: speculative decoding's k (rule 3; 0: off)."""
         self.prefill, self.decode = sorted(prefill), sorted(decode)
         self.context_limit, self.block_size = context_limit, block_size
         self.eos = set(eos_token_ids)
         self.max_chunk = max_prefill_chunk(self.prefill, max_num_prefilling_tokens)
         self.prompt_as_decode = prompt_as_decode
+        self.draft_tokens = draft_tokens
+        self.decode_widths = decode_widths(prompt_as_decode, draft_tokens)
+        self.drafts = DraftStats([0] * draft_tokens, [0] * draft_tokens)
         self.kv_shards = kv_shards
         self.allocators = [BlockAllocator(num_blocks) for _ in range(kv_shards)]
         self.allocator = self.allocators[0]
@@ -213,8 +241,12 @@ class Scheduler:
 
     def _lifetime(self, request: Request) -> int:
         """KV positions the request can ever write: every prompt token and every generated token
-        but the last (which is returned, never fed back)."""
-        return min(len(request.prompt) + request.max_new_tokens, self.context_limit) - 1
+        but the last (which is returned, never fed back); with drafts, k more (rule 3), within
+        the block table."""
+        kept = min(len(request.prompt) + request.max_new_tokens, self.context_limit) - 1
+        if not self.draft_tokens:
+            return kept
+        return min(kept + self.draft_tokens, ceil_div(self.context_limit, self.block_size) * self.block_size)
 
     def refusal(self, request: Request) -> str | None:
         """Why `request` can never be served by these buckets and this pool, or None."""
@@ -272,7 +304,7 @@ class Scheduler:
             return Step(Bucket("prefill", smallest_fitting(self.prefill, len(row[1]))), [row])
         self._last_was_prefill = False
         rows, short = self.decode_rows()
-        return Step(Bucket("decode", smallest_fitting(self.decode, len(rows)), self.prompt_as_decode if short else 1),
+        return Step(Bucket("decode", smallest_fitting(self.decode, len(rows)), self.decode_widths[-1 if short else 0]),
                     rows)
 
     def pending(self) -> tuple[bool, bool]:
@@ -294,8 +326,16 @@ class Scheduler:
         decoding = [s for s in self.running if not s.prefilling]
         batch = short + self._rotate(decoding[: self.decode[-1] - len(short)])
         rows = [(s, s.request.prompt[s.prefilled:], s.prefilled) if s.prefilling
-                else (s, [s.output[-1]], len(s.request.prompt) + len(s.output) - 1) for s in batch]
+                else (s, [s.output[-1], *s.drafts[: self._draft_room(s)]], len(s.request.prompt) + len(s.output) - 1)
+                for s in batch]
         return rows, bool(short)
+
+    def _draft_room(self, sequence: Sequence) -> int:
+        """How many of its drafts a decoding row runs: no more than it could still emit, one
+        token beyond them included (rule 3)."""
+        request = sequence.request
+        return max(0, min(len(sequence.drafts), request.max_new_tokens - len(sequence.output) - 1,
+                          self.context_limit - len(request.prompt) - len(sequence.output) - 1))
 
     def _rotate(self, batch: list[Sequence]) -> list[Sequence]:
         """Move the sequences of this step to the back: with more decoding sequences than a step
@@ -305,26 +345,45 @@ class Scheduler:
             self.running.append(sequence)
         return batch
 
-    def complete(self, step: Step, tokens: list[int]) -> list[Emitted]:
-        """Record the step's sampled tokens (one per row; padding rows already dropped); returns
-        the generated tokens, with the results of the requests they ended."""
+    def complete(self, step: Step, tokens: list[int] | list[list[int]]) -> list[Emitted]:
+        """Record the step's sampled tokens (one per row; padding rows already dropped; with drafts,
+        each row's packed verdict, `graphc.models.speculation`); returns the generated tokens,
+        with the results of the requests they ended."""
         emitted = []
-        for (sequence, run, start), token in zip(step.rows, tokens):
+        for (sequence, run, start), sampled in zip(step.rows, tokens):
+            new_tokens = self._new_tokens(sequence, run, sampled)
             if sequence.prefilling:
-                sequence.prefilled = start + len(run)
+                end = start + len(run)
+                # With drafts a middle chunk's last token runs again with the next chunk (rule 3).
+                sequence.prefilled = end - 1 if self.draft_tokens and end < len(sequence.request.prompt) else end
                 if sequence.prefilling:
                     self._publish(sequence)
                     continue  # a middle chunk: its sample is not a generated token
-            sequence.output.append(token)
+            reason = None
+            for count, token in enumerate(new_tokens, start=1):
+                sequence.output.append(token)
+                if len(sequence.output) == 1:
+                    sequence.first_token_seconds = time.perf_counter() - self.started
+                reason = self._finish_reason(sequence)
+                if reason:
+                    break
             self._publish(sequence)
-            if len(sequence.output) == 1:
-                sequence.first_token_seconds = time.perf_counter() - self.started
-            reason = self._finish_reason(sequence)
             if reason:
                 self._finish(sequence, reason)
-            emitted.append(Emitted(sequence.index, token, self.results.get(sequence.index) if reason else None,
-                                   sequence.cached_tokens))
+            emitted += [Emitted(sequence.index, token, self.results.get(sequence.index) if reason and i == count else None,
+                                sequence.cached_tokens) for i, token in enumerate(new_tokens[:count], start=1)]
         return emitted
+
+    def _new_tokens(self, sequence: Sequence, run: list[int], sampled: int | list[int]) -> list[int]:
+        """A row's new tokens from its step's output; with drafts, keeping its next drafts and
+        counting the ones it verified."""
+        if not self.draft_tokens:
+            return [sampled]
+        accepted, k = sampled[0], self.draft_tokens
+        if not sequence.prefilling:
+            self.drafts.add(len(run) - 1, accepted)
+        sequence.drafts = sampled[2 + k:]
+        return sampled[1: 2 + accepted]
 
     def _publish(self, sequence: Sequence) -> None:
         """Offer the prefix cache the sequence's blocks whose every position is now written."""

@@ -72,6 +72,17 @@ class _EngineCollector:
         yield CounterMetricFamily("graphc_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                   value=queried)
         yield CounterMetricFamily("graphc_prefix_cache_hits", "Prompt tokens found in the prefix cache", value=hit)
+        drafts = state.drafts
+        yield CounterMetricFamily("graphc_spec_draft_tokens", "Draft tokens verified (speculative decoding)",
+                                  value=sum(drafts.proposed))
+        yield CounterMetricFamily("graphc_spec_accepted_tokens", "Draft tokens accepted (speculative decoding)",
+                                  value=sum(drafts.accepted))
+        acceptance = GaugeMetricFamily("graphc_spec_acceptance_rate",
+                                       "Accepted over verified drafts, by draft position (1: the first after a row's "
+                                       "last token)", labels=["position"])
+        for position, (proposed, accepted) in enumerate(zip(drafts.proposed, drafts.accepted), start=1):
+            acceptance.add_metric([str(position)], accepted / proposed if proposed else 0.0)
+        yield acceptance
         steps = CounterMetricFamily("graphc_steps", "Steps run, by bucket", labels=["bucket"])
         for bucket, count in sorted(state.steps.items()):
             steps.add_metric([bucket], count)

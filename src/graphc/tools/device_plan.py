@@ -159,7 +159,7 @@ def activation_bytes(config: GraphcConfig, args: ModelArgs) -> int:
                   and n != "lm_head.weight"), default=args.hidden_size)
     heads = getattr(args, "num_attention_heads", 1) // topology.tp
     peak = 0
-    for bucket in all_buckets(b.prefill, b.decode, b.prompt_as_decode):
+    for bucket in all_buckets(b.prefill, b.decode, b.prompt_as_decode, config.draft_tokens):
         tokens = bucket.rows * bucket.width
         routed = tokens * args.num_experts_per_tok * 2 * args.moe_intermediate_size
         per_step = (width * (tokens * (4 * args.hidden_size + widest) + routed) + 4 * tokens * heads * slots

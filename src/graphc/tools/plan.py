@@ -84,7 +84,7 @@ def describe(config: GraphcConfig, workload: Histogram | None) -> list[str]:
     """The plan report, line by line."""
     args = config.model_args
     b, t = config.buckets, config.topology
-    buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode)
+    buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode, config.draft_tokens)
     origin = f"planned from {b.auto.workload}, budget {b.auto.graphs} graphs per rank" if b.auto else "as listed"
     lines = [f"buckets ({origin}); context_limit {b.context_limit}",
              f"  prefill chunks      {b.prefill}",
@@ -92,6 +92,9 @@ def describe(config: GraphcConfig, workload: Histogram | None) -> list[str]:
              f"  prompt-as-decode P  {b.prompt_as_decode}" + ("  (off)" if b.prompt_as_decode == 0 else
                                                               "  (plain decode rows)" if b.prompt_as_decode == 1 else
                                                               f"  ([B, {b.prompt_as_decode}] graphs per decode batch)")]
+    if config.draft_tokens:
+        lines.append(f"  speculative k       {config.draft_tokens}  (MTP drafts; decode rows are [B, {1 + config.draft_tokens}] "
+                     "verify graphs)")
     if workload:
         lines += _waste_lines(config, workload)
     topology = t.topology()

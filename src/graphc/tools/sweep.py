@@ -296,7 +296,8 @@ def sweep(config: GraphcConfig, workdir: Path, topologies: list[Topology], backe
             log(f"[{backend} {name}] {len(results) - failed}/{len(results)} cases matched")
             ran = {bucket for r in results for bucket in r.buckets}
             unexercised = [b.name for b in all_buckets(config.buckets.prefill, config.buckets.decode,
-                                                       config.buckets.prompt_as_decode) if b.name not in ran]
+                                                       config.buckets.prompt_as_decode, config.draft_tokens)
+                           if b.name not in ran]
             if unexercised:
                 log(f"[{backend} {name}] note: no case ran {', '.join(unexercised)}")
             stages.append(Stage(backend, name, results, note, unexercised))

@@ -67,7 +67,10 @@ class V3Args:
     max_position_embeddings: int
     """Longest position the model supports."""
     num_nextn_predict_layers: int = 0
-    """Multi-token-prediction layers stored after the main layers; graphc does not run them."""
+    """Multi-token-prediction layers stored after the main layers."""
+    draft_layers: int = 0
+    """Of those, how many the model serves as speculative decoding's draft (model.yaml's
+    `model.speculative`, not config.json): 0 or 1. Loaders skip the others."""
     tie_word_embeddings: bool = False
     """LM head shares the embedding matrix."""
     hidden_act: str = "silu"
@@ -103,6 +106,9 @@ class V3Args:
             (0 <= self.first_k_dense_replace <= self.num_hidden_layers,
              f"first_k_dense_replace ({self.first_k_dense_replace}) must be in 0..num_hidden_layers "
              f"({self.num_hidden_layers})"),
+            (0 <= self.draft_layers <= min(1, self.num_nextn_predict_layers),
+             f"model.speculative serves {self.draft_layers} MTP layer(s); the checkpoint stores "
+             f"{self.num_nextn_predict_layers} (num_nextn_predict_layers) and graphc drafts with one"),
         ]
         indexer = (self.index_n_heads, self.index_head_dim, self.index_topk)
         if any(v is not None for v in indexer):
@@ -135,8 +141,8 @@ class V3Args:
 
     @property
     def cache_layers(self) -> int:
-        """Layers of the paged pool: one per decoder layer."""
-        return self.num_hidden_layers
+        """Layers of the paged pool: one per decoder layer, the served MTP layer's included."""
+        return self.num_hidden_layers + self.draft_layers
 
     @property
     def architecture(self) -> str:

@@ -17,6 +17,9 @@ LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 FP8_QUANTISED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(?!weights_proj)(\w+_proj|kv_a_proj_with_mqa|wq_b|wk)\.weight$")
 """The weights DeepSeek's FP8 releases quantise: the decoder layers' linear projections (the
 indexer's too, but not its per-head weights, which stay in full precision)."""
+MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+"""What an MTP layer stores that is the main model's own (DeepSeek-V3 shares the embedding and the
+output head with its MTP modules, report section 2.2): a served MTP layer reads the main model's."""
 MTP_EXTRA_TENSORS = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",
                      "shared_head.norm.weight", "shared_head.head.weight")
 """What an MTP layer stores beside a decoder layer's tensors."""
@@ -64,11 +67,14 @@ def released_sources(args: V3Args, parameters: list[str]) -> Sources:
 
 
 def is_multi_token_prediction(name: str, args: V3Args) -> bool:
-    """MTP modules are stored as layers num_hidden_layers .. num_hidden_layers + n - 1."""
+    """What a loader skips of the MTP modules, stored as layers num_hidden_layers ..
+    num_hidden_layers + n - 1: those not served as the draft (`V3Args.draft_layers`), and the
+    served one's copies of the embedding and head."""
     layer = LAYER_INDEX.match(name)
-    return bool(layer) and args.num_hidden_layers <= int(layer.group(1)) < (
-        args.num_hidden_layers + args.num_nextn_predict_layers
-    )
+    if not layer or not args.num_hidden_layers <= int(layer.group(1)) < (
+            args.num_hidden_layers + args.num_nextn_predict_layers):
+        return False
+    return int(layer.group(1)) >= args.num_hidden_layers + args.draft_layers or name.endswith(MTP_SHARED_COPIES)
 
 
 def keeps_fp32(name: str, args: V3Args) -> bool:

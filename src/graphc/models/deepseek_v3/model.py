@@ -252,16 +252,44 @@ class DecoderLayer(nn.Module):
         return x + (self.mlp(h, step) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
+class MultiTokenPredictionLayer(DecoderLayer):
+    """DeepSeek-V3's multi-token-prediction (MTP) module (its report, section 2.2), stored as
+    decoder layer `num_hidden_layers`: at position i it takes the main model's final hidden state
+    h_i and the embedding of token i + 1, each RMS-normed, projects them back to the hidden size
+    (`eh_proj`), runs its decoder layer at position i (its own KV in pool layer
+    `num_hidden_layers`) and predicts token i + 2 through its own norm and the main model's head
+    (which it shares, as the embedding; the release stores copies that loaders skip). As vLLM and
+    SGLang feed it, h_i is taken after the main model's final norm."""
+
+    def __init__(self, args: V3Args, layer: int, rotary: RotaryEmbedding, local_experts: int | None = None,
+                 sparse_probabilities: str = "fp32", tp: int = 1):
+        super().__init__(args, layer, rotary, local_experts, sparse_probabilities, tp)
+        self.enorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.hnorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def predict(self, hidden: Tensor, next_embedded: Tensor, cos: Tensor, sin: Tensor, step: "StepInputs") -> Tensor:
+        """hidden, next_embedded [B, Q, D] -> the module's output [B, Q, D] (before its head's norm);
+        writes its KV for the step's slots."""
+        x = self.eh_proj(torch.cat([self.enorm(next_embedded), self.hnorm(hidden)], dim=-1))
+        return self(x, cos, sin, step)
+
+
 class Backbone(nn.Module):
-    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+    """Embedding, decoder layers (the served MTP layer after them) and final norm (HF's `model.` prefix)."""
 
     def __init__(self, args: V3Args, local_experts: int | None = None, sparse_probabilities: str = "fp32",
                  tp: int = 1):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size // tp)  # this rank's columns
         self.rotary_emb = RotaryEmbedding(args.rope, args.qk_rope_head_dim)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, self.rotary_emb, local_experts, sparse_probabilities, tp)
-                                    for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            [DecoderLayer(args, i, self.rotary_emb, local_experts, sparse_probabilities, tp)
+             for i in range(args.num_hidden_layers)]
+            + [MultiTokenPredictionLayer(args, args.num_hidden_layers + i, self.rotary_emb, local_experts,
+                                         sparse_probabilities, tp) for i in range(args.draft_layers)])
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
@@ -327,10 +355,36 @@ class DeepseekV3(nn.Module):
         if moe_form is not None and moe_form not in MOE_FORMS:
             raise ValueError(f"moe_form {moe_form!r}; expected one of {MOE_FORMS}")
         step = StepInputs(positions, block_table, slot_mapping, kv_pool, parallel, moe_form)
-        x = self.embed(input_ids)  # [B, Q, D]
-        cos, sin = self.model.rotary_emb(positions, x.dtype)  # [B, Q, P/2]
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, step)
+        x = self.decoder_layers(input_ids, step)  # [B, Q, D]
         if logits_index is not None:
             x = x.gather(1, logits_index.view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)  # [B, D]
-        return gather_over_tp(self.lm_head(self.model.norm(x)), self.tp)
+        return self.logits(self.model.norm(x))
+
+    def decoder_layers(self, input_ids: Tensor, step: StepInputs) -> Tensor:
+        """[B, Q] tokens -> the last main layer's output [B, Q, D] (before the final norm)."""
+        x = self.embed(input_ids)  # [B, Q, D]
+        cos, sin = self.model.rotary_emb(step.positions, x.dtype)  # [B, Q, P/2]
+        for layer in self.model.layers[: self.args.num_hidden_layers]:
+            x = layer(x, cos, sin, step)
+        return x
+
+    def final_hidden(self, input_ids: Tensor, step: StepInputs) -> Tensor:
+        """[B, Q] tokens -> the main model's final hidden states [B, Q, D], after its final norm
+        (the head's input, and the MTP layer's)."""
+        return self.model.norm(self.decoder_layers(input_ids, step))
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final hidden states [..., D] -> logits [..., V]."""
+        return gather_over_tp(self.lm_head(hidden), self.tp)
+
+    def draft_hidden(self, hidden: Tensor, next_ids: Tensor, step: StepInputs) -> Tensor:
+        """The MTP layer at the step's positions: `hidden` [B, Q, D] (position i's final hidden
+        state, or the MTP layer's own output when drafting further ahead) and `next_ids` [B, Q]
+        (token i + 1) -> its output [B, Q, D]; writes its KV."""
+        mtp = self.model.layers[self.args.num_hidden_layers]
+        cos, sin = self.model.rotary_emb(step.positions, hidden.dtype)
+        return mtp.predict(hidden, self.embed(next_ids), cos, sin, step)
+
+    def draft_logits(self, drafted: Tensor) -> Tensor:
+        """The MTP layer's output [..., D] -> its logits for the token after next [..., V]."""
+        return self.logits(self.model.layers[self.args.num_hidden_layers].shared_head.norm(drafted))
