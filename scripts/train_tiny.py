@@ -100,6 +100,18 @@ def held_out_loss(model, mtp, text: torch.Tensor) -> tuple[float, float]:
     return main.item(), draft.item()
 
 
+def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers decoder layer's tensors with its fused routed experts (`gate_up_proj` [E, 2I, D],
+    gate rows first; `down_proj` [E, D, I]) split into the released layout's per-expert tensors
+    (what `save_pretrained` writes for the main layers)."""
+    out = {name: t for name, t in state.items() if not name.startswith("mlp.experts.")}
+    for e, (gate_up, down) in enumerate(zip(state["mlp.experts.gate_up_proj"], state["mlp.experts.down_proj"])):
+        gate, up = gate_up.chunk(2)
+        out.update({f"mlp.experts.{e}.gate_proj.weight": gate, f"mlp.experts.{e}.up_proj.weight": up,
+                    f"mlp.experts.{e}.down_proj.weight": down})
+    return out
+
+
 def released_tensors(model, mtp: MultiTokenPrediction) -> dict[str, torch.Tensor]:
     """The main model in its released layout (per-expert tensors, as transformers saves them) and
     the MTP layer as layer `num_hidden_layers`."""
@@ -109,8 +121,7 @@ def released_tensors(model, mtp: MultiTokenPrediction) -> dict[str, torch.Tensor
     model.save_pretrained(scratch)
     tensors = load_file(scratch / "model.safetensors")
     layer = f"model.layers.{model.config.num_hidden_layers}."
-    for name, tensor in mtp.block.state_dict().items():
-        tensors[layer + name] = tensor
+    tensors.update({layer + name: tensor for name, tensor in per_expert(mtp.block.state_dict()).items()})
     tensors.update({layer + "enorm.weight": mtp.enorm.weight, layer + "hnorm.weight": mtp.hnorm.weight,
                     layer + "eh_proj.weight": mtp.eh_proj.weight, layer + "shared_head.norm.weight": mtp.head_norm.weight,
                     layer + "embed_tokens.weight": model.model.embed_tokens.weight,

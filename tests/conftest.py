@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphc.models.tiny import PRESETS, TRANSFORMERS_PRESETS, make_tiny_checkpoint, preset_config
+from graphc.models.tiny import PRESETS, TRAINED_PRESET, TRANSFORMERS_PRESETS, make_tiny_checkpoint, preset_config
 from support import (FP8_BLOCK, FP8_PRESETS, SKEWED, SPARSE_TOPK, SPARSE_V32, TEST_BUCKETS, model_yaml,
                      randomise_v4_zero_inits, rewrite_config, skew_routes_to_first_experts)
 
@@ -43,7 +43,7 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """graphc `make-tiny` output for every preset, and SPARSE_V32: the v32 preset with an index_topk
     below the tests' contexts, so its attention is sparse."""
     root = tmp_path_factory.mktemp("tiny")
-    made = {name: make_tiny_checkpoint(root / name, preset=name, seed=0) for name in PRESETS}
+    made = {name: make_tiny_checkpoint(root / name, preset=name, seed=0) for name in [*PRESETS, TRAINED_PRESET]}
     made[SPARSE_V32] = shutil.copytree(made["v32"], root / SPARSE_V32)
     rewrite_config(made[SPARSE_V32], index_topk=SPARSE_TOPK)
     made[SKEWED] = shutil.copytree(made["lora-groups"], root / SKEWED)
@@ -103,8 +103,9 @@ def isolated_compile_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory, tiny_checkpoints):
     """compiled(preset, backend, buckets="standard", cp=1, ep=1, static_moe=True, dp=1,
-    moe_lowering="auto", tp=1, dtype="float32") -> artifacts dir, compiled once per session
-    (static_moe=False disables the static-MoE rewrite)."""
+    moe_lowering="auto", tp=1, dtype="float32", speculative=0) -> artifacts dir, compiled once
+    per session (static_moe=False disables the static-MoE rewrite; speculative=k drafts k tokens
+    with the MTP layer)."""
     import yaml
 
     from graphc.config import load_config
@@ -114,15 +115,17 @@ def compiled(tmp_path_factory, tiny_checkpoints):
 
     def get(preset: str, backend: str, buckets: str = "standard", cp: int = 1, ep: int = 1,
             static_moe: bool = True, dp: int = 1, moe_lowering: str = "auto", tp: int = 1,
-            dtype: str = "float32") -> Path:
-        key = (preset, backend, buckets, cp, ep, static_moe, dp, moe_lowering, tp, dtype)
+            dtype: str = "float32", speculative: int = 0) -> Path:
+        key = (preset, backend, buckets, cp, ep, static_moe, dp, moe_lowering, tp, dtype, speculative)
         if key not in made:
             form = (("" if static_moe else "-generic") + ("" if moe_lowering == "auto" else f"-{moe_lowering}")
-                    + ("" if dtype == "float32" else f"-{dtype}"))
+                    + ("" if dtype == "float32" else f"-{dtype}") + (f"-mtp{speculative}" if speculative else ""))
             root = tmp_path_factory.mktemp(f"art-{preset}-{backend}-{buckets}-dp{dp}-cp{cp}-tp{tp}-ep{ep}{form}")
             config = {**model_yaml(tiny_checkpoints[preset], TEST_BUCKETS[buckets], backend, dtype),
                       "topology": {"dp": dp, "cp": cp, "tp": tp, "ep": ep}}
             config["model"]["moe_lowering"] = moe_lowering
+            if speculative:
+                config["model"]["speculative"] = {"method": "mtp", "tokens": speculative}
             (root / "model.yaml").write_text(yaml.safe_dump(config))
             options = CompileOptions(verify_passes=True, show_progress=False, workers=2,
                                      disabled_passes=frozenset() if static_moe else frozenset({"static_moe"}))

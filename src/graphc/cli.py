@@ -63,8 +63,9 @@ def checkpoint() -> None:
 
 @checkpoint.command("make-tiny")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--preset", default=None, help="Architecture preset (default: lora-groups); `graphc checkpoint presets` lists them.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
+@click.option("--preset", default=None, help="Architecture preset (default: lora-groups); `graphc checkpoint presets` lists "
+              "them. `trained`: a tiny DeepSeek-V3 trained on text, with its MTP layer (not random).")
+@click.option("--seed", default=0, show_default=True, help="Seed of the random weights (not for --preset trained).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--fp8-block", type=click.IntRange(min=1), default=None,
               help="Store the projection weights as FP8 with NxN scale blocks (DeepSeek's release format uses 128).")
@@ -72,26 +73,32 @@ def checkpoint() -> None:
               help="DeepSeek-V3.2 presets: keys each query attends to (below the context: sparse attention).")
 def make_tiny(out: Path, preset: str | None, seed: int, force: bool, fp8_block: int | None,
               index_topk: int | None) -> None:
-    """Write a tiny random checkpoint of any family (config.json + model.safetensors) to OUT."""
-    from graphc.models.tiny import DEFAULT_PRESET, make_tiny_checkpoint
+    """Write a tiny checkpoint of any family (config.json + model.safetensors) to OUT: random
+    weights, or the trained one."""
+    from graphc.models.tiny import DEFAULT_PRESET, TRAINED_PRESET, make_tiny_checkpoint
 
     preset = preset or DEFAULT_PRESET
+    if preset == TRAINED_PRESET and seed:
+        raise click.BadParameter("the trained preset's weights are trained, not drawn from a seed", param_hint="--seed")
     path = make_tiny_checkpoint(out, preset=preset, seed=seed, force=force, fp8_block=fp8_block,
                                 index_topk=index_topk)
     fp8 = f", FP8 in {fp8_block}x{fp8_block} blocks" if fp8_block else ""
     sparse = f", index_topk {index_topk}" if index_topk else ""
-    click.echo(f"wrote tiny checkpoint (preset {preset}, seed {seed}{fp8}{sparse}) to {path}")
+    weights = "trained weights" if preset == TRAINED_PRESET else f"seed {seed}"
+    click.echo(f"wrote tiny checkpoint (preset {preset}, {weights}{fp8}{sparse}) to {path}")
 
 
 @checkpoint.command("presets")
 def presets() -> None:
     """List the tiny-checkpoint presets: each family's first one whole, the others as their
     difference from it."""
-    from graphc.models.tiny import PRESETS, preset_difference
+    from graphc.models.tiny import PRESETS, TRAINED_CHECKPOINT, TRAINED_PRESET, preset_difference
 
     for name in PRESETS:
         family, config = preset_difference(name)
         click.echo(f"{name} ({family}): {json.dumps(config)}")
+    config = json.loads((TRAINED_CHECKPOINT / "config.json").read_text())
+    click.echo(f"{TRAINED_PRESET} (DeepSeek-V3, trained on text with its MTP layer): {json.dumps(config)}")
 
 
 @cli.command()

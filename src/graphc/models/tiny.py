@@ -1,8 +1,11 @@
-"""Tiny random checkpoints in each family's real layout, for tests, CI and the README's demo.
+"""Tiny checkpoints in each family's real layout, for tests, CI and the README's demo.
 
 The presets are the families' (`Family.presets`: `deepseek_v3/presets.py`, ...); this module
 writes any of them: random weights of every tensor the released layout stores, the MTP and other
-skipped tensors included, optionally FP8 with block scales, and a byte-level tokenizer.
+skipped tensors included, optionally FP8 with block scales, and a byte-level tokenizer. One more,
+`trained`, is not random: a tiny DeepSeek-V3 and its MTP layer trained on text
+(`scripts/train_tiny.py`), shipped in the package, so generations read as text and speculative
+decoding's drafts are accepted as they would be with a released model.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from graphc.errors import GraphcError
 from graphc.models.checkpoint import expected_tensors
@@ -28,6 +31,10 @@ from graphc.models.registry import FAMILIES, family_of_config
 PRESETS: dict[str, dict[str, Any]] = {name: config for family in FAMILIES for name, config in family.presets.items()}
 """Every family's presets, by name."""
 DEFAULT_PRESET = "lora-groups"
+TRAINED_PRESET = "trained"
+TRAINED_CHECKPOINT = Path(__file__).parent / "trained"
+"""The `trained` preset's checkpoint: config.json, model.safetensors (fp32, 1.4 M parameters),
+the byte-level tokenizer, and training.json (its held-out losses)."""
 TRANSFORMERS_PRESETS = tuple(name for family in FAMILIES if family.reference_model is None for name in family.presets)
 """The presets whose architecture transformers implements."""
 
@@ -139,7 +146,8 @@ def make_tiny_checkpoint(out: str | Path, preset: str = DEFAULT_PRESET, seed: in
             exists and `force` is not set.
     """
     out = Path(out)
-    config = preset_config(preset)
+    config = json.loads((TRAINED_CHECKPOINT / "config.json").read_text()) if preset == TRAINED_PRESET \
+        else preset_config(preset)
     if out.exists() and not force:
         raise GraphcError(f"output {str(out)!r} already exists; pass --force to replace it")
     if fp8_block is not None and fp8_block < 1:
@@ -156,6 +164,8 @@ def make_tiny_checkpoint(out: str | Path, preset: str = DEFAULT_PRESET, seed: in
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": [fp8_block, fp8_block]}
         config["quantization_config"].update(family_of_config(config).quantization_config)
+    if preset == TRAINED_PRESET:
+        return write_checkpoint(out, config, load_file(TRAINED_CHECKPOINT / "model.safetensors"))
     return write_random_checkpoint(out, config, seed)
 
 
@@ -163,7 +173,11 @@ def write_random_checkpoint(out: Path, config: dict[str, Any], seed: int) -> Pat
     """Write `config` (an HF config.json dict) with random weights into `out`, atomically,
     replacing what is there: `quantization_config`, if present, says how to store the FP8 weights.
     `make_tiny_checkpoint` writes the presets through it; `bench/bench_scale.py` its larger shapes."""
-    tensors = tiny_tensors(config, seed)
+    return write_checkpoint(out, config, tiny_tensors(config, seed))
+
+
+def write_checkpoint(out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+    """`write_random_checkpoint` of the given fp32 `tensors` (every tensor the layout stores)."""
     family = family_of_config(config)
     if "quantization_config" in config:
         tensors = quantize_fp8(tensors, tuple(config["quantization_config"]["weight_block_size"]), family)
