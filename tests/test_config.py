@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from graphc.config import (
 )
 from graphc.errors import ConfigError, GraphcError
 from graphc.sampling import Sampling
-from support import DELETE, override
+from support import DELETE, override, rewrite_config
 
 """Passed as a value to `override`: remove the key instead of setting it."""
 
@@ -157,7 +158,7 @@ def test_ep_16_accepted_on_16_expert_preset(tiny_checkpoints):
             {"buckets.prefil": [16], "buckets.prefill": DELETE},
             r"^buckets\.prefil: unknown key; allowed here: context_limit, prefill, decode, prompt_as_decode, auto$",
         ),
-        ({"model.path": "x"}, r"^model\.path: unknown key; allowed here: checkpoint, dtype, weights, sparse_probabilities, moe_form, moe_lowering$"),
+        ({"model.path": "x"}, r"^model\.path: unknown key; allowed here: checkpoint, dtype, weights, sparse_probabilities, moe_form, moe_lowering, speculative$"),
         (
             {"runtime.sampling.temprature": 0.5},
             r"^runtime\.sampling\.temprature: unknown key; allowed here: temperature, top_k, top_p, seed$",
@@ -472,3 +473,47 @@ def test_auto_and_explicit_lists_together_are_refused(data, tmp_path):
     both = override(_auto(data, tmp_path), **{"buckets.prefill": [16]})
     with pytest.raises(ConfigError, match=r"^buckets\.prefill: give either buckets\.auto or the bucket lists, not both$"):
         parse(both, base_dir=tmp_path)
+
+
+# --- speculative decoding ----------------------------------------------------------------------
+
+
+def test_speculative_decoding_serves_the_mtp_layer(data):
+    config = parse(override(data, **{"model.speculative": {"method": "mtp", "tokens": 3}}))
+    assert config.draft_tokens == 3 and config.model_args.draft_layers == 1
+    assert config.model_args.cache_layers == config.model_args.num_hidden_layers + 1
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        pytest.param({"model.speculative": {"method": "eagle", "tokens": 2}}, r"^model\.speculative\.method: ",
+                     id="unknown-method"),
+        pytest.param({"model.speculative": {"method": "mtp", "tokens": 0}},
+                     r"^model\.speculative\.tokens: 0 must be in 1\.\.254 ", id="no-tokens"),
+        pytest.param({"model.speculative": {"method": "mtp", "tokens": 255}},
+                     r"^model\.speculative\.tokens: 255 must be in 1\.\.254 \(a verify row of 1 \+ tokens must fit",
+                     id="tokens-past-the-context"),
+        pytest.param({"model.speculative": {"method": "mtp", "tokens": 2}, "topology.dp": 2, "topology.ep": 2},
+                     r"^model\.speculative: topology\.dp 2: data-parallel replicas are not served with drafts yet",
+                     id="dp"),
+        pytest.param({"model.speculative": {"method": "mtp", "tokens": 2}, "buckets.prefill": [1]},
+                     r"^buckets\.prefill: speculative decoding runs each prompt chunk's last token again", id="chunk-of-1"),
+    ],
+)
+def test_speculative_decoding_refusals_name_the_field(data, changes, match):
+    with pytest.raises(ConfigError, match=match):
+        parse(override(data, **changes))
+
+
+def test_speculative_decoding_needs_the_checkpoints_mtp_layer(tmp_path, ckpt, tiny_checkpoints):
+    without = shutil.copytree(ckpt, tmp_path / "no-mtp")
+    rewrite_config(without, num_nextn_predict_layers=0)
+    with pytest.raises(ConfigError, match=r"^model\.speculative: method 'mtp' needs the checkpoint's multi-token-"
+                                          r"prediction layer, and .*no-mtp has none \(config\.json "
+                                          r"num_nextn_predict_layers is 0\)$"):
+        parse(override(valid_data(without), **{"model.speculative": {"method": "mtp", "tokens": 2}}))
+    v4 = override(valid_data(tiny_checkpoints["v4"]), **{"model.speculative": {"method": "mtp", "tokens": 2}})
+    with pytest.raises(ConfigError, match=r"^model\.speculative: DeepseekV4ForCausalLM has no MTP drafting in graphc "
+                                          r"yet; the DeepSeek-V3 / V3.2 family has$"):
+        parse(v4)

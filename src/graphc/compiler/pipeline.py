@@ -165,8 +165,8 @@ def check_backend_topology(backend: str, config: GraphcConfig, static_enabled: b
                             backend_named(backend).lowerings)
     config.family.check_compile(config.model_args, topology, exchange, backend)
     backend_named(backend).check_topology(topology, exchange)
-    if config.model.speculative is not None and backend == "neuron":
-        raise GraphcError("model.speculative: the neuron backend has no lowering of speculative steps yet "
+    if config.model.speculative is not None and not backend_named(backend).speculative:
+        raise GraphcError(f"model.speculative: the {backend} backend has no lowering of speculative steps yet "
                           "(graphc::verify_drafts); use the export or inductor backend")
 
 

@@ -1,0 +1,150 @@
+"""Speculative decoding with the trained tiny checkpoint's MTP layer: greedy tokens are the tokens
+without drafts (fp32, token for token) on export, inductor and 2 x 2 ranks, while most drafts are
+accepted; sampled tokens are distributed as without drafts; the scheduler rolls rejected drafts
+back and overlaps prompt chunks by one token."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+from tokenizers import Tokenizer
+
+from graphc.artifacts.directory import read_manifest
+from graphc.runtime import Engine, Request
+from graphc.runtime.launch import serve
+from graphc.runtime.scheduler import Scheduler
+from graphc.sampling import Sampling
+
+pytestmark = pytest.mark.compiles
+
+PRESET = "trained"
+TEXTS = ["def fibonacci(n):", "import os\nimport sys\n\nclass ", "    for i in range(",
+         "        if self._closed:\n            raise ValueError('I/O operation on closed file')\n        return self."]
+"""Prompts of 17, 28, 19 and 98 bytes: through prefill-8 / prefill-32 chunks (98: three chunks and
+a tail), and short enough for prompt-as-decode rows (P = 4) once chunked."""
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_checkpoints) -> list[list[int]]:
+    tokenizer = Tokenizer.from_file(str(tiny_checkpoints[PRESET] / "tokenizer.json"))
+    return [tokenizer.encode(text).ids for text in TEXTS]
+
+
+def _requests(prompts, new_tokens=40, sampling=Sampling()):
+    return [Request(p, new_tokens, sampling, stop_at_eos=False) for p in prompts]
+
+
+def _generate(artifacts, requests):
+    """Tokens per request, and the drafts verified and accepted per draft position."""
+    engine = Engine(artifacts)
+    session = engine.session()
+    indices = [session.scheduler.submit(r) for r in requests]
+    while not session.idle:
+        session.step()
+    return [session.scheduler.results[i].output_ids for i in indices], session.scheduler.drafts
+
+
+@pytest.fixture(scope="module")
+def without_drafts(compiled, prompts):
+    return _generate(compiled(PRESET, "export", "prompt_as_decode"), _requests(prompts))[0]
+
+
+def test_greedy_tokens_are_the_tokens_without_drafts_and_most_drafts_are_accepted(compiled, prompts, without_drafts):
+    artifacts = compiled(PRESET, "export", "prompt_as_decode", speculative=2)
+    manifest = read_manifest(artifacts)
+    assert manifest.buckets.draft_tokens == 2
+    # Decode rows are [B, 1 + k] verify graphs; P = 4 is wider, so its graphs stay.
+    assert {g.bucket.name for g in manifest.ranks[0].graphs} == {
+        "prefill-8", "prefill-32", "decode-1x3", "decode-4x3", "decode-1x4", "decode-4x4"}
+    assert manifest.model.cache_layers == 5  # 4 layers and the MTP layer's
+    tokens, drafts = _generate(artifacts, _requests(prompts))
+    assert tokens == without_drafts
+    # Verify rows carried two drafts (one near a request's end); the trained MTP layer's first
+    # draft is right most of the time, its second (drafted from its own output) less often.
+    assert drafts.proposed[0] >= drafts.proposed[1] > 0
+    assert drafts.accepted[0] > 0.7 * drafts.proposed[0] and 0 < drafts.accepted[1] < drafts.accepted[0]
+
+
+@pytest.mark.multirank
+def test_two_by_two_ranks_give_the_one_rank_tokens_without_drafts(compiled, prompts, without_drafts):
+    """cp 2 x ep 2: the drafts ahead write their MTP KV into the rank's own KV shard."""
+    outcome = serve(compiled(PRESET, "export", "prompt_as_decode_small", cp=2, ep=2, speculative=2),
+                    [_requests(prompts)])[0]
+    assert [r.output_ids for r in outcome.results] == without_drafts
+
+
+@pytest.mark.inductor
+def test_inductor_gives_the_tokens_without_drafts(compiled, prompts, without_drafts):
+    """k = 1, in the fewest graphs (context 64: the first 20 tokens of the three shorter prompts)."""
+    tokens, drafts = _generate(compiled(PRESET, "inductor", "small", speculative=1), _requests(prompts[:3], 20))
+    assert tokens == [t[:20] for t in without_drafts[:3]] and drafts.accepted[0] > 0
+
+
+def _chi_square_999(freedom: int) -> float:
+    """The chi-square distribution's 0.999 quantile (Wilson-Hilferty; within 1 % for 3+ degrees)."""
+    a = 2 / (9 * freedom)
+    return freedom * (1 - a + 3.0902 * math.sqrt(a)) ** 3
+
+
+def test_sampled_tokens_are_distributed_as_without_drafts(compiled, prompts):
+    """300 seeds of one prompt at temperature 1: the second and third tokens (the first the drafts
+    can change) have the same distribution with drafts and without (a two-sample chi-square)."""
+    requests = [Request(prompts[2][:4], 3, Sampling(temperature=1.0, seed=seed), stop_at_eos=False)
+                for seed in range(300)]
+    plain, _ = _generate(compiled(PRESET, "export", "prompt_as_decode"), requests)
+    drafted, drafts = _generate(compiled(PRESET, "export", "prompt_as_decode", speculative=2), requests)
+    assert drafts.accepted[0] > 0
+    for position in (1, 2):
+        a, b = Counter(t[position] for t in plain), Counter(t[position] for t in drafted)
+        common = sorted(t for t in a.keys() | b.keys() if a[t] + b[t] >= 10)
+        bins = [(a[t], b[t]) for t in common] + [(sum(a.values()) - sum(a[t] for t in common),
+                                                   sum(b.values()) - sum(b[t] for t in common))]
+        bins = [pair for pair in bins if sum(pair) > 0]
+        statistic = sum((x - y) ** 2 / (x + y) for x, y in bins)  # equal sample sizes
+        assert len(bins) > 3 and statistic < _chi_square_999(len(bins) - 1), (position, bins, statistic)
+
+
+def _scheduler(**kwargs) -> Scheduler:
+    return Scheduler([], prefill=[4], decode=[2], context_limit=32, block_size=4, num_blocks=16,
+                     max_num_prefilling_tokens=4, eos_token_ids=[1], **kwargs)
+
+
+def test_the_scheduler_overlaps_chunks_rolls_back_rejections_and_reserves_the_drafts_ahead():
+    scheduler = _scheduler(draft_tokens=2)
+    index = scheduler.submit(Request([10, 11, 12, 13, 14, 15], 5, stop_at_eos=False))
+    # 6 + 5 - 1 positions of its life, 2 more for the drafts ahead of its last token: 3 blocks of 4.
+    assert scheduler.blocks_needed(Request([10, 11, 12, 13, 14, 15], 5)) == [3]
+    step = scheduler.next_step()
+    assert [(run, start) for _, run, start in step.rows] == [([10, 11, 12, 13], 0)]
+    scheduler.complete(step, [[0, 99, 0, 0, 0, 0]])
+    step = scheduler.next_step()  # the chunk's last token runs again: its successor is known now
+    assert [(run, start) for _, run, start in step.rows] == [([13, 14, 15], 3)]
+    assert scheduler.complete(step, [[0, 20, 0, 0, 21, 22]])[0].token == 20
+    step = scheduler.next_step()  # a verify row: the last token and its two drafts
+    assert step.bucket.width == 3 and [(run, start) for _, run, start in step.rows] == [([20, 21, 22], 6)]
+    emitted = scheduler.complete(step, [[1, 21, 30, 0, 31, 32]])  # 21 accepted, 22 rejected: 30 instead
+    assert [e.token for e in emitted] == [21, 30]
+    step = scheduler.next_step()  # from the first position after the accepted ones; 22's KV is overwritten
+    assert [(run, start) for _, run, start in step.rows] == [([30, 31], 8)]  # one token left: one draft
+    emitted = scheduler.complete(step, [[1, 31, 40, 0, 0, 0]])  # accepted: 31, then the model's 40, the fifth
+    assert [e.token for e in emitted] == [31, 40] and emitted[1].result.output_ids == [20, 21, 30, 31, 40]
+    assert scheduler.results[index].finish_reason == "length"
+    assert scheduler.drafts.proposed == [2, 1] and scheduler.drafts.accepted == [2, 0]
+
+
+def test_the_neuron_backend_refuses_speculative_decoding_naming_the_field(tmp_path, tiny_checkpoints):
+    import yaml
+
+    from graphc.compiler.pipeline import check_backend_topology
+    from graphc.config import load_config
+    from graphc.errors import GraphcError
+    from support import TEST_BUCKETS, model_yaml
+
+    data = model_yaml(tiny_checkpoints[PRESET], TEST_BUCKETS["small"], "neuron")
+    data["model"]["speculative"] = {"method": "mtp", "tokens": 1}
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(GraphcError, match=r"^model\.speculative: the neuron backend has no lowering of speculative "
+                                          r"steps yet"):
+        check_backend_topology("neuron", load_config(tmp_path / "model.yaml"), True)
