@@ -307,11 +307,11 @@ def validate(config: GraphcConfig) -> ModelArgs:
             f"({args.max_position_embeddings})"
         )
     if config.model.speculative is not None:
-        args = _speculative_args(config, args, topology)
+        args = _speculative_args(config, args)
     return args
 
 
-def _speculative_args(config: GraphcConfig, args: ModelArgs, topology: Topology) -> ModelArgs:
+def _speculative_args(config: GraphcConfig, args: ModelArgs) -> ModelArgs:
     """The args serving the checkpoint's MTP layer as the draft, or the refusal naming the field."""
     speculative, b = config.model.speculative, config.buckets
     family = family_of(args)
@@ -328,9 +328,6 @@ def _speculative_args(config: GraphcConfig, args: ModelArgs, topology: Topology)
     if max_prefill_chunk(sorted(b.prefill), config.runtime.max_num_prefilling_tokens) < 2:
         raise ConfigError("buckets.prefill: speculative decoding runs each prompt chunk's last token again with the "
                           "next chunk, so chunks need at least 2 tokens; add a prefill bucket of 2 or more")
-    if topology.dp > 1:
-        raise ConfigError(f"model.speculative: topology.dp {topology.dp}: data-parallel replicas are not served "
-                          "with drafts yet (dp = 1 with cp, tp and ep are)")
     return dataclasses.replace(args, draft_layers=1)
 
 

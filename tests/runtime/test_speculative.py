@@ -75,6 +75,14 @@ def test_two_by_two_ranks_give_the_one_rank_tokens_without_drafts(compiled, prom
     assert [r.output_ids for r in outcome.results] == without_drafts
 
 
+@pytest.mark.multirank
+def test_two_data_parallel_replicas_give_the_one_rank_tokens_without_drafts(compiled, prompts, without_drafts):
+    """dp 2 x ep 2 (the all-to-all MoE): replica 1's leader returns each row's verdict to the leader."""
+    outcome = serve(compiled(PRESET, "export", "dp", dp=2, ep=2, speculative=2), [_requests(prompts[:3], 20)])[0]
+    assert [r.output_ids for r in outcome.results] == [t[:20] for t in without_drafts[:3]]
+    assert {"decode-8x3", "decode-8x4"} <= set(outcome.stats)
+
+
 @pytest.mark.inductor
 def test_inductor_gives_the_tokens_without_drafts(compiled, prompts, without_drafts):
     """k = 1, in the fewest graphs (context 64: the first 20 tokens of the three shorter prompts)."""

@@ -129,6 +129,12 @@ class BucketTable:
     model's MTP layer drafts per decoding row, verified by the next step in [B, 1 + k] graphs."""
 
     @property
+    def returned_width(self) -> int:
+        """int64 words a step returns per row: its sampled token, or with drafts its verdict
+        (`graphc.models.speculation`: the accepted count, 1 + k tokens, k drafts)."""
+        return 2 + 2 * self.draft_tokens if self.draft_tokens else 1
+
+    @property
     def widest(self) -> int:
         """The most tokens a step row holds."""
         return max(*self.prefill, self.prompt_as_decode, 1 + self.draft_tokens)

@@ -62,6 +62,11 @@ def remove_segment(name: str) -> None:
     segment.unlink()
 
 
+def rows_of(words: torch.Tensor, width: int) -> torch.Tensor:
+    """Returned words as rows: [rows] where each row returns one token, else [rows, width]."""
+    return words if width == 1 else words.view(-1, width)
+
+
 class ChannelTimeout(GraphcError):
     """The other side did not answer in time (a rank died or hangs)."""
 
@@ -79,20 +84,23 @@ class StepChannel:
             if a rank dies).
         publisher: the rank that writes the steps (the leader; on another host, its relay).
         readers: the ranks that read this segment (default: every rank but the publisher).
+        returned_width: words a sampling rank returns per row (`BucketTable.returned_width`).
     """
 
     def __init__(self, name: str, world: int, max_rows: int, max_width: int, blocks_per_row: int, rank: int,
-                 timeout: float | None = 120.0, publisher: int = 0, readers: tuple[int, ...] | None = None):
+                 timeout: float | None = 120.0, publisher: int = 0, readers: tuple[int, ...] | None = None,
+                 returned_width: int = 1):
         self.name, self.world, self.rank, self.timeout = name, world, rank, timeout
         self.publisher = publisher
         self.readers = tuple(r for r in range(world) if r != publisher) if readers is None else readers
         self.max_rows, self.max_width, self.blocks_per_row = max_rows, max_width, blocks_per_row
+        self.returned_width = returned_width
         header = 3 + 2 * world
         largest = self._shapes(max_rows, max_width)
         self.capacity = {name: math.prod(largest[name]) for name in STEP_FIELDS}
         """Words of each field in a slot: room for the largest step (computed once, not per step)."""
         self.slot_words = HEADER_WORDS + sum(self.capacity.values())
-        returned = world * max_rows
+        returned = world * max_rows * returned_width
         size = 8 * (header + returned + 2 * self.slot_words) + STARTUP_BYTES
         if rank == publisher:
             remove_segment(name)  # a crashed run's leftover of the same name
@@ -101,7 +109,7 @@ class StepChannel:
             self.segment = self._attach(name, size)
         words = np.ndarray((header + returned + 2 * self.slot_words,), dtype=np.int64, buffer=self.segment.buf)
         self.header = words[:header]
-        self.returned = words[header: header + returned].reshape(world, max_rows)
+        self.returned = words[header: header + returned].reshape(world, max_rows * returned_width)
         slots = header + returned
         self.slots = [words[slots + i * self.slot_words: slots + (i + 1) * self.slot_words] for i in range(2)]
         self.startup = np.ndarray((STARTUP_BYTES,), dtype=np.uint8, buffer=self.segment.buf, offset=8 * words.size)
@@ -197,13 +205,14 @@ class StepChannel:
 
     def return_tokens(self, step: int, tokens: torch.Tensor) -> None:
         """A follower that samples (a replica's first rank): hand step `step`'s tokens to the leader."""
-        self.returned[self.rank, : tokens.numel()] = tokens.numpy()
+        self.returned[self.rank, : tokens.numel()] = tokens.flatten().numpy()
         self.header[3 + self.world + self.rank] = step
 
     def returned_tokens(self, step: int, rank: int, rows: int) -> torch.Tensor:
-        """Leader: the first `rows` tokens `rank` sampled in step `step` (waits for them)."""
+        """Leader: what `rank` sampled for its first `rows` rows in step `step` (waits for it):
+        [rows], or [rows, returned_width] where each row returns more than its token."""
         self._wait(lambda: self.header[3 + self.world + rank] >= step, f"rank {rank}'s tokens of step {step}")
-        return torch.from_numpy(self.returned[rank, :rows].copy())
+        return rows_of(torch.from_numpy(self.returned[rank, : rows * self.returned_width].copy()), self.returned_width)
 
     def stop(self, step: int) -> None:
         """Leader: no step `step` or later will come."""

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from graphc.buckets.selection import Bucket
-from graphc.runtime.channel import StepChannel
+from graphc.runtime.channel import StepChannel, rows_of
 from graphc.runtime.hosts import HostLayout
 
 STEP, STOP = 0, 1
@@ -47,7 +47,7 @@ class CrossHostChannel:
         self.host = layout.host_of(self.rank)
         self.is_relay = self.rank == layout.first_rank(self.host) and self.host != 0
         self._record = torch.zeros(2 + local.slot_words, dtype=torch.int64)
-        self._tokens = torch.zeros(local.max_rows, dtype=torch.int64)
+        self._tokens = torch.zeros(local.max_rows * local.returned_width, dtype=torch.int64)
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -94,14 +94,14 @@ class CrossHostChannel:
         if self.host == 0:
             self.local.return_tokens(step, tokens)
             return
-        self._tokens[: tokens.numel()] = tokens
+        self._tokens[: tokens.numel()] = tokens.flatten()
         dist.send(self._tokens, dst=0, group=self.everyone)
 
     def returned_tokens(self, step: int, rank: int, rows: int) -> torch.Tensor:
         if self.layout.host_of(rank) == 0:
             return self.local.returned_tokens(step, rank, rows)
         dist.recv(self._tokens, src=rank, group=self.everyone)  # in step order: one message a step
-        return self._tokens[:rows].clone()
+        return rows_of(self._tokens[: rows * self.local.returned_width].clone(), self.local.returned_width)
 
     def close(self) -> None:
         self.local.close()

@@ -145,7 +145,8 @@ def open_engine(artifacts: str, manifest: Manifest, rank: int, channel_name: str
     channel = StepChannel(channel_name, world, max_rows=max(buckets.decode),
                           max_width=buckets.widest,
                           blocks_per_row=manifest.kv_cache.blocks_per_row, rank=rank, timeout=timeout,
-                          publisher=host_ranks[0], readers=tuple(host_ranks[1:]))
+                          publisher=host_ranks[0], readers=tuple(host_ranks[1:]),
+                          returned_width=buckets.returned_width)
     if layout.hosts > 1:
         channel = CrossHostChannel(channel, layout, groups)
     try:

@@ -12,7 +12,8 @@ ranks' MoE exchanges tokens across replicas and every rank must run the same gra
    over all replicas); each replica with a long prompt runs one chunk of its oldest, in the
    smallest prefill bucket holding the longest chunk. Otherwise a decode step: each replica's
    rows by the one-replica rules, in the smallest decode bucket holding the most rows of any
-   replica, P tokens per row if any replica has a short prompt among them.
+   replica, P tokens per row if any replica has a short prompt among them (with drafts, 1 + k
+   unless P is wider).
 3. Replicas with no rows in a step run all-padding rows (nothing written to their KV pools,
    nothing sent to the experts). Steps run only while some replica has work.
 """
@@ -107,7 +108,7 @@ class ReplicatedScheduler:
             per_replica, shorts = zip(*(replica.decode_rows() for replica in self.replicas))
             first = self.replicas[0]
             bucket = Bucket("decode", smallest_fitting(first.decode, max(map(len, per_replica))),
-                            first.prompt_as_decode if any(shorts) else 1)
+                            first.decode_widths[-1 if any(shorts) else 0])
         return Step(bucket, [row for rows in per_replica for row in rows], tuple(map(len, per_replica)))
 
     @property
