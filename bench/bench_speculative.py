@@ -12,8 +12,8 @@ per draft position j: drafts accepted over drafts verified at that position.
 
 Cost model (`bench_scale.py`'s 140 M model, random weights, inductor, batch 1): each decode graph
 timed alone (`Engine.run_bucket` on one row at position 64, best of `--repeats` x 20 calls): the
-plain [1, 1] step, the plain [1, 1 + k] step (the main model over 1 + k tokens: the verify alone;
-prompt-as-decode graphs of width 1 + k), and the speculative [1, 1 + k] step (verify, verdict, the
+plain [1, 1] step, the plain [1, 2] step (the main model over 2 tokens: k = 1's verify alone; a
+prompt-as-decode graph), and the speculative [1, 1 + k] step (verify, verdict, the
 MTP layer over 1 + k positions and k - 1 positions ahead). Draft cost = speculative - verify.
 Roofline: the bytes each step must read (`bench_scale.step_bytes`: the weights but the routed
 experts, the experts its tokens route to, the KV; the speculative step also the MTP layer and the
@@ -171,11 +171,10 @@ def bench_cost(work: Path, ks: list[int], repeats: int, measured: list[float]) -
     args = model_args_from_hf_config(config)
     times = {}
     for k in ks:
-        if k == 0:  # plain steps of 1 and of 1 + k tokens (prompt-as-decode graphs): the verify alone
-            for width in sorted({1 + j for j in ks if j} or {2}):
-                out = compile_artifacts(checkpoint, work / f"140m-plain-{width}", 0,
-                                        {"prefill": [64], "decode": [1], "prompt_as_decode": width})
-                times.update({f"plain {name}": ms for name, ms in run_worker("step_times", out, repeats).items()})
+        if k == 0:  # plain steps of 1 and 2 tokens (a prompt-as-decode graph): k = 1's verify alone
+            out = compile_artifacts(checkpoint, work / "140m-plain", 0,
+                                    {"prefill": [64], "decode": [1], "prompt_as_decode": 2})
+            times.update({f"plain {name}": ms for name, ms in run_worker("step_times", out, repeats).items()})
         else:
             out = compile_artifacts(checkpoint, work / f"140m-k{k}", k, {"prefill": [64], "decode": [1]})
             times[f"speculative k={k}"] = run_worker("step_times", out, repeats)[f"decode-1x{1 + k}"]
