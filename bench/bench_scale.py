@@ -37,8 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -46,6 +44,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
+import timing
 from timing import best_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -256,11 +255,7 @@ WORKERS = {"compile": worker_compile, "parallel_compile": worker_parallel_compil
 
 def run_worker(name: str, *args) -> dict:
     """Run WORKERS[name](*args) in a fresh process; its result plus its peak RSS (bytes)."""
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps([name, *map(str, args)])],
-                          capture_output=True, text=True, cwd=Path(__file__).parent)
-    if done.returncode:
-        raise SystemExit(f"worker {name} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return timing.run_worker(__file__, name, *args)
 
 
 def _worker_main(spec: str) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 import yaml
 
+import timing
 from timing import best_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,11 +131,8 @@ WORKERS = {"speed": worker_speed, "step_times": worker_step_times}
 
 
 def run_worker(name: str, *args) -> dict:
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps([name, *map(str, args)])],
-                          capture_output=True, text=True, cwd=Path(__file__).parent)
-    if done.returncode:
-        raise SystemExit(f"worker {name} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """Run WORKERS[name](*args) in a fresh process."""
+    return timing.run_worker(__file__, name, *args)
 
 
 def bench_trained(work: Path, ks: list[int], repeats: int) -> list[float]:

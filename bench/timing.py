@@ -1,8 +1,13 @@
-"""Shared by the benchmarks: the best wall time of repeated runs (noise only ever adds time)."""
+"""Shared by the benchmarks: the best wall time of repeated runs (noise only ever adds time), and
+a measurement in a fresh process of its own (a quiet heap, its own peak memory)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 
 def best_of(repeats: int, fn, warmup: int = 0) -> float:
@@ -15,3 +20,12 @@ def best_of(repeats: int, fn, warmup: int = 0) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def run_worker(script: str | Path, name: str, *args) -> dict:
+    """Run `script --worker '[name, *args]'` in a fresh process: the JSON object of its last line."""
+    done = subprocess.run([sys.executable, str(script), "--worker", json.dumps([name, *map(str, args)])],
+                          capture_output=True, text=True, cwd=Path(script).parent)
+    if done.returncode:
+        raise SystemExit(f"worker {name} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
