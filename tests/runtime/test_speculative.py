@@ -16,6 +16,7 @@ from graphc.runtime import Engine, Request
 from graphc.runtime.launch import serve
 from graphc.runtime.scheduler import Scheduler
 from graphc.sampling import Sampling
+from support import SPARSE_V32
 
 pytestmark = pytest.mark.compiles
 
@@ -65,6 +66,16 @@ def test_greedy_tokens_are_the_tokens_without_drafts_and_most_drafts_are_accepte
     # draft is right most of the time, its second (drafted from its own output) less often.
     assert drafts.proposed[0] >= drafts.proposed[1] > 0
     assert drafts.accepted[0] > 0.7 * drafts.proposed[0] and 0 < drafts.accepted[1] < drafts.accepted[0]
+
+
+def test_v32_sparse_attention_gives_the_tokens_without_drafts(compiled):
+    """DeepSeek-V3.2 under sparse attention (index_topk 16 below the context): its MTP layer has an
+    indexer too, whose keys share the MTP layer's pool slots. Random weights: few drafts are
+    accepted, so this holds the rejection path and the MTP layer's KV to the plain tokens."""
+    requests = [Request([(7 * i + n) % 250 + 3 for i in range(n)], 24, stop_at_eos=False) for n in (5, 30, 40)]
+    plain = Engine(compiled(SPARSE_V32, "export", "small")).generate(requests)
+    tokens, drafts = _generate(compiled(SPARSE_V32, "export", "small", speculative=1), requests)
+    assert tokens == [r.output_ids for r in plain] and drafts.proposed[0] > 0
 
 
 @pytest.mark.multirank
