@@ -94,6 +94,25 @@ def test_two_data_parallel_replicas_give_the_one_rank_tokens_without_drafts(comp
     assert {"decode-8x3", "decode-8x4"} <= set(outcome.stats)
 
 
+def test_neuron_gives_the_tokens_without_drafts_and_the_sampled_tokens_of_export(compiled, prompts, without_drafts):
+    """The neuron programs on XLA:CPU: greedy as without drafts; sampled (the verdict drawing from
+    the `noise` input, position j's from seed + j) as the export backend's speculative steps."""
+    artifacts = compiled(PRESET, "neuron", "prompt_as_decode_small", speculative=2)
+    tokens, drafts = _generate(artifacts, _requests(prompts[:3]))
+    assert tokens == without_drafts[:3] and drafts.accepted[0] > 0
+    sampled = _requests(prompts[:3], 24, Sampling(temperature=0.8, top_p=0.95, seed=11))
+    assert _generate(artifacts, sampled)[0] == _generate(compiled(PRESET, "export", "prompt_as_decode", speculative=2),
+                                                         sampled)[0]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_neuron_at_two_by_two_ranks_gives_the_tokens_without_drafts(compiled, prompts, without_drafts):
+    outcome = serve(compiled(PRESET, "neuron", "prompt_as_decode_small", cp=2, ep=2, speculative=2),
+                    [_requests(prompts[:3])])[0]
+    assert [r.output_ids for r in outcome.results] == without_drafts[:3]
+
+
 @pytest.mark.inductor
 def test_inductor_gives_the_tokens_without_drafts(compiled, prompts, without_drafts):
     """k = 1, in the fewest graphs (context 64: the first 20 tokens of the three shorter prompts)."""
@@ -151,19 +170,3 @@ def test_the_scheduler_overlaps_chunks_rolls_back_rejections_and_reserves_the_dr
     assert [e.token for e in emitted] == [31, 40] and emitted[1].result.output_ids == [20, 21, 30, 31, 40]
     assert scheduler.results[index].finish_reason == "length"
     assert scheduler.drafts.proposed == [2, 1] and scheduler.drafts.accepted == [2, 0]
-
-
-def test_the_neuron_backend_refuses_speculative_decoding_naming_the_field(tmp_path, tiny_checkpoints):
-    import yaml
-
-    from graphc.compiler.pipeline import check_backend_topology
-    from graphc.config import load_config
-    from graphc.errors import GraphcError
-    from support import TEST_BUCKETS, model_yaml
-
-    data = model_yaml(tiny_checkpoints[PRESET], TEST_BUCKETS["small"], "neuron")
-    data["model"]["speculative"] = {"method": "mtp", "tokens": 1}
-    (tmp_path / "model.yaml").write_text(yaml.safe_dump(data))
-    with pytest.raises(GraphcError, match=r"^model\.speculative: the neuron backend has no lowering of speculative "
-                                          r"steps yet"):
-        check_backend_topology("neuron", load_config(tmp_path / "model.yaml"), True)

@@ -74,9 +74,6 @@ class Backend:
     """Whether `graphc neuron-finish` takes its artifacts (adds each program's NEFF on a Neuron host)."""
     lowerings: tuple[str, ...] | None = None
     """The MoE lowerings it compiles (`moe_forms.MOE_LOWERINGS`' names); None: every one."""
-    speculative: bool = True
-    """Whether it compiles speculative steps (`graphc.models.speculation`: the verdict op
-    `graphc::verify_drafts` among them)."""
 
     def programs(self, topology: Topology) -> tuple[str, ...]:
         """The programs compiled per bucket for `topology` (`PROGRAMS`): at most two, whatever the
@@ -140,7 +137,7 @@ BACKENDS = {backend.name: backend for backend in (
             fixed_pool=True, follower_programs=True, toolchain="graphc.backends.neuron_archive:toolchain",
             manifest_extras="graphc.backends.neuron_archive:manifest_extras",
             linter="graphc.backends.xla.lint:lint_archives", neuron_finish=True,
-            lowerings=("ag_rs", "a2a_even"), speculative=False),
+            lowerings=("ag_rs", "a2a_even")),
 )}
 
 BackendName = Literal[tuple(BACKENDS)]  # noqa: typed.build reads the names from this Literal

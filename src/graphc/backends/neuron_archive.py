@@ -108,7 +108,8 @@ class ProgramSignature:
     """Result names in order: `OUTPUTS`."""
     output_dtypes: list[Dtype]
     samples: bool
-    """Whether the program has the sampler (and so the `noise` input)."""
+    """Whether the program draws from noise (the sampler, or a speculative step's verdict) and so
+    takes the `noise` input."""
 
 
 @dataclass(frozen=True)
@@ -304,23 +305,30 @@ def expected_parameters(context: GraphContext) -> dict[str, tuple[list[int], str
     inputs' from the graph entry (the pool's block count fixed at compile time), noise [rows,
     vocab] fp32, the weights' from the tensors bound (None where none are: any shape and dtype)."""
     manifest, rank, graph, weights = context.manifest, context.rank, context.graph, context.weights
-    names = parameter_names(len(rank.weight_names), rank.samples)
+    names = parameter_names(len(rank.weight_names), takes_noise(context))
     expected = dict.fromkeys(names[:len(rank.weight_names)]) if weights is None else {
         name: (list(w.shape), _program_dtype(w.dtype)) for name, w in zip(names, weights)}
     for name, spec in graph.inputs.items():
         shape = [manifest.kv_cache.num_blocks if size == -1 else size for size in spec.shape]
         expected[name] = shape, _program_dtype(spec.dtype)
-    if rank.samples:
-        expected[NOISE] = [graph.inputs["seed"].shape[0], manifest.model.vocab_size], "float32"
+    if takes_noise(context):
+        positions = [1 + manifest.buckets.draft_tokens] if manifest.buckets.draft_tokens else []
+        expected[NOISE] = [graph.inputs["seed"].shape[0], *positions, manifest.model.vocab_size], "float32"
     return expected
+
+
+def takes_noise(context: GraphContext) -> bool:
+    """Whether the rank's program takes the sampler's noise: where it samples, and on every rank of
+    a speculative step (each computes the verdict, `graphc.models.speculation`)."""
+    return context.rank.samples or context.manifest.buckets.draft_tokens > 0
 
 
 def _signature_problem(description: ProgramDescription, context: GraphContext) -> str | None:
     signature, rank, world = description.signature, context.rank, context.manifest.topology.world
     if description.world != world:
         return f"world: {description.world}; the manifest's topology has {world} rank(s)"
-    if signature.samples != rank.samples:
-        does = "samples" if rank.samples else "does not sample"
+    if signature.samples != takes_noise(context):
+        does = "takes noise" if takes_noise(context) else "takes no noise"
         return f"signature.samples: {signature.samples}; rank {rank.rank} {does}"
     expected = expected_parameters(context)
     names, weights = list(expected), len(rank.weight_names)
@@ -368,10 +376,12 @@ def _check_module(path: Path, name: str, data: bytes, signature: ProgramSignatur
     if found:
         raise _refused(path, f"{name}: holds {', '.join(found)}; the CPU variant runs none of {', '.join(HOST_OPCODES)}")
     rows, vocab = context.graph.inputs["seed"].shape[0], context.manifest.model.vocab_size
+    width = context.manifest.buckets.returned_width  # a speculative step's verdict per row
+    tokens = [rows] if width == 1 else [rows, width]
     pool = signature.shapes[signature.parameters.index("kv_pool")]
     for kind, names, got, want in (
             ("parameter", signature.parameters, parameters, [*zip(signature.shapes, signature.dtypes)]),
-            ("result", OUTPUTS, results, [*zip([pool, [rows], [rows, vocab]], signature.output_dtypes)])):
+            ("result", OUTPUTS, results, [*zip([pool, tokens, [rows, vocab]], signature.output_dtypes)])):
         if len(got) != len(want):
             raise _refused(path, f"{name}: the module has {len(got)} {kind}s, program.json's signature {len(want)}")
         at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)

@@ -20,7 +20,6 @@ from graphc.buckets.selection import all_buckets
 from graphc.compiler.capture import capture_bucket, model_weights
 from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
 from graphc.config import GraphcConfig
-from graphc.errors import GraphcError
 from graphc.models.abstract import abstract_shard
 from graphc.models.checkpoint import default_sparse_probabilities, holds_weights, load_rank_shard
 from graphc.models.moe_forms import moe_exchange, step_moe_form
@@ -165,9 +164,6 @@ def check_backend_topology(backend: str, config: GraphcConfig, static_enabled: b
                             backend_named(backend).lowerings)
     config.family.check_compile(config.model_args, topology, exchange, backend)
     backend_named(backend).check_topology(topology, exchange)
-    if config.model.speculative is not None and not backend_named(backend).speculative:
-        raise GraphcError(f"model.speculative: the {backend} backend has no lowering of speculative steps yet "
-                          "(graphc::verify_drafts); use the export or inductor backend")
 
 
 def copy_program(capture: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

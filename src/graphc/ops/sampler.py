@@ -16,6 +16,17 @@ def sampling_noise(seed: Tensor, vocab: int) -> Tensor:
                         for s in seed.tolist()])
 
 
+def step_noise(seed: Tensor, temperature: Tensor, shape: list[int]) -> Tensor:
+    """A compiled program's `noise` input (backends whose programs take the sampler's noise):
+    [B, V], or a speculative step's [B, 1 + k, V] whose position j is drawn from seed + j (the
+    seed of the row's j-th new token, as `verify_drafts` draws it); zeros where no row samples."""
+    if not bool((temperature > 0).any()):
+        return torch.zeros(shape)
+    if len(shape) == 2:
+        return sampling_noise(seed, shape[-1])
+    return torch.stack([sampling_noise(seed + j, shape[-1]) for j in range(shape[1])], dim=1)
+
+
 def _sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
             samples: Tensor | None = None) -> Tensor:
     """Pick one token per row: greedy where temperature is 0, else sampling with top-k / top-p.

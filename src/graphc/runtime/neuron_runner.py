@@ -24,7 +24,7 @@ import torch
 from graphc.backends import GraphContext
 from graphc.backends.neuron_archive import NEFF, NOISE, read_archive
 from graphc.errors import GraphcError
-from graphc.ops.sampler import sampling_noise
+from graphc.ops.sampler import step_noise
 
 DEVICE_ENV = "GRAPHC_NEURON_DEVICE"
 LIBNRT = "libnrt.so.1"
@@ -111,7 +111,7 @@ def load_neff(path: Path, rank: int, world: int, context: GraphContext) -> Calla
     for (neff_name, size), result in zip(outputs, results):
         if result != "kv_pool":
             step_tensors[result] = _device_tensor(neff_name, size)
-    vocab = signature.shapes[parameters.index(NOISE)][-1] if signature.samples else 0
+    noise_shape = signature.shapes[parameters.index(NOISE)] if signature.samples else None
     logits_dtype = getattr(torch, signature.output_dtypes[results.index("logits")])
 
     def run(weights: list[torch.Tensor], step: dict[str, torch.Tensor]):
@@ -126,7 +126,7 @@ def load_neff(path: Path, rank: int, world: int, context: GraphContext) -> Calla
             _device_tensors[id(weights)] = weights, device
         values = dict(step)
         if signature.samples:
-            values["noise"] = sampling_noise(step["seed"], vocab)
+            values["noise"] = step_noise(step["seed"], step["temperature"], noise_shape)
         input_set, output_set = ctypes.c_void_p(), ctypes.c_void_p()
         _check(library.nrt_allocate_tensor_set(ctypes.byref(input_set)), "nrt_allocate_tensor_set")
         _check(library.nrt_allocate_tensor_set(ctypes.byref(output_set)), "nrt_allocate_tensor_set")

@@ -24,7 +24,7 @@ from graphc.artifacts.manifest import ArtifactError
 from graphc.backends import GraphContext
 from graphc.backends.neuron_archive import CPU_HLO, NOISE, native_log_held, read_archive
 from graphc.errors import GraphcError
-from graphc.ops.sampler import sampling_noise
+from graphc.ops.sampler import step_noise
 
 _NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int32": np.int32, "bool": np.bool_,
                  "uint8": np.uint8}
@@ -99,7 +99,7 @@ def load_xla(path: Path, collectives: bool, context: GraphContext) -> Callable:
     device = jax.local_devices()[0]
     names, dtypes = signature.parameters, signature.dtypes
     weight_count = sum(name.startswith("weight.") for name in names)
-    vocab = signature.shapes[names.index(NOISE)][-1] if signature.samples else 0
+    noise_shape = signature.shapes[names.index(NOISE)] if signature.samples else None
 
     def run(weights: list[torch.Tensor], inputs: dict[str, torch.Tensor]):
         source, placed = _placed_weights.get(id(weights), (None, None))
@@ -108,9 +108,7 @@ def load_xla(path: Path, collectives: bool, context: GraphContext) -> Callable:
             _placed_weights[id(weights)] = weights, placed
         values = dict(inputs)
         if signature.samples:
-            sampling = bool((inputs["temperature"] > 0).any())
-            values["noise"] = (sampling_noise(inputs["seed"], vocab) if sampling
-                               else torch.zeros(len(inputs["seed"]), vocab))
+            values["noise"] = step_noise(inputs["seed"], inputs["temperature"], noise_shape)
         arguments = placed[:weight_count] + [_to_device(values[name], dtype, device)
                                              for name, dtype in zip(names[weight_count:], dtypes[weight_count:])]
         pool, tokens, logits = (shards[0] for shards in

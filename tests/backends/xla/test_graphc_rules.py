@@ -70,6 +70,28 @@ def test_sample_equals_the_torch_sampler_given_its_noise(temperature, top_k, top
     assert not np.asarray(follower).any()
 
 
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.0, 0, 1.0), (0.9, 0, 1.0), (1.2, 6, 1.0), (0.8, 0, 0.85)])
+def test_verify_drafts_equals_the_torch_verdict_given_its_noise(temperature, top_k, top_p):
+    """Rows with 0..3 drafts (k = 3), drafts the model's argmax, its runner-up or unlikely: the
+    accepted count and the tokens, exactly, with position j's noise from seed + j."""
+    g = torch.Generator().manual_seed(3)
+    rows, k, vocab = 64, 3, 40
+    logits = torch.randn(rows, 1 + k, vocab, generator=g) * 2.5
+    ranked = logits.argsort(dim=-1, descending=True)[:, :k]  # [B, k, V] -> each position's ranking
+    choice = torch.randint(0, 3, (rows, k), generator=g)  # 0: the argmax, 1: the runner-up, 2: any token
+    drafts = torch.where(choice < 2, ranked[..., :2].gather(-1, choice.clamp(max=1)[..., None])[..., 0],
+                         torch.randint(0, vocab, (rows, k), generator=g))
+    count = torch.arange(rows) % (k + 1)
+    args = (torch.full((rows,), temperature), torch.full((rows,), top_k), torch.full((rows,), top_p),
+            torch.arange(rows) * 1_000_003 + 5)
+    expected = sampler.verify_drafts(logits, drafts, count, *args)
+    noise = sampler.step_noise(args[3], args[0], [rows, 1 + k, vocab])
+    verdict = graphc_ops.verify_drafts(_lowering(noise), _out(expected), _jax(logits), _jax(drafts), _jax(count),
+                                       *(_jax(a) for a in args))
+    assert np.array_equal(np.asarray(verdict), expected.numpy())
+    assert 0 < int(expected[:, 0].sum()) < int(count.sum())  # some drafts accepted, some rejected
+
+
 def test_grouped_mm_equals_the_op_and_zeroes_rows_past_the_last_expert():
     g = torch.Generator().manual_seed(2)
     rows, weights = torch.randn(10, 16, generator=g), torch.randn(3, 16, 8, generator=g)

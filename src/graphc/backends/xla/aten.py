@@ -168,6 +168,23 @@ def _select(out, x, dim, index):
     return jax.lax.index_in_dim(x, index % x.shape[dim], axis=dim, keepdims=False)
 
 
+def first_argmax(x):
+    """Index of the first maximum along the last dim, as max then the least index holding it:
+    no variadic reduce (neuronx-cc refuses jnp.argmax's), the same answer as torch.argmax for
+    every input without NaN."""
+    best = jnp.max(x, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(x == best, iota, x.shape[-1]), axis=-1)
+
+
+def _argmax(out, x, dim=None, keepdim=False):
+    """torch.argmax over `dim` (the first maximum), as `first_argmax` over that dim moved last."""
+    if dim is None:
+        return first_argmax(x.reshape(-1)).reshape(out.shape)
+    dim = dim % x.ndim
+    return first_argmax(jnp.moveaxis(x, dim, -1)).reshape(out.shape).astype(out.dtype)
+
+
 def _cumsum(out, x, dim, dtype=None):
     return jnp.cumsum(x.astype(out.dtype), axis=_axis(dim, x.ndim))
 
@@ -285,6 +302,9 @@ RULES: dict = {
     aten.amax.default: _reduction(jnp.max),
     aten.amin.default: _reduction(jnp.min),
     aten.sum.dim_IntList: _reduction(jnp.sum),
+    aten.any.dim: _reduction(jnp.any),
+    aten.any.dims: _reduction(jnp.any),
+    aten.argmax.default: _argmax,
     aten.mean.dim: _reduction(jnp.mean),
     aten.cumsum.default: _cumsum,
     aten._softmax.default: _softmax,

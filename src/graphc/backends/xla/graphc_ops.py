@@ -14,21 +14,12 @@ import jax.numpy as jnp
 import torch
 
 from graphc.backends.xla import collectives
-from graphc.backends.xla.aten import Out
+from graphc.backends.xla.aten import Out, first_argmax
 from graphc.errors import GraphcError
 from graphc.ops.sparse import NO_KEY
 
 SAMPLER_MIN_TEMPERATURE = 1e-6
 """As `graphc.ops.sampler`: temperatures are clamped to this before dividing."""
-
-
-def first_argmax(x):
-    """Index of the first maximum along the last dim, as max then the least index holding it:
-    no variadic reduce (neuronx-cc refuses jnp.argmax's), the same answer as torch.argmax for
-    every input without NaN."""
-    best = jnp.max(x, axis=-1, keepdims=True)
-    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    return jnp.min(jnp.where(x == best, iota, x.shape[-1]), axis=-1)
 
 
 def kv_write(lowering, out: Out, kv_pool, layer: int, kv, slot_mapping):
@@ -43,28 +34,67 @@ def kv_write(lowering, out: Out, kv_pool, layer: int, kv, slot_mapping):
     return (None, kv_pool.at[layer].set(written.reshape(blocks, block_size, width)))
 
 
+def _sorted_kept(logits, temperature, top_k, top_p):
+    """Logits [..., V] (rows' parameters [...]) sorted descending, with what temperature, top-k
+    and top-p drop at -inf, and the sorting order: `graphc.ops.sampler`'s filtering."""
+    scaled = logits / jnp.maximum(temperature, SAMPLER_MIN_TEMPERATURE)[..., None]
+    iota = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
+    negated, order = jax.lax.sort((-scaled, iota), dimension=scaled.ndim - 1, is_stable=True, num_keys=1)
+    sorted_logits = -negated
+    rank = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
+    drop = (top_k[..., None] > 0) & (rank >= top_k[..., None])
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    drop = drop | (mass_before >= top_p[..., None])
+    return jnp.where(drop, -jnp.inf, sorted_logits), order
+
+
+def _gumbel(noise):
+    return -jnp.log(-jnp.log(jnp.clip(noise, 1e-20, 1.0 - 1e-7)))
+
+
 def sample(lowering, out: Out, logits, temperature, top_k, top_p, seed, samples=None):
     """`graphc.ops.sampler._sample` with its Gumbel noise taken from the program's `noise` input
     (the host draws it from each row's seed: Neuron's RNG ignores seeds), so a seed samples the
     same token on every backend."""
     logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
     greedy = first_argmax(logits)
-    scaled = logits / jnp.maximum(temperature, SAMPLER_MIN_TEMPERATURE)[:, None]
-    iota = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
-    negated, order = jax.lax.sort((-scaled, iota), dimension=1, is_stable=True, num_keys=1)
-    sorted_logits = -negated
-    rank = jnp.arange(vocab)[None, :]
-    drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    drop = drop | (mass_before >= top_p[:, None])
-    sorted_logits = jnp.where(drop, -jnp.inf, sorted_logits)
-    gumbel = -jnp.log(-jnp.log(jnp.clip(lowering.noise, 1e-20, 1.0 - 1e-7)))
-    pick = first_argmax(sorted_logits + gumbel)
+    sorted_logits, order = _sorted_kept(logits, temperature, top_k, top_p)
+    pick = first_argmax(sorted_logits + _gumbel(lowering.noise))
     sampled = jnp.take_along_axis(order, pick[:, None], axis=1)[:, 0]
     tokens = jnp.where(temperature > 0, sampled, greedy)
     return tokens if samples is None else jnp.where(samples != 0, tokens, 0)
+
+
+def verify_drafts(lowering, out: Out, logits, drafts, draft_count, temperature, top_k, top_p, seed):
+    """`graphc.ops.sampler._verify_drafts`, every row and position at once, with position j's
+    noise from the program's `noise` input [B, 1 + k, V] (the host draws it from seed + j)."""
+    logits = logits.astype(jnp.float32)
+    rows, positions, _ = logits.shape
+    k = positions - 1
+    greedy = first_argmax(logits)  # [B, 1 + k]
+    expand = lambda v: jnp.broadcast_to(v[:, None], (rows, positions))  # noqa: E731
+    sorted_logits, order = _sorted_kept(logits, expand(temperature), expand(top_k), expand(top_p))
+    # Back to vocabulary order: each token's kept logit (-inf where dropped), then its probability.
+    kept = jnp.zeros_like(sorted_logits).at[
+        jnp.arange(rows)[:, None, None], jnp.arange(positions)[None, :, None], order].set(sorted_logits)
+    probabilities = jax.nn.softmax(kept, axis=-1)  # [B, 1 + k, V]
+    noise = lowering.noise
+    proposed = jnp.concatenate([drafts, jnp.zeros((rows, 1), drafts.dtype)], axis=1)  # [B, 1 + k]
+    at_draft = lambda values: jnp.take_along_axis(values, proposed[..., None], axis=2)[..., 0]  # noqa: E731
+    sampling = (temperature > 0)[:, None]
+    agrees = jnp.where(sampling, at_draft(noise) < at_draft(probabilities), greedy == proposed)[:, :k]
+    valid = jnp.arange(k)[None, :] < draft_count[:, None]
+    accepted = jnp.sum(jnp.cumprod((agrees & valid).astype(jnp.int32), axis=1), axis=1)  # [B]
+    # Position j's draw: from p_j without d_j where d_j was proposed and rejected, else from p_j.
+    rejected_here = jnp.arange(positions)[None, :] < draft_count[:, None]
+    excluded = rejected_here[..., None] & (jax.lax.broadcasted_iota(jnp.int32, kept.shape, 2) == proposed[..., None])
+    scores = jnp.where(excluded | (probabilities <= 0), -jnp.inf, jnp.log(probabilities)) + _gumbel(noise)
+    drawn = jnp.where(sampling, first_argmax(scores), greedy)  # [B, 1 + k]
+    last = jnp.take_along_axis(drawn, accepted[:, None], axis=1)  # [B, 1]
+    index = jnp.arange(positions)[None, :]
+    tokens = jnp.where(index < accepted[:, None], proposed, jnp.where(index == accepted[:, None], last, 0))
+    return jnp.concatenate([accepted[:, None], tokens], axis=1).astype(jnp.int32)
 
 
 def grouped_mm(lowering, out: Out, rows, weights, offsets):
@@ -178,6 +208,7 @@ ops = torch.ops.graphc
 RULES = {
     ops.kv_write.default: kv_write,
     ops.sample.default: sample,
+    ops.verify_drafts.default: verify_drafts,
     ops.grouped_mm.default: grouped_mm,
     ops.attention_combine.default: attention_combine,
     ops.moe_dispatch.default: moe_dispatch,

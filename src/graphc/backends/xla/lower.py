@@ -9,7 +9,8 @@ converted from, serialized at a version some weeks older than this jaxlib's
 
 The module's signature (`neuron_archive.ProgramSignature`, recorded beside it): the weights, then
 the step inputs (`graphc.step.STEP_INPUTS`), then `noise` [B, V] fp32 when the program samples
-(the host draws it from each row's seed); int64 inputs as int32 (the programs run without jax's
+(the host draws it from each row's seed; [B, 1 + k, V] in a speculative step, every rank's program
+drawing its verdict: position j's from the seed + j); int64 inputs as int32 (the programs run without jax's
 x64 mode). Outputs: the written KV pool (aliased to the pool input: donated, updated in place),
 the tokens and the logits. The pool's block count is fixed at compile time: what the capture
 recorded (`kv_cache.num_blocks`), whose last block is the scratch slot of padding tokens.
@@ -183,13 +184,15 @@ def _lower_variant(program: ExportedProgram, topology: Topology,
     num_blocks = _num_blocks(program)
     user_inputs = [n for n in program.graph.nodes if n.op == "placeholder"
                    and _input_kind(program, n.name) == InputKind.USER_INPUT]
-    samples = any(n.target is torch.ops.graphc.sample.default for n in program.graph.nodes)
+    # The noise input is shaped as the logits a sampling op draws from: [B, V], or a speculative
+    # step's [B, 1 + k, V].
+    drawing = [n for n in program.graph.nodes if n.target in NOISE_OPS]
+    samples = bool(drawing)
     # Weights are one list input and the step inputs follow it.
     names = parameter_names(len(user_inputs) - len(STEP_INPUTS), samples)
     avals = [_out(n.meta["val"], num_blocks) for n in user_inputs]
-    logits = next(n for n in program.graph.nodes if n.op == "output").args[0][-1].meta["val"]
     if samples:
-        avals.append(Out(tuple(logits.shape), jnp.float32))
+        avals.append(Out(tuple(drawing[0].args[0].meta["val"].shape), jnp.float32))
     lowering = Lowering(topology, variant)
     body = interpret(program, lowering, num_blocks)
 
@@ -216,6 +219,10 @@ def _lower_variant(program: ExportedProgram, topology: Topology,
     signature = ProgramSignature(names, [list(a.shape) for a in avals], [np.dtype(a.dtype).name for a in avals],
                                  outputs, [np.dtype(o.dtype).name for o in jax.tree.leaves(lowered.out_info)], samples)
     return LoweredModule(computation.as_serialized_hlo_module_proto(), portable, version), signature
+
+
+NOISE_OPS = (torch.ops.graphc.sample.default, torch.ops.graphc.verify_drafts.default)
+"""The ops that draw from the program's `noise` input."""
 
 
 def _input_kind(program: ExportedProgram, name: str):
