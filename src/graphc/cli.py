@@ -340,6 +340,10 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
             click.echo(f"error: {result.error}", err=True)
         else:
             click.echo(" ".join(map(str, result.output_ids)) + (f"\t{text!r}" if text is not None else ""))
+    if outcome and any(outcome.drafts.proposed):
+        rates = ", ".join(f"{a}/{p} at {j}" for j, (a, p) in enumerate(zip(outcome.drafts.accepted,
+                                                                           outcome.drafts.proposed), start=1))
+        click.echo(f"speculative decoding: drafts accepted {rates} (draft position)", err=True)
     if failed:
         raise click.exceptions.Exit(EXIT_BAD_INPUT)
 

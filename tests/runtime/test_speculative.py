@@ -6,6 +6,7 @@ back and overlaps prompt chunks by one token."""
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 
 import pytest
@@ -170,3 +171,17 @@ def test_the_scheduler_overlaps_chunks_rolls_back_rejections_and_reserves_the_dr
     assert [e.token for e in emitted] == [31, 40] and emitted[1].result.output_ids == [20, 21, 30, 31, 40]
     assert scheduler.results[index].finish_reason == "length"
     assert scheduler.drafts.proposed == [2, 1] and scheduler.drafts.accepted == [2, 0]
+
+
+def test_graphc_run_reports_the_drafts_accepted_per_position(compiled):
+    from click.testing import CliRunner
+
+    from graphc.cli import cli
+
+    result = CliRunner().invoke(cli, ["run", str(compiled(PRESET, "export", "prompt_as_decode", speculative=2)),
+                                      "--prompt", TEXTS[0], "--max-new-tokens", "30"])
+    assert result.exit_code == 0, result.stderr
+    accepted = re.search(r"^speculative decoding: drafts accepted (\d+)/(\d+) at 1, (\d+)/(\d+) at 2 \(draft position\)$",
+                         result.stderr, re.M)
+    first, proposed, second, _ = map(int, accepted.groups())
+    assert 0 < second <= first <= proposed

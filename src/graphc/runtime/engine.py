@@ -24,7 +24,7 @@ from graphc.runtime.channel import StepChannel
 from graphc.runtime.loader import LoadedRank, load_rank
 from graphc.runtime.paged import METADATA_FIELDS, step_metadata
 from graphc.runtime.replicas import ReplicatedScheduler, scheduler_for
-from graphc.runtime.scheduler import Emitted, Request, Result, Scheduler, Step
+from graphc.runtime.scheduler import DraftStats, Emitted, Request, Result, Scheduler, Step
 from graphc.sampling import sampler_inputs
 from graphc.step import kv_pool_shape
 
@@ -75,6 +75,8 @@ class Engine:
         """Steps run so far, across `generate` calls: the channel's step numbers."""
         self.stats: dict[str, BucketStats] = {}
         """Per bucket name, what the leader's steps ran there (across `generate` calls)."""
+        self.drafts: DraftStats | None = None
+        """Speculative decoding's drafts verified and accepted in the last `generate` call."""
         model = manifest.model
         self.kv_pool = torch.zeros(kv_pool_shape(model.cache_layers, self.loaded.num_blocks,
                                                  manifest.kv_cache.block_size, model.kv_cache_dim),
@@ -104,6 +106,7 @@ class Engine:
         indices = [session.scheduler.submit(request) for request in requests]
         while not session.idle:
             session.step()
+        self.drafts = session.scheduler.drafts
         return [session.scheduler.results[i] for i in indices]
 
     def session(self) -> Session:

@@ -39,7 +39,7 @@ from graphc.runtime.engine import BucketStats, Engine
 from graphc.runtime.hosts import HostLayout, HostOptions
 from graphc.runtime.loader import check_servable, kv_pool_blocks
 from graphc.runtime.rendezvous import RUN_ID, HostRendezvous
-from graphc.runtime.scheduler import Request, Result
+from graphc.runtime.scheduler import DraftStats, Request, Result
 
 FAULT_ENV = "GRAPHC_FAULT_INJECTION"
 """Testing hook, "RANK:STEP": that rank kills itself (SIGKILL) when it reaches that step."""
@@ -51,12 +51,13 @@ class BatchOutcome:
 
     results: list[Result]
     stats: dict[str, BucketStats]
+    drafts: DraftStats
 
 
 def generate_batch(engine: Engine, requests: list[Request]) -> BatchOutcome:
-    """`engine.generate`, with the bucket statistics of this batch alone."""
+    """`engine.generate`, with the bucket statistics (and drafts) of this batch alone."""
     engine.stats = {}
-    return BatchOutcome(engine.generate(requests), engine.stats)
+    return BatchOutcome(engine.generate(requests), engine.stats, engine.drafts)
 
 
 @dataclass(frozen=True, kw_only=True)
