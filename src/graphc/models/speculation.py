@@ -93,13 +93,13 @@ def _take(values: Tensor, index: Tensor) -> Tensor:
 def _slots(step: StepInputs, position: Tensor, live: Tensor) -> Tensor:
     """The pool slots of `position` [B, 1] as the host's `SequenceBlocks.slot` gives them, from
     the block table: this rank's KV shard holds logical block j where j % cp is its cp rank, at
-    table column j // cp. Rows without tokens (`live` False) and positions past the table write
-    nothing."""
+    table column j // cp. Rows without tokens (`live` False) and positions past a sequence's
+    blocks (the table's width counts every shard's) write nothing."""
     block_size = step.kv_pool.shape[2]
     cp, shard = step.parallel.cp, step.parallel.kv_shard()
     logical = position // block_size
     column = logical // cp
-    inside = column < step.block_table.shape[1]
+    inside = logical < step.block_table.shape[1]
     block = step.block_table.gather(1, column.clamp(max=step.block_table.shape[1] - 1))
     slot = torch.where(logical % cp == shard, block * block_size + position % block_size, ELSEWHERE_SLOT)
     return torch.where(inside & live, slot, PADDING_SLOT)
