@@ -77,3 +77,26 @@ def test_a_draft_the_distribution_excludes_is_never_accepted():
     logits = torch.tensor([[[4.0, 3.0, -2.0, -3.0], [0.0, 0.0, 0.0, 0.0]]]).expand(500, 2, 4)
     verdict = _verdict(logits, torch.full((500, 1), 3), 1, temperature=1.0, top_k=2)
     assert (verdict[:, 0] == 0).all() and set(verdict[:, 1].tolist()) <= {0, 1}
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_drafts_ahead_write_their_shards_slots_and_nothing_past_a_sequences_blocks(cp):
+    """`_slots` against the host's `SequenceBlocks.slot`: block j on shard j % cp; past the block
+    table's last logical block (or in a padding row) nothing is written."""
+    from graphc.models.speculation import _slots
+    from graphc.models.step_model import Parallelism, StepInputs
+    from graphc.runtime.paged import SequenceBlocks, step_metadata
+    from graphc.step import PADDING_SLOT
+
+    block_size, blocks_per_row = 4, 4  # 16 positions a sequence at most
+    sequence = SequenceBlocks(block_size, [5, 2, 7, 1], cp)
+    for shard in range(cp):
+        table = step_metadata([(sequence, [9], 0)], 1, blocks_per_row, total_rows=2, shard=shard)[2]
+        positions = torch.tensor([[p] for p in range(20)])
+        live = torch.tensor([[True]])
+        step = StepInputs(positions, table[:1].expand(20, -1), None, torch.zeros(1, 8, block_size, 1),
+                          Parallelism(cp_rank=shard, cp=cp))
+        got = _slots(step, positions, live.expand(20, 1))[:, 0].tolist()
+        assert got == [sequence.slot(p, shard) for p in range(16)] + [PADDING_SLOT] * 4
+        padding_row = StepInputs(positions[:1], table[1:], None, step.kv_pool, step.parallel)
+        assert _slots(padding_row, positions[:1], torch.tensor([[False]])).item() == PADDING_SLOT
