@@ -79,6 +79,15 @@ def test_v32_sparse_attention_gives_the_tokens_without_drafts(compiled):
     assert tokens == [r.output_ids for r in plain] and drafts.proposed[0] > 0
 
 
+def test_a_prompt_read_from_the_prefix_cache_gives_the_tokens_without_drafts(compiled, prompts, without_drafts):
+    """The fourth prompt (98 tokens: 12 full blocks of 8) again: its second run reads the cached
+    blocks, the MTP layer's KV among them, and starts its chunk after them."""
+    engine = Engine(compiled(PRESET, "export", "prompt_as_decode", speculative=2))
+    first, second = (engine.generate(_requests(prompts[3:]))[0] for _ in range(2))
+    assert first.output_ids == second.output_ids == without_drafts[3]
+    assert first.cached_tokens == 0 and second.cached_tokens == 96
+
+
 @pytest.mark.multirank
 def test_two_by_two_ranks_give_the_one_rank_tokens_without_drafts(compiled, prompts, without_drafts):
     """cp 2 x ep 2: the drafts ahead write their MTP KV into the rank's own KV shard."""

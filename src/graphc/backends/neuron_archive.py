@@ -328,7 +328,8 @@ def _signature_problem(description: ProgramDescription, context: GraphContext) -
     if description.world != world:
         return f"world: {description.world}; the manifest's topology has {world} rank(s)"
     if signature.samples != takes_noise(context):
-        does = "takes noise" if takes_noise(context) else "takes no noise"
+        does = ("samples" if rank.samples else "draws its speculative steps' verdicts") if takes_noise(context) \
+            else "does not sample"
         return f"signature.samples: {signature.samples}; rank {rank.rank} {does}"
     expected = expected_parameters(context)
     names, weights = list(expected), len(rank.weight_names)
