@@ -22,6 +22,7 @@ traffic for both servers).
 Absolute times are this machine's; the ratios within one run are the result.
 
     .venv/bin/python bench/bench_serve_online.py --sections prefix   # the prefix-caching figure alone
+    .venv/bin/python bench/bench_serve_online.py --sections prefix --size 140m   # on bench_scale's 140M model
 """
 
 from __future__ import annotations
@@ -47,10 +48,17 @@ PROMPT_AS_DECODE = 4
 PREFIX_REQUESTS, PREFIX_TOKENS, SUFFIX_TOKENS = 32, 192, 16
 
 
-def compile_artifacts(work: Path, backend: str) -> dict[str, Path]:
+def compile_artifacts(work: Path, backend: str, size: str) -> dict[str, Path]:
     graphc = str(Path(sys.executable).parent / "graphc")
     checkpoint = work / "checkpoint"
-    if not checkpoint.exists():
+    if size != "tiny":  # a rung of bench_scale.py's ladder, random weights
+        from bench_scale import SIZES
+        from graphc.models.tiny import preset_config, write_random_checkpoint
+
+        config = {**preset_config("lora-groups"), **SIZES[size]}
+        if not (checkpoint / "config.json").is_file() or json.loads((checkpoint / "config.json").read_text()) != config:
+            write_random_checkpoint(checkpoint, config, seed=0)
+    elif not checkpoint.exists():
         subprocess.run([graphc, "checkpoint", "make-tiny", str(checkpoint)], check=True)
     out = {}
     for name, p in (("P=4", PROMPT_AS_DECODE), ("P=0", 0)):
@@ -198,11 +206,16 @@ def main() -> None:
     parser.add_argument("--rates", default="2,8,32")
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--backend", default="inductor", choices=["export", "inductor"])
-    parser.add_argument("--work", type=lambda p: Path(p).resolve(), default=ROOT / "build" / "bench-serve-online")
+    parser.add_argument("--size", default="tiny", help="tiny (the lora-groups preset) or a size of bench_scale.py "
+                        "(140m, 1b): the fixed cost of HTTP and a step weighs less against a larger model's prefill")
+    parser.add_argument("--work", type=lambda p: Path(p).resolve(), default=None,
+                        help="default: build/bench-serve-online (tiny) or build/bench-serve-online-SIZE")
     parser.add_argument("--sections", default="load,prefix", help="load (sections 1 and 2), prefix (section 3)")
     options = parser.parse_args()
+    options.work = options.work or ROOT / "build" / ("bench-serve-online" + ("" if options.size == "tiny" else
+                                                                             f"-{options.size}"))
     options.work.mkdir(parents=True, exist_ok=True)
-    artifacts = compile_artifacts(options.work, options.backend)
+    artifacts = compile_artifacts(options.work, options.backend, options.size)
     sections = set(options.sections.split(","))
     if "load" in sections:
         load_and_short_prompts(artifacts, options)
@@ -212,7 +225,8 @@ def main() -> None:
 
 def load_and_short_prompts(artifacts: dict[str, Path], options) -> None:
     rates = [float(r) for r in options.rates.split(",")]
-    print(f"tiny lora-groups preset, {options.backend}, {options.requests} requests per rate, streaming, greedy\n")
+    model = "tiny lora-groups preset" if options.size == "tiny" else f"{options.size} model of bench_scale.py"
+    print(f"{model}, {options.backend}, {options.requests} requests per rate, streaming, greedy\n")
     print(f"{'server':6s} {'rate/s':>7s} {'done':>5s} {'failed':>6s} {'tok/s':>8s} {'TTFT p50':>9s} {'p99':>8s} "
           f"{'ITL p50':>8s} {'p99':>8s}")
     shorts = {}

@@ -112,7 +112,11 @@ def bound_listener(host: str, port: int) -> socket.socket:
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         dualstack = family == socket.AF_INET6 and host == "::" and socket.has_dualstack_ipv6()
-        return socket.create_server((host, port), family=family, dualstack_ipv6=dualstack)
+        listener = socket.create_server((host, port), family=family, dualstack_ipv6=dualstack)
+        # asyncio turns Nagle's algorithm off only on connections whose socket says IPPROTO_TCP, and
+        # accepted sockets inherit the listener's proto, which create_server leaves 0: with Nagle on,
+        # a response's body waits for the client's delayed ACK of its headers (40 ms per request).
+        return socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fileno=listener.detach())
     except OSError as e:
         hint = {errno.EADDRINUSE: "another process holds the port: choose another --port (0: any free one)",
                 errno.EACCES: "ports below 1024 need privileges: choose another --port"}.get(
