@@ -55,7 +55,7 @@ class SpeculativeSection:
     (greedy) or distributed as them (sampling)."""
 
     method: Literal["mtp"]
-    """Who drafts: 'mtp', the checkpoint's own multi-token-prediction layer (DeepSeek-V3 / V3.2)."""
+    """Who drafts: 'mtp', the checkpoint's own multi-token-prediction layer (DeepSeek-V3 / V3.2 / V4)."""
     tokens: int
     """k, tokens drafted per decoding row and step: decode buckets become [B, 1 + k] verify
     graphs (and prompt-as-decode ones at least that wide)."""
@@ -317,7 +317,7 @@ def _speculative_args(config: GraphcConfig, args: ModelArgs) -> ModelArgs:
     family = family_of(args)
     if not family.drafts_with_mtp:
         raise ConfigError(f"model.speculative: {args.architecture} has no MTP drafting in graphc yet; "
-                          "the DeepSeek-V3 / V3.2 family has")
+                          "the DeepSeek-V3 / V3.2 and V4 families have")
     if args.num_nextn_predict_layers < 1:
         raise ConfigError(f"model.speculative: method 'mtp' needs the checkpoint's multi-token-prediction layer, "
                           f"and {config.model.checkpoint} has none (config.json num_nextn_predict_layers is "

@@ -79,6 +79,33 @@ def test_v32_sparse_attention_gives_the_tokens_without_drafts(compiled):
     assert tokens == [r.output_ids for r in plain] and drafts.proposed[0] > 0
 
 
+V4_REQUESTS = [Request([(11 * i + n) % 250 + 3 for i in range(n)], 24, stop_at_eos=False) for n in (5, 19, 40)]
+"""Past V4's sliding window (8) and many of its compressor windows (4 and 8), prompts chunked by prefill-8."""
+
+
+def test_v4_gives_the_tokens_without_drafts(compiled):
+    """DeepSeek-V4's MTP module (sliding-window attention over its own cache, mHC streams, its own
+    stream head): random weights, so mostly the rejection path, held to the plain tokens."""
+    plain = Engine(compiled("v4", "export", "small")).generate(V4_REQUESTS)
+    tokens, drafts = _generate(compiled("v4", "export", "small", speculative=2), V4_REQUESTS)
+    assert tokens == [r.output_ids for r in plain] and drafts.proposed[0] > drafts.proposed[1] > 0
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_v4_at_two_by_two_ranks_gives_the_one_rank_tokens_without_drafts(compiled):
+    plain = Engine(compiled("v4", "export", "small")).generate(V4_REQUESTS)
+    outcome = serve(compiled("v4", "export", "small", cp=2, ep=2, speculative=2), [V4_REQUESTS])[0]
+    assert [r.output_ids for r in outcome.results] == [r.output_ids for r in plain]
+
+
+@pytest.mark.slow
+def test_v4_on_inductor_gives_the_tokens_without_drafts(compiled):
+    plain = Engine(compiled("v4", "export", "small")).generate(V4_REQUESTS)
+    tokens, _ = _generate(compiled("v4", "inductor", "small", speculative=1), V4_REQUESTS)
+    assert tokens == [r.output_ids for r in plain]
+
+
 def test_a_prompt_read_from_the_prefix_cache_gives_the_tokens_without_drafts(compiled, prompts, without_drafts):
     """The fourth prompt again: its second run reads the cached full blocks of 8 before its last
     token, the MTP layer's KV among them, and starts its chunk after them."""

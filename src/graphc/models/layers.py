@@ -151,7 +151,7 @@ class MLP(nn.Module):
         return swiglu(gate, up, self.swiglu_limit)
 
 
-STACKED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+STACKED_EXPERT = re.compile(r"^(model\.(?:layers|mtp)\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 """The names of `RoutedExperts`' stacked parameters in every family's model (the loader stacks
 them from the stored per-expert tensors)."""
 

@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from graphc.errors import CheckpointError
@@ -20,6 +21,7 @@ from graphc.models.registry import load_model_args
 from graphc.models.deepseek_v4.model import DeepseekV4
 from graphc.models.deepseek_v4.args import CSA, HASH_MOE, HCA, SLIDING, v4_args_from_hf_config
 from graphc.models.deepseek_v4.layout import graphc_name, released_name
+from graphc.models.step_model import Parallelism, StepInputs
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
 from support import load_hf
 
@@ -236,3 +238,65 @@ def test_what_v4_cannot_compile_yet_is_refused_before_any_work(preset, backend, 
     assert result.exit_code == 2, result.output
     assert re.search(says, result.stderr.removeprefix("error: ")) and result.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def _draft_logits(model: DeepseekV4, tokens: list[int], next_ids: list[int], splits: list[int],
+                  block_size: int = 4) -> torch.Tensor:
+    """[T, V] the MTP module's logits at every position of `tokens` (token i + 1 at i: `next_ids`),
+    run as steps cut at `splits` over a fresh pool, as speculative decoding runs it."""
+    blocks = -(-len(tokens) // block_size)
+    pool = model.new_kv_pool(blocks + 2, block_size)
+    seq = SequenceBlocks(block_size)
+    seq.reserve(len(tokens), BlockAllocator(blocks + 2))
+    pieces = []
+    with torch.no_grad():
+        for start, end in itertools.pairwise([0, *splits, len(tokens)]):
+            ids, positions, table, slots, _ = step_metadata([(seq, tokens[start:end], start)], end - start, blocks)
+            step = StepInputs(positions, table, slots, pool, Parallelism())
+            hidden = model.final_hidden(ids, step)
+            pieces.append(model.draft_logits(model.draft_hidden(hidden, torch.tensor([next_ids[start:end]]), step))[0])
+    return torch.cat(pieces)
+
+
+@pytest.mark.parametrize("splits", [[], [7, 8, 20]])
+def test_the_mtp_module_predicts_as_deepseeks_reference(splits, tiny_checkpoints, tmp_path):
+    """The served MTP module against DeepSeek's `MTPBlock` built from the checkpoint by
+    transformers: a model of L + 1 layers reading `mtp.0`'s layer tensors as layer L (through
+    transformers' own renames) and its stream head and norm as the final ones, layer L's input
+    replaced (a pre-hook) by MTPBlock's: e_proj(enorm(embed(token i + 1))) added to every stream
+    of h_proj(hnorm(streams)). Both give, at each position i, the logits of token i + 2."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoints["v4"]
+    ours = load_model(path, checked=check_checkpoint(path, draft_layers=1))
+    layers, eps = ours.args.num_hidden_layers, ours.args.rms_norm_eps
+    stored = load_file(path / "model.safetensors")
+    mixing = {name: stored.pop(f"mtp.0.{name}.weight") for name in ("e_proj", "h_proj", "enorm", "hnorm")}
+    for name in [n for n in stored if n.startswith("mtp.0.")]:
+        tail = name.removeprefix("mtp.0.")
+        target = tail if tail.startswith(("hc_head_", "norm.")) else f"layers.{layers}.{tail}"
+        stored[target] = stored.pop(name)
+    config = json.loads((path / "config.json").read_text())
+    config.update(num_hidden_layers=layers + 1, num_nextn_predict_layers=0,
+                  layer_types=[*config["layer_types"], *ours.args.draft_layer_types],
+                  mlp_layer_types=[*config["mlp_layer_types"], "moe"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+
+    next_ids = PROMPT[1:] + [7]
+
+    def rms(x, weight):
+        return x.float() * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps) * weight
+
+    def mtp_block_input(module, args, kwargs):
+        embedded = reference.model.embed_tokens(torch.tensor([next_ids]))
+        mixed = (F.linear(rms(embedded, mixing["enorm"]), mixing["e_proj"])[:, :, None]
+                 + F.linear(rms(args[0], mixing["hnorm"]), mixing["h_proj"]))
+        return (mixed, *args[1:]), kwargs
+
+    reference.model.layers[layers].register_forward_pre_hook(mtp_block_input, with_kwargs=True)
+    with torch.no_grad():
+        expected = reference(input_ids=torch.tensor([PROMPT])).logits[0]
+    got = _draft_logits(ours, PROMPT, next_ids, splits)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())

@@ -37,4 +37,5 @@ FAMILY = Family(
     tensor_parallel_collectives=predictions.tensor_parallel_collectives,
     presets=presets.PRESETS,
     draft_and_extra_shapes=layout.draft_shapes,
+    drafts_with_mtp=True,
 )

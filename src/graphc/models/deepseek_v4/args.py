@@ -82,6 +82,13 @@ class V4Args(V4FamilyArgs):
     """Tokens per compressed entry in CSA layers (windows overlap: each entry pools 2 * rate)."""
     hca_rate: int
     """Tokens per compressed entry in HCA layers."""
+    draft_layer_types: tuple[str, ...] = ()
+    """Attention kind of each MTP module (`mtp.i`), as config.json lists it after the main layers'
+    (`compress_ratios` / `layer_types`); sliding only where it lists none (DeepSeek's MTP module
+    stores no compressor)."""
+    draft_layers: int = 0
+    """Of the MTP modules, how many the model serves as speculative decoding's draft (model.yaml's
+    `model.speculative`, not config.json): 0 or 1. Loaders skip the others."""
 
     first_k_dense_replace = 0
     """Every V4 layer is MoE (the attribute shared code reads of `ModelArgs`)."""
@@ -108,6 +115,15 @@ class V4Args(V4FamilyArgs):
             (self.csa_rate >= 1 and self.hca_rate >= 1,
              f"compress_rates ({self.csa_rate}, {self.hca_rate}) must be positive"),
             (self.n_shared_experts == 1, f"n_shared_experts is {self.n_shared_experts}; DeepSeek-V4 has 1"),
+            (len(self.draft_layer_types) == self.num_nextn_predict_layers,
+             f"{len(self.draft_layer_types)} MTP attention kinds for {self.num_nextn_predict_layers} MTP modules "
+             "(num_nextn_predict_layers)"),
+            (set(self.draft_layer_types) <= set(ATTENTION_TYPES),
+             f"MTP layer kinds {sorted(set(self.draft_layer_types) - set(ATTENTION_TYPES))} unknown; allowed: "
+             f"{ATTENTION_TYPES}"),
+            (0 <= self.draft_layers <= min(1, self.num_nextn_predict_layers),
+             f"model.speculative serves {self.draft_layers} MTP module(s); the checkpoint stores "
+             f"{self.num_nextn_predict_layers} (num_nextn_predict_layers) and graphc drafts with one"),
         ]
         for ok, message in checks:
             if not ok:
@@ -121,31 +137,45 @@ class V4Args(V4FamilyArgs):
     def architecture(self) -> str:
         return V4_ARCHITECTURE
 
+    def attention_type(self, layer: int) -> str:
+        """Layer `layer`'s attention kind: a main layer's, or past them the served MTP module's."""
+        return (self.layer_types + self.draft_layer_types)[layer]
+
+    def mlp_layer_type(self, layer: int) -> str:
+        """A main layer's MoE kind; the MTP module's experts are routed by score (DeepSeek's
+        reference routes by token only the first `num_hash_layers` layers)."""
+        return self.mlp_layer_types[layer] if layer < self.num_hidden_layers else MOE
+
     def compress_rate(self, layer: int) -> int | None:
         """Tokens per compressed entry of `layer`; None for a sliding-only layer."""
-        return {SLIDING: None, CSA: self.csa_rate, HCA: self.hca_rate}[self.layer_types[layer]]
+        return {SLIDING: None, CSA: self.csa_rate, HCA: self.hca_rate}[self.attention_type(layer)]
 
     def token_state_dim(self, layer: int) -> int:
         """Width of what one token leaves in its layer's token cache: its K = V, then what its
         compressor(s) need to pool the windows it belongs to (see `deepseek_v4` on the cache)."""
-        kind = self.layer_types[layer]
+        kind = self.attention_type(layer)
         compressor = {SLIDING: 0, HCA: 2 * self.head_dim, CSA: 4 * self.head_dim + 4 * self.index_head_dim}[kind]
         return self.head_dim + compressor
 
     def entry_dim(self, layer: int) -> int:
         """Width of a compressed entry in its layer's entry cache (CSA adds the indexer's key)."""
-        kind = self.layer_types[layer]
+        kind = self.attention_type(layer)
         return {SLIDING: 0, HCA: self.head_dim, CSA: self.head_dim + self.index_head_dim}[kind]
 
     @property
     def kv_cache_dim(self) -> int:
         """C: the cached width, the widest of any layer's token or entry state."""
-        return max(max(self.token_state_dim(i), self.entry_dim(i)) for i in range(self.num_hidden_layers))
+        return max(max(self.token_state_dim(i), self.entry_dim(i)) for i in range(self.served_layers))
+
+    @property
+    def served_layers(self) -> int:
+        """Decoder layers the model runs: the main ones and the served MTP module, numbered after them."""
+        return self.num_hidden_layers + self.draft_layers
 
     @property
     def cache_layers(self) -> int:
-        """Pool layers: each model layer has a token cache (2i) and an entry cache (2i + 1)."""
-        return 2 * self.num_hidden_layers
+        """Pool layers: each served layer has a token cache (2i) and an entry cache (2i + 1)."""
+        return 2 * self.served_layers
 
 
 REQUIRED = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -171,7 +201,7 @@ def v4_args_from_hf_config(config: dict[str, Any]) -> V4Args:
     rates = config.get("compress_rates") or {}
     if not isinstance(rates, dict) or any(isinstance(r, bool) or not isinstance(r, int) for r in rates.values()):
         raise CheckpointError(f"config.json: compress_rates is {rates!r}; expected {{kind: tokens per entry}}")
-    layers = config["num_hidden_layers"]
+    layers, nextn = config["num_hidden_layers"], config.get("num_nextn_predict_layers") or 0
     scoring = config.get("scoring_func", "sqrtsoftplus")
     if scoring != "sqrtsoftplus":
         raise CheckpointError(f"config.json: scoring_func {scoring!r} is not supported; DeepSeek-V4 uses 'sqrtsoftplus'")
@@ -217,6 +247,7 @@ def v4_args_from_hf_config(config: dict[str, Any]) -> V4Args:
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=config.get("max_position_embeddings", 1048576),
         layer_types=tuple(layer_types[:layers]),
+        draft_layer_types=tuple((list(layer_types[layers:]) + [SLIDING] * nextn)[:nextn]),
         mlp_layer_types=tuple(mlp_types[:layers]),
         csa_rate=int(rates[CSA]),
         hca_rate=int(rates[HCA]),
@@ -232,7 +263,7 @@ def v4_args_from_hf_config(config: dict[str, Any]) -> V4Args:
         index_topk=config["index_topk"],
         main_rope=main_rope,
         compress_rope=compress_rope,
-        num_nextn_predict_layers=config.get("num_nextn_predict_layers") or 0,
+        num_nextn_predict_layers=nextn,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         eos_token_id=eos_token_ids(config.get("eos_token_id")),
     )

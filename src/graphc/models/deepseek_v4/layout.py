@@ -9,7 +9,9 @@ come in two layouts, both read through the renames of transformers' conversion m
   wgate, ape, norm}`, `indexer.{wq_b, weights_proj, compressor.*}`), `layers.N.ffn.*` (`gate.bias`,
   `gate.tid2eid`, `experts.E.w1/w2/w3`, `shared_experts.w1/w2/w3`), `attn_norm` / `ffn_norm`,
   `hc_attn_{fn,base,scale}` / `hc_ffn_*`, `hc_head_{fn,base,scale}`; the multi-token-prediction
-  module under `mtp.`.
+  modules under `mtp.i.`: a decoder layer's tensors named as a layer's, and `e_proj`, `h_proj`,
+  `enorm`, `hnorm`, `norm`, `hc_head_{fn,base,scale}` (graphc's `model.mtp.i.`: `final_norm` is
+  its `norm`; transformers does not load them).
 - *transformers* (`save_pretrained`): the same renames reversed where they are not anchored, under
   `model.` (`model.layers.N.attn.norm.weight`, `model.embed_tokens.weight`, `head.weight`, ...).
 `released_name` writes the released layout (graphc's tiny checkpoints); transformers loading what
@@ -22,6 +24,7 @@ projections stay in full precision, as DeepSeek ships them.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 
@@ -37,8 +40,8 @@ FP32_SUFFIXES = ("norm.weight", "hc.fn", "hc.base", "hc.scale", "hc_head.hc_fn",
 RELEASED_EXPERT_WEIGHTS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
 """Each stacked expert parameter's released per-expert weights, concatenated along rows in order."""
 
-MULTI_TOKEN_PREDICTION = re.compile(r"(^|\.)mtp\.")
-"""Tensors of the MTP module (stored, never run), in either layout."""
+MULTI_TOKEN_PREDICTION = re.compile(r"(^|\.)mtp\.(\d+)\.")
+"""Tensors of the MTP modules, in either layout (group 2: the module)."""
 
 INDEX_TENSORS = ("tid2eid",)
 """Integer tensors (the hash layers' token -> experts tables)."""
@@ -67,6 +70,8 @@ _WHOLE_NAMES = {
     "model.hc_head.hc_scale": "hc_head_scale",
 }
 _FORWARD_RENAMES = [  # transformers' conversion mapping, applied in order (after any `model.` prefix)
+    (r"^mtp\.(\d+)\.norm\.", r"mtp.\1.final_norm."),  # graphc's own two: the MTP modules'
+    (r"\.hc_head_(fn|base|scale)$", r".hc_head.hc_\1"),
     (r"\.attn\.", ".self_attn."),
     (r"\.ffn\.", ".mlp."),
     (r"\.indexer\.compressor\.", ".compressor.indexer."),
@@ -94,11 +99,14 @@ _FORWARD_RENAMES = [  # transformers' conversion mapping, applied in order (afte
     (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
     (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
 ]
-PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
+PER_EXPERT = re.compile(r"^(model\.(?:layers|mtp)\.\d+\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
 """A released per-expert weight, after the renames."""
 
 _RENAMES = [  # released_name's: the forward renames' inverse, applied in order to a layer parameter's name
     (r"^model\.layers\.", "layers."),
+    (r"^model\.mtp\.(\d+)\.final_norm\.", r"mtp.\1.norm."),
+    (r"^model\.mtp\.(\d+)\.hc_head\.hc_(fn|base|scale)$", r"mtp.\1.hc_head_\2"),
+    (r"^model\.mtp\.", "mtp."),
     (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
     (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
     (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
@@ -124,8 +132,8 @@ _RENAMES = [  # released_name's: the forward renames' inverse, applied in order 
     (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
 ]
 
-FP8_RELEASED = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.(experts\.\d+|shared_experts)\.w[123])"
-                          r"\.weight$")
+FP8_RELEASED = re.compile(r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|"
+                          r"ffn\.(experts\.\d+|shared_experts)\.w[123]|e_proj|h_proj)\.weight$")
 """The released weights DeepSeek's FP8 checkpoints quantise."""
 
 
@@ -215,7 +223,9 @@ def stored_stacked(stored: str) -> bool:
 
 
 def skips(name: str, args: V4Args) -> bool:
-    return bool(MULTI_TOKEN_PREDICTION.search(name))
+    """The MTP modules not served as the draft (`V4Args.draft_layers`)."""
+    module = MULTI_TOKEN_PREDICTION.search(name)
+    return bool(module) and int(module.group(2)) >= args.draft_layers
 
 
 def keeps_fp32(name: str, args: V4Args) -> bool:
@@ -223,6 +233,12 @@ def keeps_fp32(name: str, args: V4Args) -> bool:
 
 
 def draft_shapes(args: V4Args, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """The MTP modules, under `mtp.`: one more decoder layer's tensors each."""
-    return {f"mtp.{mtp}." + n.removeprefix("layers.0."): shape for mtp in range(args.num_nextn_predict_layers)
-            for n, shape in shapes.items() if n.startswith("layers.0.")}
+    """The MTP modules' tensors, under `mtp.i.`: each as the served module of its attention kind."""
+    from graphc.models.checkpoint import expected_tensors  # the loader reads this family's layout
+
+    out = {}
+    for module, kind in enumerate(args.draft_layer_types):
+        served = dataclasses.replace(args, draft_layers=1, draft_layer_types=(kind, *args.draft_layer_types[1:]))
+        out.update({f"mtp.{module}." + name.removeprefix("mtp.0."): shape
+                    for name, shape in expected_tensors(served).items() if name.startswith("mtp.0.")})
+    return out

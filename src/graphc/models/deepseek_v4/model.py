@@ -279,7 +279,7 @@ class Attention(nn.Module):
 
     def __init__(self, args: V4Args, layer: int, rotary: RotaryEmbedding, tp: int = 1):
         super().__init__()
-        self.layer, self.kind, self.tp = layer, args.layer_types[layer], tp
+        self.layer, self.kind, self.tp = layer, args.attention_type(layer), tp
         self.rotary = rotary
         self.heads, self.head_dim = args.num_attention_heads // tp, args.head_dim  # this rank's heads
         self.window = args.sliding_window
@@ -453,7 +453,7 @@ class V4MoE(MoE):
 
     def __init__(self, args: V4Args, layer: int, local_experts: int | None = None, tp: int = 1):
         nn.Module.__init__(self)
-        self.gate = HashRouter(args) if args.mlp_layer_types[layer] == HASH_MOE else Router(args)
+        self.gate = HashRouter(args) if args.mlp_layer_type(layer) == HASH_MOE else Router(args)
         self.experts = RoutedExperts(args, local_experts, swiglu_limit=args.swiglu_limit)
         self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size, swiglu_limit=args.swiglu_limit, tp=tp)
 
@@ -499,8 +499,39 @@ class HyperHead(nn.Module):
         return cast((pre[..., None] * streams).sum(dim=-2), streams.dtype)
 
 
+class MultiTokenPrediction(DecoderLayer):
+    """DeepSeek-V4's MTP module (`mtp.i` in the release), served as decoder layer
+    `num_hidden_layers` (its caches are pool layers 2L and 2L + 1): at position i it takes the
+    main model's streams after its last layer (before the stream head) and the embedding of token
+    i + 1, each RMS-normed; the embedding, projected (`e_proj`), is added to every projected
+    stream (`h_proj`); its decoder layer runs at position i and its own stream head and norm
+    collapse the result for the main model's LM head (which it shares, as the embedding), which
+    predicts token i + 2. DeepSeek's reference `MTPBlock` computes the same."""
+
+    def __init__(self, args: V4Args, layer: int, rotary: RotaryEmbedding, local_experts: int | None = None,
+                 tp: int = 1):
+        super().__init__(args, layer, rotary, local_experts, tp)
+        self.e_proj = nn.Linear(args.hidden_size, args.hidden_size, bias=False)
+        self.h_proj = nn.Linear(args.hidden_size, args.hidden_size, bias=False)
+        self.enorm = FP32RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.hnorm = FP32RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.hc_head = HyperHead(args)
+        self.final_norm = FP32RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def predict(self, streams: Tensor, next_embedded: Tensor, cos: Tensor, sin: Tensor, step: StepInputs) -> Tensor:
+        """streams [B, Q, n, D], next_embedded [B, Q, D] -> the module's streams [B, Q, n, D];
+        writes its caches for the step's slots."""
+        x = self.e_proj(self.enorm(next_embedded))[:, :, None] + self.h_proj(self.hnorm(streams))
+        return self(x, cos, sin, step)
+
+    def head_input(self, streams: Tensor) -> Tensor:
+        """The module's streams [..., n, D] -> the LM head's input [..., D]."""
+        return self.final_norm(self.hc_head(streams))
+
+
 class Backbone(nn.Module):
-    """Embedding, decoder layers, stream head and final norm (HF's `model.` prefix)."""
+    """Embedding, decoder layers, stream head and final norm (HF's `model.` prefix), and the MTP
+    module served as the draft (`mtp`, empty without)."""
 
     def __init__(self, args: V4Args, local_experts: int | None = None, tp: int = 1):
         super().__init__()
@@ -508,12 +539,13 @@ class Backbone(nn.Module):
         rope_dims = args.rope_head_dim
         self.main_rotary = RotaryEmbedding(args.main_rope, rope_dims)
         self.compress_rotary = RotaryEmbedding(args.compress_rope, rope_dims)
-        self.layers = nn.ModuleList(
-            DecoderLayer(args, i, self.main_rotary if args.layer_types[i] == SLIDING else self.compress_rotary,
-                         local_experts, tp)
-            for i in range(args.num_hidden_layers))
+        rotary = lambda layer: self.main_rotary if args.attention_type(layer) == SLIDING else self.compress_rotary
+        self.layers = nn.ModuleList(DecoderLayer(args, i, rotary(i), local_experts, tp)
+                                    for i in range(args.num_hidden_layers))
         self.hc_head = HyperHead(args)
         self.norm = FP32RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mtp = nn.ModuleList(MultiTokenPrediction(args, i, rotary(i), local_experts, tp)
+                                 for i in range(args.num_hidden_layers, args.served_layers))
 
 
 class DeepseekV4(nn.Module):
@@ -537,7 +569,11 @@ class DeepseekV4(nn.Module):
 
     def layer_rope(self, layer: int, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin [B, Q, P/2] of `positions` as layer `layer` takes them (main or compress RoPE)."""
-        return self.model.layers[layer].self_attn.rotary(positions, dtype)
+        return self._served(layer).self_attn.rotary(positions, dtype)
+
+    def _served(self, layer: int) -> DecoderLayer:
+        return self.model.layers[layer] if layer < self.args.num_hidden_layers else \
+            self.model.mtp[layer - self.args.num_hidden_layers]
 
     def new_kv_pool(self, num_blocks: int, block_size: int) -> Tensor:
         """A zeroed pool [2L, N, S, C] in the model dtype."""
@@ -551,12 +587,48 @@ class DeepseekV4(nn.Module):
         if moe_form is not None and moe_form not in MOE_FORMS:
             raise ValueError(f"moe_form {moe_form!r}; expected one of {MOE_FORMS}")
         step = StepInputs(positions, block_table, slot_mapping, kv_pool, parallel, moe_form, input_ids)
-        streams = self.embed(input_ids)  # [B, Q, n, D]
-        ropes = {rotary: rotary(positions, self.dtype) for rotary in (self.model.main_rotary, self.model.compress_rotary)}
-        for layer in self.model.layers:
-            cos, sin = ropes[layer.self_attn.rotary]
-            streams = layer(streams, cos, sin, step)
+        streams = self.decoder_layers(input_ids, step)  # [B, Q, n, D]
         if logits_index is not None:
             index = logits_index.view(-1, 1, 1, 1).expand(-1, 1, *streams.shape[2:])
             streams = streams.gather(1, index).squeeze(1)  # [B, n, D]
+        return self.logits(streams.flatten(-2))
+
+    def decoder_layers(self, input_ids: Tensor, step: StepInputs) -> Tensor:
+        """[B, Q] tokens -> the streams after the last main layer [B, Q, n, D]."""
+        streams = self.embed(input_ids)
+        ropes = {rotary: rotary(step.positions, self.dtype) for rotary in (self.model.main_rotary,
+                                                                           self.model.compress_rotary)}
+        for layer in self.model.layers:
+            streams = layer(streams, *ropes[layer.self_attn.rotary], step)
+        return streams
+
+    # Speculative decoding (`graphc.models.speculation`) sees a position's hidden state as its
+    # streams flattened, [..., n * D]: what the LM head collapses and what the MTP module reads.
+
+    def final_hidden(self, input_ids: Tensor, step: StepInputs) -> Tensor:
+        """[B, Q] tokens -> the main model's streams after its last layer, flattened [B, Q, n * D]."""
+        step = StepInputs(step.positions, step.block_table, step.slot_mapping, step.kv_pool, step.parallel,
+                          step.moe_form, input_ids)
+        return self.decoder_layers(input_ids, step).flatten(-2)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The main model's flattened streams [..., n * D] -> logits [..., V]."""
+        streams = hidden.unflatten(-1, (self.args.hc_mult, -1))
         return gather_over_tp(self.lm_head(self.model.norm(self.model.hc_head(streams))), self.tp)
+
+    def draft_hidden(self, hidden: Tensor, next_ids: Tensor, step: StepInputs) -> Tensor:
+        """The MTP module at the step's positions: `hidden` [B, Q, n * D] (position i's streams, or
+        the module's own output when drafting further ahead) and `next_ids` [B, Q] (token i + 1)
+        -> its streams [B, Q, n * D]; writes its caches."""
+        mtp = self.model.mtp[0]
+        step = StepInputs(step.positions, step.block_table, step.slot_mapping, step.kv_pool, step.parallel,
+                          step.moe_form, next_ids)
+        cos, sin = mtp.self_attn.rotary(step.positions, self.dtype)
+        streams = hidden.unflatten(-1, (self.args.hc_mult, -1))
+        return mtp.predict(streams, gather_over_tp(self.model.embed_tokens(next_ids), self.tp), cos, sin,
+                           step).flatten(-2)
+
+    def draft_logits(self, drafted: Tensor) -> Tensor:
+        """The MTP module's flattened streams [..., n * D] -> its logits for the token after next [..., V]."""
+        streams = drafted.unflatten(-1, (self.args.hc_mult, -1))
+        return gather_over_tp(self.lm_head(self.model.mtp[0].head_input(streams)), self.tp)
