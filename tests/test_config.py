@@ -510,7 +510,7 @@ def test_speculative_decoding_needs_the_checkpoints_mtp_layer(tmp_path, ckpt, ti
                                           r"prediction layer, and .*no-mtp has none \(config\.json "
                                           r"num_nextn_predict_layers is 0\)$"):
         parse(override(valid_data(without), **{"model.speculative": {"method": "mtp", "tokens": 2}}))
-    v4 = override(valid_data(tiny_checkpoints["v4"]), **{"model.speculative": {"method": "mtp", "tokens": 2}})
-    with pytest.raises(ConfigError, match=r"^model\.speculative: DeepseekV4ForCausalLM has no MTP drafting in graphc "
-                                          r"yet; the DeepSeek-V3 / V3.2 family has$"):
-        parse(v4)
+    v41 = override(valid_data(tiny_checkpoints["v41"]), **{"model.speculative": {"method": "mtp", "tokens": 2}})
+    with pytest.raises(ConfigError, match=r"^model\.speculative: DeepseekV41ForCausalLM has no MTP drafting in graphc "
+                                          r"yet; the DeepSeek-V3 / V3.2 and V4 families have$"):
+        parse(v41)

@@ -300,3 +300,19 @@ def test_the_mtp_module_predicts_as_deepseeks_reference(splits, tiny_checkpoints
         expected = reference(input_ids=torch.tensor([PROMPT])).logits[0]
     got = _draft_logits(ours, PROMPT, next_ids, splits)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_the_mtp_modules_tensors_are_what_the_served_module_loads():
+    """What tiny checkpoints store under `mtp.0.` (`draft_shapes`, from the main layers' shapes)
+    is exactly what a model serving the module expects, in the released layout: per-expert
+    weights, `norm`, `hc_head_*`."""
+    import dataclasses
+
+    from graphc.models.deepseek_v4.layout import draft_shapes
+    from graphc.models.tiny import preset_config
+
+    args = v4_args_from_hf_config(preset_config("v4"))
+    served = {name: shape for name, shape in expected_tensors(dataclasses.replace(args, draft_layers=1)).items()
+              if name.startswith("mtp.")}
+    assert draft_shapes(args, expected_tensors(args)) == served
+    assert {"mtp.0.norm.weight", "mtp.0.hc_head_fn", "mtp.0.e_proj.weight", "mtp.0.ffn.experts.7.w2.weight"} <= set(served)

@@ -24,12 +24,11 @@ projections stay in full precision, as DeepSeek ships them.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterable
 
 from graphc.errors import CheckpointError
-from graphc.models.deepseek_v4.args import V4Args
+from graphc.models.deepseek_v4.args import MOE, V4Args
 from graphc.models.family import Sources
 from graphc.models.layers import STACKED_EXPERT
 
@@ -233,12 +232,23 @@ def keeps_fp32(name: str, args: V4Args) -> bool:
 
 
 def draft_shapes(args: V4Args, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """The MTP modules' tensors, under `mtp.i.`: each as the served module of its attention kind."""
-    from graphc.models.checkpoint import expected_tensors  # the loader reads this family's layout
+    """The MTP modules' tensors, under `mtp.i.`, given the main layers' `shapes`: the attention
+    half of a main layer of the module's kind, the FFN half of a score-routed one, and its own
+    projections, norms and stream head."""
+    def half(kinds: tuple[str, ...], kind: str, prefixes: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+        if kind not in kinds:
+            raise CheckpointError(f"config.json: no main layer is {kind}, the MTP module's kind; graphc takes its "
+                                  "tensors' shapes from one")
+        layer = f"layers.{kinds.index(kind)}."
+        return {n.removeprefix(layer): shape for n, shape in shapes.items()
+                if n.startswith(layer) and n.removeprefix(layer).startswith(prefixes)}
 
-    out = {}
+    hidden, out = args.hidden_size, {}
     for module, kind in enumerate(args.draft_layer_types):
-        served = dataclasses.replace(args, draft_layers=1, draft_layer_types=(kind, *args.draft_layer_types[1:]))
-        out.update({f"mtp.{module}." + name.removeprefix("mtp.0."): shape
-                    for name, shape in expected_tensors(served).items() if name.startswith("mtp.0.")})
+        tensors = {**half(args.layer_types, kind, ("attn.", "attn_norm.", "hc_attn_")),
+                   **half(args.mlp_layer_types, MOE, ("ffn.", "ffn_norm.", "hc_ffn_")),
+                   "e_proj.weight": (hidden, hidden), "h_proj.weight": (hidden, hidden), "enorm.weight": (hidden,),
+                   "hnorm.weight": (hidden,), "norm.weight": (hidden,),
+                   **{f"hc_head_{part}": shapes[f"hc_head_{part}"] for part in ("fn", "base", "scale")}}
+        out.update({f"mtp.{module}.{name}": shape for name, shape in tensors.items()})
     return out
