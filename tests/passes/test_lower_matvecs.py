@@ -1,4 +1,4 @@
-"""lower_matvecs: linear layers of at most MAX_ROWS rows become fp32 multiply-and-sum reductions
+"""lower_matvecs: linear layers of at most MAX_ROWS rows become fp32 multiply-and-sum reductions (one per row)
 with the same outputs; larger ones (batched decode, prefill) stay linear."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _linears(program) -> int:
     return Counter(n.target for n in program.graph.nodes)[torch.ops.aten.linear.default]
 
 
-@pytest.mark.parametrize("bucket", [Bucket("decode", 1)])
+@pytest.mark.parametrize("bucket", [Bucket("decode", 1), Bucket("decode", MAX_ROWS)])
 def test_small_linears_become_reductions_with_the_same_outputs(bucket, tiny_checkpoints):
     model, program = captured(tiny_checkpoints["lora-groups"], bucket)
     before = copy_program(program)
