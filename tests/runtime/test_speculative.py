@@ -100,6 +100,13 @@ def test_v4_at_two_by_two_ranks_gives_the_one_rank_tokens_without_drafts(compile
 
 
 @pytest.mark.slow
+def test_v4_on_neuron_gives_the_tokens_without_drafts(compiled):
+    plain = Engine(compiled("v4", "export", "small")).generate(V4_REQUESTS)
+    tokens, _ = _generate(compiled("v4", "neuron", "small", speculative=1), V4_REQUESTS)
+    assert tokens == [r.output_ids for r in plain]
+
+
+@pytest.mark.slow
 def test_v4_on_inductor_gives_the_tokens_without_drafts(compiled):
     plain = Engine(compiled("v4", "export", "small")).generate(V4_REQUESTS)
     tokens, _ = _generate(compiled("v4", "inductor", "small", speculative=1), V4_REQUESTS)
