@@ -539,7 +539,10 @@ class Backbone(nn.Module):
         rope_dims = args.rope_head_dim
         self.main_rotary = RotaryEmbedding(args.main_rope, rope_dims)
         self.compress_rotary = RotaryEmbedding(args.compress_rope, rope_dims)
-        rotary = lambda layer: self.main_rotary if args.attention_type(layer) == SLIDING else self.compress_rotary
+
+        def rotary(layer: int) -> RotaryEmbedding:
+            return self.main_rotary if args.attention_type(layer) == SLIDING else self.compress_rotary
+
         self.layers = nn.ModuleList(DecoderLayer(args, i, rotary(i), local_experts, tp)
                                     for i in range(args.num_hidden_layers))
         self.hc_head = HyperHead(args)
