@@ -73,6 +73,12 @@ class StepInputs:
         self.moe_form = moe_form
         self.input_ids = input_ids
 
+    def with_input_ids(self, input_ids: Tensor) -> "StepInputs":
+        """The same step over other tokens (what hash routing reads), as a layer run on other
+        inputs at the same positions sees it (DeepSeek-V4's MTP module)."""
+        return StepInputs(self.positions, self.block_table, self.slot_mapping, self.kv_pool, self.parallel,
+                          self.moe_form, input_ids)
+
 
 class ModelArgs(Protocol):
     """The hyper-parameters shared code reads (names follow the HF `config.json`)."""

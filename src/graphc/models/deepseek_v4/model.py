@@ -610,9 +610,7 @@ class DeepseekV4(nn.Module):
 
     def final_hidden(self, input_ids: Tensor, step: StepInputs) -> Tensor:
         """[B, Q] tokens -> the main model's streams after its last layer, flattened [B, Q, n * D]."""
-        step = StepInputs(step.positions, step.block_table, step.slot_mapping, step.kv_pool, step.parallel,
-                          step.moe_form, input_ids)
-        return self.decoder_layers(input_ids, step).flatten(-2)
+        return self.decoder_layers(input_ids, step.with_input_ids(input_ids)).flatten(-2)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """The main model's flattened streams [..., n * D] -> logits [..., V]."""
@@ -624,8 +622,7 @@ class DeepseekV4(nn.Module):
         the module's own output when drafting further ahead) and `next_ids` [B, Q] (token i + 1)
         -> its streams [B, Q, n * D]; writes its caches."""
         mtp = self.model.mtp[0]
-        step = StepInputs(step.positions, step.block_table, step.slot_mapping, step.kv_pool, step.parallel,
-                          step.moe_form, next_ids)
+        step = step.with_input_ids(next_ids)
         cos, sin = mtp.self_attn.rotary(step.positions, self.dtype)
         streams = hidden.unflatten(-1, (self.args.hc_mult, -1))
         return mtp.predict(streams, gather_over_tp(self.model.embed_tokens(next_ids), self.tp), cos, sin,
