@@ -1,6 +1,6 @@
 """The neuron backend end to end: artifacts compiled to per-program Neuron / CPU HLO, served here on
 XLA:CPU (one process per rank, gloo collectives), give the export backend's tokens, greedy and
-sampled with seeds, at every topology, V3, V3.2 (sparse) and V4, every bucket kind (prefill, decode,
+sampled with seeds, at every topology, V3, V3.2 (sparse), V4 and V4.1 (Engram), every bucket kind (prefill, decode,
 prompt-as-decode) at one rank and prefill and decode at several; each bucket's logits agree with
 the export graph's to 1e-5 relative on a step."""
 
@@ -44,6 +44,7 @@ CASES = [  # (preset, cp, ep, tp); (2, 2) holds every collective (2, 1) would
     (SPARSE_V32, 1, 1, 1), (SPARSE_V32, 2, 2, 1),
     (SPARSE_V32, 1, 2, 2),  # tensor parallelism: its all-reduces and gathers over tp groups
     ("v4", 1, 1, 1), ("v4", 2, 2, 1),  # compressed attention, hyper-connections, hash-routed layers
+    ("v41", 1, 1, 1), ("v41", 2, 2, 1),  # Engram: its 64-bit hash, the table over ep, the id halo over cp
 ]
 
 
@@ -59,7 +60,7 @@ def _requests() -> list[Request]:
     pytest.param(*case, marks=([pytest.mark.multirank] if case[1] * case[3] > 1 else [])
                  + ([pytest.mark.slow] if case in (("lora-groups", 1, 1, 1), ("wide-16e", 4, 4, 1),
                                                    (SPARSE_V32, 2, 2, 1), (SPARSE_V32, 1, 2, 2),
-                                                   ("v4", 2, 2, 1)) else []))
+                                                   ("v4", 2, 2, 1), ("v41", 2, 2, 1)) else []))
     for case in CASES])
 def test_neuron_artifacts_serve_the_export_tokens(preset, cp, ep, tp, compiled):
     world = cp * tp

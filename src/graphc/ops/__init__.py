@@ -10,8 +10,9 @@ names them, so the runtime imports it before loading a graph).
     moe.py              the routed experts' sparse forms (expert routes, grouped GEMM)
     dequantize.py       block-scaled FP8 weights to the compute dtype, in the graph
     hyper_connections.py  DeepSeek-V4's Sinkhorn normalisation of the stream mixes
+    engram.py           DeepSeek-V4.1 Engram's n-gram hash (64-bit on every backend)
     distributed.py      semantic group names to process groups
 """
 
-from graphc.ops import (all_to_all, collectives, dequantize, hyper_connections, moe,  # noqa: F401
+from graphc.ops import (all_to_all, collectives, dequantize, engram, hyper_connections, moe,  # noqa: F401
                         paged_attention, sampler, sparse)  # (registration)

@@ -138,6 +138,9 @@ CASES = [
     _case("sigmoid-neg-inf", aten.sigmoid.default, MASKED, tol=FP32),
     _case("rsqrt", aten.rsqrt.default, POSITIVE, tol=FP32),
     _case("sqrt", aten.sqrt.default, POSITIVE.masked_fill(B, 0.0), tol=FP32),
+    # Halves (token-id digits read back from the pool are near-integers) round to even, as torch's.
+    _case("round-halves-to-even", aten.round.default, torch.tensor([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 254.9999, 3.0001])),
+    _case("round", aten.round.default, _randn(3, 5, 7, scale=300)),
     _case("isinf", aten.isinf.default, MASKED.masked_fill(B & (MASKED > 0), INF)),
     _case("bitwise_not-bool", aten.bitwise_not.default, B),
     _case("bitwise_not-int", aten.bitwise_not.default, I),
@@ -182,6 +185,8 @@ CASES = [
     _case("maximum-int", aten.maximum.default, I, _randint(-50, 50, 7, seed=1)),
     _case("minimum-neg-inf", aten.minimum.default, MASKED, X),
     _case("minimum-int", aten.minimum.default, I, _randint(-50, 50, 5, 1, seed=1)),
+    # Engram's signed square root; a negative zero's sign is carried too.
+    _case("copysign", aten.copysign.Tensor, POSITIVE, _randn(3, 5, 7, seed=4).masked_fill(B, -0.0)),
     _case("bitwise_and-bool", aten.bitwise_and.Tensor, B, _randn(5, 7, seed=1) > 0),
     _case("bitwise_and-int", aten.bitwise_and.Tensor, torch.tensor([6, 5, 12, -1]), torch.tensor([3, 3, 10, 6])),
     _case("bitwise_or-bool", aten.bitwise_or.Tensor, B, _randn(3, 5, 7, seed=1) > 0),
@@ -449,7 +454,7 @@ def test_first_argmax_is_torch_argmax(name, x):
     np.testing.assert_array_equal(got, torch.argmax(x, dim=-1).numpy())
 
 
-@pytest.mark.parametrize("preset", ["lora-groups", SPARSE_V32, "v4"])
+@pytest.mark.parametrize("preset", ["lora-groups", SPARSE_V32, "v4", "v41"])
 def test_rules_cover_every_op_of_a_step_program(preset, tiny_checkpoints):
     """Every op of a decode step program after the neuron passes and run_decompositions has a rule
     (or is ignored, a graphc op, or the functional KV write)."""

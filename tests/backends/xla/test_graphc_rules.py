@@ -16,10 +16,14 @@ import pytest
 import torch
 
 from graphc.backends.xla import graphc_ops
+from graphc.backends.xla import ngram_hash as ngram_words
 from graphc.backends.xla.aten import Out
 from graphc.backends.xla.lower import Lowering
 from graphc.backends.xla.variants import CPU
+from graphc.errors import GraphcError
+from graphc.models.deepseek_v41.engram import EngramArgs, NgramHash
 from graphc.ops import all_to_all, collectives, hyper_connections, moe, paged_attention, sampler, sparse
+from graphc.ops import engram as engram_ops
 from graphc.step import PADDING_SLOT
 from graphc.topology import Topology
 
@@ -205,3 +209,48 @@ def test_the_even_all_to_all_moe_routes_every_token_to_its_experts_ranks(monkeyp
         for t in range(tokens):
             assert set(np.flatnonzero(np.asarray(sent)[r, :, t])) == (set(destinations[r, t].tolist()) if valid[r, t]
                                                                       else set())
+
+
+ENGRAMS = {"release": EngramArgs(layer_ids=(1, 14), max_ngram=4, heads=8, head_dim=256, vocab_base=16_000_000,
+                                 compressed_vocab=99092, pad_id=2),
+           "tiny": EngramArgs(layer_ids=(1, 4), max_ngram=4, heads=2, head_dim=8, vocab_base=1000,
+                              compressed_vocab=1000, pad_id=2)}
+
+
+@pytest.mark.parametrize("engram", ENGRAMS, ids=str)
+def test_ngram_hash_in_32_bit_words_equals_the_int64_kernel(engram):
+    """Engram's hash as lowered (no 64-bit values) gives the int64 kernel's rows for every layer of
+    the release's hash (primes about 2^24, multipliers about 2^46) and the tiny one's, tokens up to
+    the largest of the compressed vocabulary."""
+    args = ENGRAMS[engram]
+    g = torch.Generator().manual_seed(9)
+    context = torch.randint(0, args.compressed_vocab, (40, 5, args.max_ngram), generator=g)
+    context[0, 0], context[0, 1] = args.compressed_vocab - 1, args.pad_id
+    for layer in args.layer_ids:
+        hash_ = NgramHash(args, layer)
+        expected = engram_ops.ngram_hash(context, hash_.multipliers, hash_.primes, hash_.offsets, hash_.heads)
+        got = jax.jit(lambda c: graphc_ops.ngram_hash(_lowering(), _out(expected), c, hash_.multipliers, hash_.primes,
+                                                      hash_.offsets, hash_.heads))(_jax(context))
+        assert np.array_equal(np.asarray(got), expected.numpy())
+
+
+def test_64_bit_products_and_remainders_in_32_bit_words_are_pythons_integers():
+    """The word arithmetic itself, against Python's integers: products wrap modulo 2^64 as int64's
+    do (a factor near 2^64 included), remainders for moduli up to 2^31 - 1."""
+    rng = np.random.default_rng(4)
+    values = np.concatenate([rng.integers(0, 2**32, 200, dtype=np.uint64), [0, 1, 2**32 - 1]]).astype(np.uint32)
+    for constant in (1, 3, 76632096046245, 2**63 - 1, 2**64 - 1):
+        hi, lo = ngram_words.times_constant(jnp.asarray(values), constant)
+        got = (np.asarray(hi).astype(object) << 32) | np.asarray(lo).astype(object)
+        assert got.tolist() == [int(v) * constant % 2**64 for v in values]
+    wide = [int(v) for v in rng.integers(0, 2**63, 200, dtype=np.int64)] + [0, 2**64 - 1, 2**63]
+    hi, lo = (jnp.asarray([[w >> 32] for w in wide], jnp.uint32), jnp.asarray([[w & 0xFFFFFFFF] for w in wide],
+                                                                                 jnp.uint32))
+    moduli = [2, 3, 1009, 16_000_057, 2**31 - 1]
+    got = np.asarray(ngram_words.modulo(hi, lo, moduli))
+    assert got.tolist() == [[w % p for p in moduli] for w in wide]
+
+
+def test_ngram_hash_refuses_a_table_past_int32_row_ids():
+    with pytest.raises(GraphcError, match=r"an Engram table of 2147483648 rows; row ids are int32 here"):
+        graphc_ops.ngram_hash(_lowering(), None, jnp.zeros((1, 2), jnp.int32), [1, 3], [2**31 - 7], [7], 1)

@@ -269,6 +269,7 @@ RULES: dict = {
     aten.sigmoid.default: _unary(jax.nn.sigmoid),
     aten.rsqrt.default: _unary(jax.lax.rsqrt),
     aten.sqrt.default: _unary(jnp.sqrt),
+    aten.round.default: _unary(jnp.round),  # half to even, as torch.round
     aten.isinf.default: _unary(jnp.isinf),
     aten.bitwise_not.default: _unary(jnp.invert),
     aten.add.Tensor: _add,
@@ -281,6 +282,7 @@ RULES: dict = {
     aten.remainder.Tensor: _binary(jnp.remainder),
     aten.maximum.default: _binary(jnp.maximum),
     aten.minimum.default: _binary(jnp.minimum),
+    aten.copysign.Tensor: _binary(jnp.copysign),
     aten.bitwise_and.Tensor: _binary(jnp.bitwise_and),
     aten.bitwise_or.Tensor: _binary(jnp.bitwise_or),
     aten.eq.Scalar: _binary(jnp.equal),

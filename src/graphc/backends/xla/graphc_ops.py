@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import torch
 
 from graphc.backends.xla import collectives
+from graphc.backends.xla.ngram_hash import ngram_hash
 from graphc.backends.xla.aten import Out, first_argmax
 from graphc.errors import GraphcError
 from graphc.ops.sparse import NO_KEY
@@ -220,5 +221,6 @@ RULES = {
     ops.moe_a2a_combine.default: moe_a2a_combine,
     ops.gather_columns.default: gather_columns,
     ops.index_topk_combine.default: index_topk_combine,
+    ops.ngram_hash.default: ngram_hash,
 }
 """graphc op -> rule (taking the `Lowering` first)."""

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from graphc.ops import collectives
+from graphc.ops.engram import ngram_hash
 
 INT64_MAX = 2**63 - 1
 MULTIPLIER_SEED = 10007
@@ -110,26 +111,19 @@ def ngram_context(token_ids: Tensor, max_ngram: int, pad_id: int) -> Tensor:
 
 
 class NgramHash(nn.Module):
-    """One layer's hash: n-gram contexts [..., N] -> absolute rows of its table [..., K]."""
+    """One layer's hash: n-gram contexts [..., N] -> absolute rows of its table [..., K]
+    (`graphc::ngram_hash`, 64-bit on every backend)."""
 
     def __init__(self, args: EngramArgs, layer: int):
         super().__init__()
-        primes = prime_moduli(args)[layer]
-        offsets = [0, *np.cumsum(primes[:-1]).tolist()]
+        # Derived from the config, never stored: plain ints, op arguments.
+        self.primes = prime_moduli(args)[layer]
+        self.offsets = [0, *np.cumsum(self.primes[:-1]).tolist()]
+        self.multipliers = hash_multipliers(layer, args.max_ngram, args.compressed_vocab)
         self.heads = args.heads
-        # Derived from the config, never stored: non-persistent buffers, built on the CPU even under
-        # a meta-device context (the loader moves them with the module).
-        multipliers = hash_multipliers(layer, args.max_ngram, args.compressed_vocab)
-        for name, values in (("multipliers", multipliers), ("primes", primes), ("offsets", offsets)):
-            self.register_buffer(name, torch.tensor(values, device="cpu"), persistent=False)
 
     def forward(self, context: Tensor) -> Tensor:
-        products = context * self.multipliers  # [..., N] int64, no overflow (see the module docstring)
-        mixed, columns = products[..., 0], []
-        for k in range(1, products.shape[-1]):
-            mixed = torch.bitwise_xor(mixed, products[..., k])
-            columns.append(mixed[..., None].expand(*mixed.shape, self.heads))
-        return torch.cat(columns, dim=-1) % self.primes + self.offsets
+        return ngram_hash(context, self.multipliers, self.primes, self.offsets, self.heads)
 
 
 class Engram(nn.Module):

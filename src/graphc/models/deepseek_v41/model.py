@@ -244,7 +244,9 @@ class DeepseekV41(DeepseekV4):
             raise ValueError(f"moe_form {moe_form!r}; expected one of {MOE_FORMS}")
         step = StepInputs(positions, block_table, slot_mapping, kv_pool, parallel, moe_form, input_ids)
         streams = self.embed(input_ids)  # [B, Q, n, D]
-        pre = F.one_hot(torch.zeros_like(input_ids), self.args.hc_mult).float()  # layer 0 reads stream 0
+        # Layer 0 reads stream 0 (a constant: F.one_hot would put run-time range checks in the graph).
+        first_stream = torch.arange(self.args.hc_mult, device=input_ids.device) == 0
+        pre = first_stream.float().expand(*input_ids.shape, -1)
         context = self._ngram_context(step) if self.args.engram is not None else None
         ropes = {kind: rotary(positions, torch.float32) for kind, rotary in self.model.rotary.items()}
         published = Published()
