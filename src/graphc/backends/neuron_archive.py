@@ -82,7 +82,7 @@ Dtype = Literal["float32", "bfloat16", "int32", "bool", "uint8"]
 """A parameter's or result's dtype: what the lowering emits and the XLA:CPU runner binds (uint8: an
 FP8 weight kept as stored, as its bytes)."""
 _PROGRAM_DTYPES = {"int64": "int32", "float8_e4m3fn": "uint8"}
-"""A torch dtype's name -> its values' dtype in a program (`xla.lower.JAX_DTYPES`: no jax x64 mode;
+"""A torch dtype's name -> its values' dtype in a program (`xla.interpret.JAX_DTYPES`: no jax x64 mode;
 FP8 weights as bytes, `xla.aten.FP8_BITS`)."""
 HOST_OPCODES = ("custom-call", "infeed", "outfeed", "send", "send-done", "recv", "recv-done")
 """Instructions that reach beyond the module: a custom call runs whatever native function its

@@ -5,7 +5,7 @@
   bool results and for data movement, within FP32 (fp32 math) or BF16 (bf16 results) of the
   result's largest finite magnitude otherwise; edge cases are cases of their own;
 - `first_argmax` is torch.argmax, ties and -inf included;
-- the table covers every op of real step programs.
+- the table covers every op of real step programs as captured.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ DTYPES = {torch.float32: np.dtype(np.float32), torch.bfloat16: np.dtype(ml_dtype
           torch.int64: np.dtype(np.int32), torch.int32: np.dtype(np.int32), torch.bool: np.dtype(np.bool_)}
 """torch dtype -> the dtype of its values in a lowered program (no int64: jax runs without x64)."""
 
-NOT_TENSOR_OPS = {operator.getitem, operator.mul, operator.add, operator.sub, operator.floordiv, aten.sym_size.int}
+NOT_TENSOR_OPS = {operator.getitem, operator.mul, operator.add, operator.sub, operator.floordiv, aten.sym_size.int,
+                  aten.sym_numel.default}
 """Entries of RULES on tuples and Python ints, tested by test_int_and_tuple_rules."""
 
 
@@ -358,6 +359,58 @@ CASES = [
     _case("arange-start-step-int-dtype", aten.arange.start_step, 0, 7, 1, dtype=torch.int64),
     _case("arange-start", aten.arange.start, 2, 9),
     _case("arange-start-float", aten.arange.start, 0.5, 4, dtype=torch.float32, tol=FP32),
+    # composite ops as captured (no run_decompositions before lowering): their decompositions' results
+    _case("to-dtype-bf16", aten.to.dtype, _randn(3, 5, 7, scale=10), torch.bfloat16),
+    _case("to-dtype-int", aten.to.dtype, _randn(3, 5, 7, scale=5), torch.int64),
+    _case("to-device-dtype", aten.to.device, XB, torch.device("cpu"), torch.float32),
+    _case("contiguous", aten.contiguous.default, X),
+    _case("lift-fresh-copy", aten.lift_fresh_copy.default, I),
+    _case("detach-in-place", aten.detach_.default, X.clone()),
+    _case("reshape", aten.reshape.default, X, [5, -1]),
+    _case("view-as", aten.view_as.default, X, X.reshape(15, 7)),
+    _case("flatten", aten.flatten.using_ints, X, 0, 1),
+    _case("unflatten", aten.unflatten.int, X.reshape(15, 7), 0, [3, 5]),
+    _case("expand-as", aten.expand_as.default, X[:, :1], X),
+    _case("transpose", aten.transpose.int, X, 0, -1),
+    _case("linear", aten.linear.default, X, _randn(4, 7, seed=6), tol=FP32),
+    _case("linear-bias", aten.linear.default, X, _randn(4, 7, seed=6), _randn(4, seed=7), tol=FP32),
+    _case("linear-bf16", aten.linear.default, XB, _randn(4, 7, seed=6, dtype=torch.bfloat16), tol=BF16),
+    _case("einsum", aten.einsum.default, "bqd,bkd->bqk", [X, _randn(3, 4, 7, seed=6)], tol=FP32),
+    _case("einsum-bf16", aten.einsum.default, "bqd,ed->bqe", [XB, _randn(4, 7, seed=6, dtype=torch.bfloat16)],
+          tol=BF16),
+    _case("silu", aten.silu.default, _randn(3, 5, 7, scale=4), tol=FP32),
+    _case("silu-bf16", aten.silu.default, _randn(3, 5, 7, scale=4, dtype=torch.bfloat16), tol=BF16),
+    _case("softplus", aten.softplus.default, _randn(3, 5, 7, scale=15), tol=FP32),  # both sides of threshold 20
+    _case("softplus-beta", aten.softplus.default, _randn(3, 5, 7, scale=4), 2.0, 5.0, tol=FP32),
+    _case("logsumexp", aten.logsumexp.default, MASKED, [-1], True, tol=FP32),  # a row of -inf included
+    _case("logsumexp-bf16", aten.logsumexp.default, XB, [1, 2], tol=BF16),
+    _case("square", aten.square.default, X, tol=FP32),
+    _case("floor-divide-int", aten.floor_divide.default, I, _randint(1, 7, 7, seed=6)),
+    _case("floor-divide-signs", aten.floor_divide.default, I, -3),
+    _case("and", aten.__and__.Tensor, B, _randn(5, 7, seed=8) > 0),
+    _case("masked-fill", aten.masked_fill.Scalar, X, B, -INF),
+    _case("masked-fill-int", aten.masked_fill.Scalar, I, B, 7),
+    _case("where-scalar-other", aten.where.ScalarOther, B, X, 0.0),
+    _case("where-scalar-self", aten.where.ScalarSelf, B, -1.5, X),
+    _case("zeros", aten.zeros.default, [3, 4], dtype=torch.float32),
+    _case("zeros-like", aten.zeros_like.default, I),
+    _case("ones-like", aten.ones_like.default, XB),
+    _case("arange-end", aten.arange.default, 9, dtype=torch.int64),
+    _case("stack", aten.stack.default, [X, X + 1], -1),
+    _case("split", aten.split.Tensor, X, 3, 2),
+    _case("chunk", aten.chunk.default, X, 2, 1),
+    _case("unbind", aten.unbind.int, X, 1),
+    _case("argsort-stable", aten.argsort.stable, SMALL, stable=True, dim=1, descending=True),
+    _case("pad", aten.pad.default, X, [1, 2, 0, 1], "constant", -1.0),
+    _case("repeat-interleave", aten.repeat_interleave.self_int, X, 2, 1),
+    _case("repeat-interleave-flat", aten.repeat_interleave.self_int, I, 3),
+    _case("softmax-int-dtype", aten.softmax.int, XB, -1, torch.float32, tol=FP32),
+    _case("matmul-broadcast", aten.matmul.default, X[:, None], _randn(5, 7, 4, seed=6), tol=FP32),
+    _case("matmul-vector", aten.matmul.default, X, _randn(7, seed=6), tol=FP32),
+    _case("new-zeros", aten.new_zeros.default, XB, [2, 3]),
+    _case("new-full", aten.new_full.default, I, [2, 3], -7),
+    _case("layer-norm", aten.layer_norm.default, _randn(3, 5, 7, scale=3), [7], _randn(7, seed=6), _randn(7, seed=7),
+          1e-5, tol=FP32),
 ]
 
 
@@ -383,7 +436,7 @@ def _out(expected):
 
 
 def _cast(result, out):
-    """As lower._cast: every result takes its node's dtype."""
+    """As interpret._cast: every result takes its node's dtype."""
     if isinstance(out, tuple):
         assert isinstance(result, (list, tuple)) and len(result) == len(out)
         return tuple(_cast(r, o) for r, o in zip(result, out))
@@ -428,12 +481,13 @@ def test_every_tensor_rule_has_a_case():
 
 
 def test_int_and_tuple_rules():
-    """getitem picks from a multi-output node; sym_size reads a static dim; operator.* on Python
-    ints are Python's (floordiv of negatives included)."""
+    """getitem picks from a multi-output node; sym_size / sym_numel read static dims; operator.* on
+    Python ints are Python's (floordiv of negatives included)."""
     values = (jnp.zeros(2), jnp.ones(3))
     assert RULES[operator.getitem](None, values, 1) is values[1]
     assert RULES[aten.sym_size.int](None, jnp.zeros((2, 5, 3)), 1) == 5
     assert RULES[aten.sym_size.int](None, jnp.zeros((2, 5, 3)), -1) == 3
+    assert RULES[aten.sym_numel.default](None, jnp.zeros((2, 5, 3))) == 30
     for function in (operator.mul, operator.add, operator.sub, operator.floordiv):
         for a, b in ((12, 5), (-7, 2), (7, -2), (0, 3)):
             assert RULES[function](None, a, b) == function(a, b)
@@ -456,16 +510,16 @@ def test_first_argmax_is_torch_argmax(name, x):
 
 @pytest.mark.parametrize("preset", ["lora-groups", SPARSE_V32, "v4", "v41"])
 def test_rules_cover_every_op_of_a_step_program(preset, tiny_checkpoints):
-    """Every op of a decode step program after the neuron passes and run_decompositions has a rule
-    (or is ignored, a graphc op, or the functional KV write)."""
+    """Every op of a decode step program as captured, after the neuron passes, has a rule of its own
+    (or is ignored, or a graphc op): none is left to the node-by-node decomposition, which costs a
+    trace per distinct node (`interpret.py`)."""
     model = load_model(tiny_checkpoints[preset])
     bucket = Bucket("decode", 2)
     program = capture_bucket(model, bucket, 4, 8, 8)
     PassManager(backend_passes("neuron"), verify).run(program.graph_module,
                                                       PassContext(Topology(1, 1), "leader", bucket, 4))
-    targets = {n.target for n in program.run_decompositions().graph.nodes if n.op == "call_function"}
-    missing = [str(t) for t in targets if t not in RULES and t not in aten_rules.IGNORED and t not in graphc_ops.RULES
-               and t is not torch.ops.higher_order.auto_functionalized_v2]
+    targets = {n.target for n in program.graph.nodes if n.op == "call_function"}
+    missing = [str(t) for t in targets if t not in RULES and t not in aten_rules.IGNORED and t not in graphc_ops.RULES]
     assert not missing
 
 

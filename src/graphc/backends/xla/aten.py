@@ -1,5 +1,8 @@
-"""Lowering rules from core ATen (what `ExportedProgram.run_decompositions()` leaves) to `jax.lax` /
-`jax.numpy`, one function per op.
+"""Lowering rules from ATen to `jax.lax` / `jax.numpy`, one function per op: core ATen, and the
+composite ops a captured step program holds most often (linear, einsum, reshape, dtype casts...),
+which would otherwise be decomposed node by node (`interpret.py`). A rule for a composite op
+computes what its core-ATen decomposition does (composite float ops in fp32 at least, rounded once,
+as torch's decompositions compute them).
 
 A rule takes `out` (the node's output shape and dtype, from torch.export's fake tensors, with
 int64 as int32: the programs run without jax's x64 mode, so every index is int32 as neuronx-cc
@@ -189,6 +192,47 @@ def _cumsum(out, x, dim, dtype=None):
     return jnp.cumsum(x.astype(out.dtype), axis=_axis(dim, x.ndim))
 
 
+def _linear(out, x, weight, bias=None):
+    product = jnp.matmul(x, weight.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return (product if bias is None else product + bias).astype(out.dtype)
+
+
+def _einsum(out, equation, tensors, path=None):
+    return jnp.einsum(equation, *tensors, precision=jax.lax.Precision.HIGHEST,
+                      preferred_element_type=jnp.float32).astype(out.dtype)
+
+
+def _in_fp32(function: Callable) -> Callable:
+    """A composite float op computed in fp32 at least and rounded once (torch's decompositions
+    compute them at `opmath` precision)."""
+    def rule(out, x, *args, **kwargs):
+        return function(x.astype(jnp.promote_types(x.dtype, jnp.float32)), *args, **kwargs)
+    return rule
+
+
+def _softplus(x, beta=1, threshold=20):
+    scaled = x * beta
+    return jnp.where(scaled > threshold, x, jnp.log1p(jnp.exp(scaled)) / beta)
+
+
+def _logsumexp(x, dim, keepdim=False):
+    return jax.nn.logsumexp(x, axis=_dims(dim, x.ndim), keepdims=keepdim)
+
+
+def _split_like_out(out, x, *_, dim=0, **__):
+    """split / chunk / unbind: the pieces `out` describes, along `dim`."""
+    dim = _axis(dim, x.ndim)
+    sizes = [piece.shape[dim] if len(piece.shape) == x.ndim else 1 for piece in out]
+    pieces = jnp.split(x, np.cumsum(sizes)[:-1].tolist(), axis=dim)
+    return tuple(piece.reshape(shape.shape) for piece, shape in zip(pieces, out))
+
+
+def _pad(out, x, pad, mode="constant", value=None):
+    if mode != "constant":
+        raise NotImplementedError(f"aten.pad mode {mode!r}")
+    return _constant_pad_nd(out, x, pad, 0 if value is None else value)
+
+
 def _embedding(out, weight, indices, *_):
     return jnp.take(weight, indices, axis=0)
 
@@ -235,7 +279,7 @@ e4m3, whose largest finite value is 240: DeepSeek's block quantisation maps ever
 largest magnitude to e4m3fn's 448, so each block's largest weights would be misread. The byte
 is decoded exactly with integer ops (`fp8_e4m3fn_to_f32`) where the graph converts it, right
 before its scaling and its dot. No other value of a step is a byte (torch.uint8 has no entry in
-`lower.JAX_DTYPES`), so a byte operand is always an FP8 weight."""
+`interpret.JAX_DTYPES`), so a byte operand is always an FP8 weight."""
 
 
 def fp8_e4m3fn_to_f32(bits):
@@ -249,13 +293,57 @@ def fp8_e4m3fn_to_f32(bits):
     return jnp.where((b >> 7) == 1, -magnitude, magnitude)
 
 
-def _to_copy(out, x, **_):
+def _to_copy(out, x, *_, **__):
     # Every other conversion is the result's cast to `out.dtype` (`lower._cast`).
     return fp8_e4m3fn_to_f32(x) if x.dtype == FP8_BITS and out.dtype != FP8_BITS else x
 
 
+def _same(out, x, *_, **__):
+    return x
+
+
+def _reshaped(out, x, *_, **__):
+    return x.reshape(out.shape)
+
+
 RULES: dict = {
     aten._to_copy.default: _to_copy,
+    aten.to.dtype: _to_copy,
+    aten.to.device: _to_copy,
+    aten.contiguous.default: _same,
+    aten.lift_fresh_copy.default: _same,
+    aten.detach_.default: _same,
+    aten.reshape.default: _reshaped,
+    aten.view_as.default: _reshaped,
+    aten.flatten.using_ints: _reshaped,
+    aten.unflatten.int: _reshaped,
+    aten.expand_as.default: lambda out, x, other: jnp.broadcast_to(x, out.shape),
+    aten.transpose.int: lambda out, x, dim0, dim1: jnp.swapaxes(x, dim0, dim1),
+    aten.linear.default: _linear,
+    aten.einsum.default: _einsum,
+    aten.silu.default: _in_fp32(jax.nn.silu),
+    aten.softplus.default: _in_fp32(_softplus),
+    aten.logsumexp.default: _in_fp32(_logsumexp),
+    aten.square.default: _unary(jnp.square),
+    aten.floor_divide.default: _binary(jnp.floor_divide),
+    aten.__and__.Tensor: _binary(jnp.bitwise_and),
+    aten.masked_fill.Scalar: lambda out, x, mask, value: jnp.where(mask, jnp.asarray(value, x.dtype), x),
+    aten.where.ScalarOther: lambda out, cond, a, b: jnp.where(cond, a, b),
+    aten.where.ScalarSelf: lambda out, cond, a, b: jnp.where(cond, a, b),
+    aten.zeros.default: lambda out, *_, **__: jnp.zeros(out.shape, out.dtype),
+    aten.new_zeros.default: lambda out, *_, **__: jnp.zeros(out.shape, out.dtype),
+    aten.new_full.default: lambda out, x, size, fill_value, **_: jnp.full(out.shape, fill_value, out.dtype),
+    aten.zeros_like.default: lambda out, *_, **__: jnp.zeros(out.shape, out.dtype),
+    aten.ones_like.default: lambda out, *_, **__: jnp.ones(out.shape, out.dtype),
+    aten.arange.default: lambda out, end, **_: jnp.arange(out.shape[0]).astype(out.dtype),
+    aten.stack.default: lambda out, tensors, dim=0: jnp.stack(tensors, axis=_axis(dim, len(out.shape))),
+    aten.split.Tensor: lambda out, x, split_size, dim=0: _split_like_out(out, x, dim=dim),
+    aten.chunk.default: lambda out, x, chunks, dim=0: _split_like_out(out, x, dim=dim),
+    aten.unbind.int: lambda out, x, dim=0: _split_like_out(out, x, dim=dim),
+    aten.argsort.stable: lambda out, x, stable=False, dim=-1, descending=False: _sort(out, x, True, dim, descending)[1],
+    aten.pad.default: _pad,
+    aten.repeat_interleave.self_int: lambda out, x, repeats, dim=None, output_size=None: jnp.repeat(
+        x.reshape(-1) if dim is None else x, repeats, axis=0 if dim is None else _axis(dim, x.ndim)),
     aten.clone.default: _to_copy,
     aten.alias.default: _to_copy,
     aten.abs.default: _unary(jnp.abs),
@@ -301,6 +389,7 @@ RULES: dict = {
     aten.clamp.default: _clamp,
     aten.mm.default: _matmul,
     aten.bmm.default: _matmul,
+    aten.matmul.default: _matmul,
     aten.amax.default: _reduction(jnp.max),
     aten.amin.default: _reduction(jnp.min),
     aten.sum.dim_IntList: _reduction(jnp.sum),
@@ -310,7 +399,10 @@ RULES: dict = {
     aten.mean.dim: _reduction(jnp.mean),
     aten.cumsum.default: _cumsum,
     aten._softmax.default: _softmax,
+    aten.softmax.int: lambda out, x, dim, dtype=None: _softmax(out, x, dim),
     aten.native_layer_norm.default: _native_layer_norm,
+    aten.layer_norm.default: lambda out, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True:
+        _native_layer_norm((out, out, out), x, normalized_shape, weight, bias, eps)[0],
     aten.view.default: lambda out, x, size: x.reshape(out.shape),
     aten._unsafe_view.default: lambda out, x, size: x.reshape(out.shape),
     aten.expand.default: lambda out, x, size, implicit=False: jnp.broadcast_to(x, out.shape),
@@ -340,6 +432,7 @@ RULES: dict = {
     operator.getitem: lambda out, values, index: values[index],
     # Sizes derived from the pool's block count, fixed at lowering: plain ints here.
     aten.sym_size.int: lambda out, x, dim: x.shape[dim],
+    aten.sym_numel.default: lambda out, x: int(np.prod(x.shape)),
     operator.mul: _binary(operator.mul),
     operator.add: _binary(operator.add),
     operator.sub: _binary(operator.sub),
