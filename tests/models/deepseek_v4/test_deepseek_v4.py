@@ -216,11 +216,9 @@ def test_fp8_released_weights_load_dequantised(tmp_path):
                                stored["layers.0.attn.compressor.wkv.weight"], rtol=0, atol=0)
 
 
-# V4.1 beside V4: its Engram n-gram hash is 64-bit integer arithmetic, which the XLA programs
-# (run without x64) do not lower yet.
 @pytest.mark.parametrize("preset, backend, topology, options, says", [
-    ("v41", "neuron", {"cp": 1, "ep": 1}, [], r"^model\.checkpoint: \S+ has no neuron lowering yet; use the export or"),
     ("v4", "export", {"dp": 2, "cp": 1, "ep": 2}, [], r"^topology\.dp: 2; DeepseekV4ForCausalLM is served with dp = 1"),
+    ("v41", "neuron", {"dp": 2, "cp": 1, "ep": 2}, [], r"^topology\.dp: 2; DeepseekV41ForCausalLM is served with dp = 1"),
     ("v4", "export", {"cp": 2, "ep": 2}, ["--disable-pass", "static_moe"],
      r"^model\.moe_lowering: ag_rs routes the tokens it gathers, but DeepSeek-V4's hash-routed layers"),
 ])
