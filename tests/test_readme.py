@@ -33,11 +33,14 @@ def test_ci_and_the_github_workflow_run_sweeps_of_valid_stages():
 
     assert "graphc sweep examples/tiny.yaml" in (ROOT / ".ci" / "run").read_text()
     workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "sweep.yml").read_text())
-    matrix = workflow["jobs"]["sweep"]["strategy"]["matrix"]
-    assert set(matrix["backend"]) == {"export", "inductor"}
-    assert parse_topologies(",".join(matrix["topology"]))  # every stage parses
-    steps = " ".join(step.get("run", "") for step in workflow["jobs"]["sweep"]["steps"])
-    assert "graphc sweep examples/tiny.yaml" in steps and (ROOT / "examples" / "tiny.yaml").is_file()
+    assert set(workflow["jobs"]["sweep"]["strategy"]["matrix"]["backend"]) == {"export", "inductor"}
+    for name, job in workflow["jobs"].items():
+        assert parse_topologies(",".join(job["strategy"]["matrix"]["topology"])), name  # every stage parses
+        steps = " ".join(step.get("run", "") for step in job["steps"])
+        swept = re.findall(r"graphc sweep (\S+\.yaml)", steps)
+        assert "examples/tiny.yaml" in swept and all((ROOT / example).is_file() for example in swept), name
+    neuron = " ".join(step.get("run", "") for step in workflow["jobs"]["sweep-neuron"]["steps"])
+    assert neuron.count("--backends neuron") == 4  # V3, V3.2, V4, V4.1
 
 
 def test_the_nightly_workflow_runs_every_test_the_per_commit_job_deselects():

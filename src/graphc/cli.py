@@ -540,7 +540,7 @@ def compare(model_yaml, artifacts, prompt_ids, new_tokens, seeds, json_path) -> 
 @click.option("--topologies", default="1x1,2x2", show_default=True,
               help="CPxEP (or DPxCPxEP: data-parallel replicas; DPxCPxTPxEP: tensor parallelism) stages, "
                    "comma-separated; 1x1 always runs first (the reference).")
-@click.option("--backends", default="export", show_default=True, help="Comma-separated backends that serve on this host: export, inductor.")
+@click.option("--backends", default="export", show_default=True, help="Comma-separated backends that serve on this host: export, inductor, neuron (on XLA:CPU).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("sweep-report"), show_default=True,
               help="Directory for sweep.xml (JUnit), sweep.md, sweep.json and the stages' artifacts.")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Tokens generated per prompt.")
