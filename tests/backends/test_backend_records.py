@@ -72,8 +72,10 @@ def test_neuron_takes_data_parallel_attention_and_the_even_all_to_all_and_refuse
         neuron.check_topology(Topology(cp=2, ep=4, dp=2), exchange)
     with pytest.raises(GraphcError) as refused:
         neuron.check_topology(Topology(cp=2, ep=4, dp=2), "a2a_v")
-    assert str(refused.value) == ("model.moe_lowering: a2a_v has no neuron lowering yet; the neuron backend takes "
-                                  "ag_rs or a2a_even (or the static MoE)")
+    assert str(refused.value) == ("model.moe_lowering: a2a_v has no neuron lowering yet (its variable-size exchange, "
+                                  "XLA's ragged-all-to-all, does not run on XLA:CPU, so it could not be checked here; "
+                                  "`auto` pads to the even form); the neuron backend takes ag_rs or a2a_even (or the "
+                                  "static MoE)")
     # `auto` pads where the variable form would be the choice (groups of 4 and 8) but is not lowered.
     assert [moe_exchange("auto", ep, False, lowerings=neuron.lowerings) for ep in (2, 4, 8)] == ["a2a_even"] * 3
     assert [moe_exchange("auto", ep, False) for ep in (2, 4, 8)] == ["a2a_even", "a2a_v", "a2a_v"]
@@ -85,3 +87,30 @@ def test_replica_leaders_run_the_leaders_program():
     neuron, topology = BACKENDS["neuron"], Topology(cp=2, ep=4, dp=2)
     assert [neuron.program_of(rank, topology) for rank in range(4)] == ["leader", "followers", "leader", "followers"]
     assert [BACKENDS["export"].program_of(rank, topology) for rank in range(4)] == ["every-rank"] * 4
+
+
+RAGGED_ALL_TO_ALL = """
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+def exchange(data, out, in_offsets, send_sizes, out_offsets, recv_sizes):
+    return jax.lax.ragged_all_to_all(data[0], out[0], in_offsets[0], send_sizes[0], out_offsets[0], recv_sizes[0],
+                                     axis_name="x")[None]
+sizes = jnp.ones((2, 2), jnp.int32)
+offsets = jnp.array([[0, 1], [0, 1]], jnp.int32)
+step = jax.jit(jax.shard_map(exchange, mesh=Mesh(jax.devices(), ("x",)), in_specs=(P("x"),) * 6, out_specs=P("x")))
+print(step(jnp.ones((2, 2, 1)), jnp.zeros((2, 2, 1)), offsets, sizes, offsets, sizes).sum())
+"""
+
+
+def test_xla_cpu_does_not_run_ragged_all_to_all_which_is_why_neuron_refuses_a2a_v():
+    """The reason the neuron backend gives for refusing a2a_v, as the pinned jaxlib has it: when
+    this fails, XLA:CPU runs the variable-size exchange and a2a_v can be lowered and checked here."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", RAGGED_ALL_TO_ALL], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+                              "JAX_PLATFORMS": "cpu"})
+    assert run.returncode != 0
+    assert "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU" in run.stderr

@@ -11,7 +11,7 @@ from the parent's state and register the graphc ops before loading the program. 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Literal
 
@@ -74,6 +74,8 @@ class Backend:
     """Whether `graphc neuron-finish` takes its artifacts (adds each program's NEFF on a Neuron host)."""
     lowerings: tuple[str, ...] | None = None
     """The MoE lowerings it compiles (`moe_forms.MOE_LOWERINGS`' names); None: every one."""
+    why_not: dict[str, str] = field(default_factory=dict)
+    """Lowering -> why it is not among `lowerings` (its refusal says so)."""
 
     def programs(self, topology: Topology) -> tuple[str, ...]:
         """The programs compiled per bucket for `topology` (`PROGRAMS`): at most two, whatever the
@@ -94,7 +96,8 @@ class Backend:
         exchange (`moe_forms.moe_exchange`)."""
         # `local` and `static` exchange nothing to lower: every backend compiles them.
         if self.lowerings is not None and exchange not in ("local", "static", *self.lowerings):
-            raise GraphcError(f"model.moe_lowering: {exchange} has no {self.name} lowering yet; the {self.name} "
+            why = f" ({self.why_not[exchange]})" if exchange in self.why_not else ""
+            raise GraphcError(f"model.moe_lowering: {exchange} has no {self.name} lowering yet{why}; the {self.name} "
                               f"backend takes {' or '.join(self.lowerings)} (or the static MoE)")
 
     def compile(self, program: Path, out: Path, topology: Topology) -> None:
@@ -131,13 +134,18 @@ BACKENDS = {backend.name: backend for backend in (
     Backend("inductor", "aoti.pt2", parallel_compile=True, serves_here=True,
             compiler="graphc.backends.inductor:compile_program", loader="graphc.runtime.graph_loaders:load_inductor"),
     # The all-to-all's even form only: a2a_v sizes its sends from the split matrix, which XLA's
-    # static-shape all-to-all cannot take (`auto` pads instead: `moe_forms.moe_lowering_for`).
+    # static-shape all-to-all cannot take; its variable-size collective, ragged-all-to-all, is one
+    # XLA:CPU does not execute (jaxlib 0.10: "HLO opcode `ragged-all-to-all` is not supported by
+    # XLA:CPU ThunkEmitter"), so no program holding it could be checked here. `auto` pads instead
+    # (`moe_forms.moe_lowering_for`).
     Backend("neuron", "neuron.zip", parallel_compile=True, serves_here=True,
             compiler="graphc.backends.neuron:compile_program", loader="graphc.runtime.graph_loaders:load_neuron",
             fixed_pool=True, follower_programs=True, toolchain="graphc.backends.neuron_archive:toolchain",
             manifest_extras="graphc.backends.neuron_archive:manifest_extras",
             linter="graphc.backends.xla.lint:lint_archives", neuron_finish=True,
-            lowerings=("ag_rs", "a2a_even")),
+            lowerings=("ag_rs", "a2a_even"),
+            why_not={"a2a_v": "its variable-size exchange, XLA's ragged-all-to-all, does not run on XLA:CPU, so it "
+                              "could not be checked here; `auto` pads to the even form"}),
 )}
 
 BackendName = Literal[tuple(BACKENDS)]  # noqa: typed.build reads the names from this Literal
