@@ -536,3 +536,10 @@ def test_fp8_bytes_decode_to_torchs_float8_e4m3fn_values_for_every_byte():
     assert np.float32(-448.0) in got and np.float32(2.0**-9) in got  # the extremes: largest, least subnormal
     ints = jnp.arange(4, dtype=jnp.int32)
     assert RULES[aten._to_copy.default](out, ints, dtype=torch.float32) is ints  # others: the result's cast
+
+
+def test_pad_modes_other_than_constant_are_refused_by_name():
+    from graphc.errors import GraphcError
+
+    with pytest.raises(GraphcError, match=r"^xla lowering: aten\.pad in mode 'reflect'; only 'constant' padding"):
+        RULES[aten.pad.default](Out((3, 9), np.dtype(np.float32)), jnp.zeros((3, 7)), [1, 1], "reflect")

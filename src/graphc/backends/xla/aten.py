@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from graphc.errors import GraphcError
+
 aten = torch.ops.aten
 
 
@@ -229,7 +231,7 @@ def _split_like_out(out, x, *_, dim=0, **__):
 
 def _pad(out, x, pad, mode="constant", value=None):
     if mode != "constant":
-        raise NotImplementedError(f"aten.pad mode {mode!r}")
+        raise GraphcError(f"xla lowering: aten.pad in mode {mode!r}; only 'constant' padding is lowered")
     return _constant_pad_nd(out, x, pad, 0 if value is None else value)
 
 
@@ -294,7 +296,7 @@ def fp8_e4m3fn_to_f32(bits):
 
 
 def _to_copy(out, x, *_, **__):
-    # Every other conversion is the result's cast to `out.dtype` (`lower._cast`).
+    # Every other conversion is the result's cast to `out.dtype` (`interpret._cast`).
     return fp8_e4m3fn_to_f32(x) if x.dtype == FP8_BITS and out.dtype != FP8_BITS else x
 
 
