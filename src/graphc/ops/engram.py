@@ -30,13 +30,15 @@ def ngram_hash_reference(context: Tensor, multipliers: list[int], primes: list[i
         primes: K moduli, order-major; offsets: K row offsets (each modulus's rows in the table).
         heads: H.
     """
-    products = context * torch.tensor(multipliers, device=context.device)
-    mixed, columns = products[..., 0], []
-    for k in range(1, products.shape[-1]):
-        mixed = torch.bitwise_xor(mixed, products[..., k])
-        columns.append(mixed[..., None].expand(*mixed.shape, heads))
-    rows = torch.cat(columns, dim=-1) % torch.tensor(primes, device=context.device)
-    return (rows + torch.tensor(offsets, device=context.device)).contiguous()
+    # Python ints, not tensors: the export / inductor passes inline this kernel (no tensor constants).
+    products = [context[..., s] * multiplier for s, multiplier in enumerate(multipliers)]
+    mixed, columns = products[0], []
+    for k in range(1, len(products)):
+        mixed = torch.bitwise_xor(mixed, products[k])
+        for h in range(heads):
+            column = (k - 1) * heads + h
+            columns.append(mixed % primes[column] + offsets[column])
+    return torch.stack(columns, dim=-1)
 
 
 def _ngram_hash_fake(context: Tensor, multipliers: list[int], primes: list[int], offsets: list[int],

@@ -40,12 +40,17 @@ REFERENCE_KERNELS = {
 }
 
 
-def inline_reference_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+def inline_kernels(gm: torch.fx.GraphModule, kernels: dict) -> PassResult:
+    """Replace each call of an op named in `kernels` (graphc op name -> kernel) by its kernel's ATen ops."""
     modified = False
     for node in list(gm.graph.nodes):
-        kernel = REFERENCE_KERNELS.get(graphc_op(node))
+        kernel = kernels.get(graphc_op(node))
         if kernel is not None:
             # Where the inlined ops came from, for `graphc probe` and graph dumps.
             inline_function(gm.graph, node, kernel, graphc_inlined_from=graphc_op(node))
             modified = True
     return PassResult(gm, modified)
+
+
+def inline_reference_kernels(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    return inline_kernels(gm, REFERENCE_KERNELS)

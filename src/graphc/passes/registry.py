@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from graphc.backends import BACKENDS
 from graphc.errors import GraphcError
 from graphc.passes.dead_code_elimination import dead_code_elimination
+from graphc.passes.inline_int64_kernels import inline_int64_kernels
 from graphc.passes.inline_reference_kernels import inline_reference_kernels
 from graphc.passes.lower_matvecs import lower_matvecs
 from graphc.passes.lower_trivial_collectives import lower_trivial_collectives
@@ -53,6 +54,10 @@ PIPELINE = (
     PassEntry("inline_reference_kernels", inline_reference_kernels,
               "attention, sparse attention and expert routing as ATen ops: compiled with the rest on the CPU "
               "backends, not Python kernels per layer; lowered to XLA with the rest on neuron"),
+    PassEntry("inline_int64_kernels", inline_int64_kernels,
+              "export / inductor: V4.1's n-gram hash as its int64 ATen ops, fused with the rest (neuron keeps the "
+              "op: its programs hold no 64-bit values, and its lowering computes the hash in 32-bit words)",
+              backends=("export", "inductor")),
     PassEntry("lower_matvecs", lower_matvecs,
               "inductor: one-row linear layers (decode at batch 1, the LM head) as reductions that stream the "
               "weight near the memory bandwidth; after inlining, so it sees every linear of the step",

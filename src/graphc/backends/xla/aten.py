@@ -300,6 +300,14 @@ def _to_copy(out, x, *_, **__):
     return fp8_e4m3fn_to_f32(x) if x.dtype == FP8_BITS and out.dtype != FP8_BITS else x
 
 
+def _zeros(out, *_, **__):
+    return jnp.zeros(out.shape, out.dtype)
+
+
+def _where(out, condition, a, b):
+    return jnp.where(condition, a, b)
+
+
 def _same(out, x, *_, **__):
     return x
 
@@ -330,12 +338,12 @@ RULES: dict = {
     aten.floor_divide.default: _binary(jnp.floor_divide),
     aten.__and__.Tensor: _binary(jnp.bitwise_and),
     aten.masked_fill.Scalar: lambda out, x, mask, value: jnp.where(mask, jnp.asarray(value, x.dtype), x),
-    aten.where.ScalarOther: lambda out, cond, a, b: jnp.where(cond, a, b),
-    aten.where.ScalarSelf: lambda out, cond, a, b: jnp.where(cond, a, b),
-    aten.zeros.default: lambda out, *_, **__: jnp.zeros(out.shape, out.dtype),
-    aten.new_zeros.default: lambda out, *_, **__: jnp.zeros(out.shape, out.dtype),
+    aten.where.ScalarOther: _where,
+    aten.where.ScalarSelf: _where,
+    aten.zeros.default: _zeros,
+    aten.new_zeros.default: _zeros,
     aten.new_full.default: lambda out, x, size, fill_value, **_: jnp.full(out.shape, fill_value, out.dtype),
-    aten.zeros_like.default: lambda out, *_, **__: jnp.zeros(out.shape, out.dtype),
+    aten.zeros_like.default: _zeros,
     aten.ones_like.default: lambda out, *_, **__: jnp.ones(out.shape, out.dtype),
     aten.arange.default: lambda out, end, **_: jnp.arange(out.shape[0]).astype(out.dtype),
     aten.stack.default: lambda out, tensors, dim=0: jnp.stack(tensors, axis=_axis(dim, len(out.shape))),
@@ -387,7 +395,7 @@ RULES: dict = {
     aten.le.Tensor: _binary(jnp.less_equal),
     aten.lt.Scalar: _binary(jnp.less),
     aten.lt.Tensor: _binary(jnp.less),
-    aten.where.self: lambda out, cond, a, b: jnp.where(cond, a, b),
+    aten.where.self: _where,
     aten.clamp.default: _clamp,
     aten.mm.default: _matmul,
     aten.bmm.default: _matmul,
