@@ -7,8 +7,8 @@ import torch
 from graphc.buckets.selection import Bucket
 from graphc.passes.dead_code_elimination import dead_code_elimination
 from graphc.passes.manager import op_counts
-from support import captured, copy_program, run_program
-from passes_support import context
+from support import captured, copy_program
+from passes_support import assert_same_step, context
 
 BUCKET = Bucket("prefill", 8)
 
@@ -32,10 +32,7 @@ def test_removes_an_unused_node_and_keeps_kv_writes(tiny_checkpoints):
     for node in result.graph_module.graph.nodes:
         if node.op == "call_function":
             assert node.users or node.is_impure(), node.format_node()
-    (tokens, logits), pool = run_program(program, model, BUCKET)
-    (tokens_before, logits_before), pool_before = run_program(before, model, BUCKET)
-    assert tokens.tolist() == tokens_before.tolist()
-    assert (logits - logits_before).abs().max() == 0 and (pool - pool_before).abs().max() == 0
+    assert_same_step(program, before, model, BUCKET)
 
 
 def test_reports_no_change_on_a_clean_graph(tiny_checkpoints):

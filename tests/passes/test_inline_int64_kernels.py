@@ -4,15 +4,14 @@ bit for bit), and stays an op where neuron lowers it in 32-bit words."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from graphc.buckets.selection import Bucket
 from graphc.passes.inline_int64_kernels import inline_int64_kernels
 from graphc.passes.manager import op_counts
 from graphc.passes.registry import backend_passes
 from graphc.passes.verifier import verify
-from passes_support import context
-from support import captured, copy_program, run_program
+from passes_support import assert_same_step, context
+from support import captured, copy_program
 
 
 @pytest.mark.parametrize("bucket", [Bucket("decode", 3), Bucket("prefill", 8)])
@@ -27,11 +26,7 @@ def test_the_ngram_hash_is_inlined_with_the_same_outputs(tiny_checkpoints, bucke
     assert result.modified and "graphc::ngram_hash" not in op_counts(result.graph_module)
     assert op_counts(result.graph_module)["aten::bitwise_xor.Tensor"] == engram_layers * (model.args.engram.max_ngram - 1)
     verify(result.graph_module, context(bucket))
-    (tokens, logits), pool = run_program(program, model, bucket)
-    (tokens_before, logits_before), pool_before = run_program(before, model, bucket)
-    assert tokens.tolist() == tokens_before.tolist()
-    torch.testing.assert_close(logits, logits_before, rtol=0, atol=0)
-    torch.testing.assert_close(pool, pool_before, rtol=0, atol=0)
+    assert_same_step(program, before, model, bucket)
     assert not inline_int64_kernels(result.graph_module, context(bucket)).modified
 
 

@@ -11,8 +11,8 @@ from graphc.buckets.selection import Bucket
 from graphc.passes.inline_reference_kernels import inline_reference_kernels
 from graphc.passes.manager import op_counts
 from graphc.passes.verifier import verify
-from support import GENERIC_MOE, captured, copy_program, run_program
-from passes_support import context
+from support import GENERIC_MOE, captured, copy_program
+from passes_support import assert_same_step, context
 
 
 @pytest.mark.parametrize("bucket", [Bucket("decode", 3), Bucket("prefill", 8)])
@@ -37,11 +37,7 @@ def test_replaces_every_attention_and_keeps_outputs(tiny_checkpoints, bucket):
     assert not any(n.target is operator.getitem and n.args[0] not in order for n in order if n.op == "call_function")
     verify(result.graph_module, context(bucket))
 
-    (tokens, logits), pool = run_program(program, model, bucket)
-    (tokens_before, logits_before), pool_before = run_program(before, model, bucket)
-    assert tokens.tolist() == tokens_before.tolist()
-    torch.testing.assert_close(logits, logits_before, rtol=0, atol=0)
-    torch.testing.assert_close(pool, pool_before, rtol=0, atol=0)
+    assert_same_step(program, before, model, bucket)
 
 
 def test_leaves_kv_writes_grouped_gemms_and_collectives_alone(tiny_checkpoints):

@@ -6,8 +6,8 @@ from graphc.buckets.selection import Bucket
 from graphc.passes.lower_trivial_collectives import lower_trivial_collectives
 from graphc.passes.manager import op_counts
 from graphc.passes.verifier import verify
-from support import GENERIC_MOE, captured, copy_program, run_program
-from passes_support import context
+from support import GENERIC_MOE, captured, copy_program
+from passes_support import assert_same_step, context
 
 BUCKET = Bucket("decode", 2)
 
@@ -25,11 +25,7 @@ def test_removes_dispatch_and_combine_at_ep_1_and_keeps_outputs(tiny_checkpoints
     assert not {"graphc::moe_dispatch", "graphc::moe_combine", "graphc::attention_combine"} & set(counts)
     assert counts["graphc::kv_write"] == counts["graphc::paged_mla_attention"] == model.args.num_hidden_layers
     verify(result.graph_module, context(BUCKET))
-    (tokens, logits), pool = run_program(program, model, BUCKET)
-    (tokens_before, logits_before), pool_before = run_program(before, model, BUCKET)
-    assert tokens.tolist() == tokens_before.tolist()
-    assert (logits - logits_before).abs().max() == 0
-    assert (pool - pool_before).abs().max() == 0
+    assert_same_step(program, before, model, BUCKET)
 
 
 def test_keeps_collectives_of_groups_larger_than_one(tiny_checkpoints):

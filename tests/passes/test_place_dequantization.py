@@ -11,8 +11,8 @@ from graphc.models.checkpoint import load_model
 from graphc.passes.graph import graphc_op
 from graphc.passes.place_dequantization import place_dequantization
 from graphc.passes.verifier import verify
-from support import BLOCK_SIZE, BLOCKS_PER_ROW, NUM_BLOCKS, copy_program, run_program
-from passes_support import context
+from support import BLOCK_SIZE, BLOCKS_PER_ROW, NUM_BLOCKS, copy_program
+from passes_support import assert_same_step, context
 
 BUCKET = Bucket("decode", 2)
 
@@ -41,9 +41,7 @@ def test_moves_each_dequantisation_next_to_its_first_reader_and_keeps_outputs(fp
         assert node.next is min(node.users, key=order.__getitem__)
     assert [n.name for n in gm.graph.nodes if graphc_op(n) != "graphc::dequantize"] == others
     verify(gm, context(BUCKET))
-    (tokens, logits), pool = run_program(program, model, BUCKET)
-    (tokens_before, logits_before), pool_before = run_program(before, model, BUCKET)
-    assert torch.equal(tokens, tokens_before) and torch.equal(logits, logits_before) and torch.equal(pool, pool_before)
+    assert_same_step(program, before, model, BUCKET)
     assert not place_dequantization(gm, context(BUCKET)).modified  # placed already: nothing to move
 
 
