@@ -464,7 +464,7 @@ def test_inspect_lists_buckets_graph_files_and_graphc_ops(artifacts):
     assert sorted(lines) == sorted(BUCKETS)
     for graph in manifest["ranks"][0]["graphs"]:
         label = f"{graph['kind']}-{graph['size']}"
-        counts = manifest["extra"]["op_counts"][f"{label} every-rank"]
+        counts = manifest["extra"]["op_counts"][label]
         line = lines[label]
         assert graph["file"] in line, line
         assert f"MoE {graph['moe_form']}, exchange {graph['moe_exchange']};" in line, line
@@ -489,7 +489,7 @@ def test_inspect_labels_prompt_as_decode_graphs_by_their_own_bucket(compiled):
         files[f"{graph['kind']}-{graph['size']}{rows}"] = graph["file"]
     assert sorted(lines) == sorted(files) == sorted([*BUCKETS, "decode-1x4", "decode-4x4"])
     for label, file in files.items():
-        counts = manifest["extra"]["op_counts"][f"{label} every-rank"]
+        counts = manifest["extra"]["op_counts"][label]
         assert file in lines[label] and f"{sum(counts.values())} ops" in lines[label], (label, lines[label])
 
 
@@ -498,9 +498,8 @@ def test_dump_graphs_writes_every_pass_for_every_bucket(cli_compiled):
     assert sorted(p.name for p in dumps.iterdir()) == sorted(BUCKETS)
     names = ["00-capture.py"] + [f"{i:02d}-{name}.py" for i, name in enumerate(PASSES, start=1)]
     for bucket in BUCKETS:
-        assert sorted(p.name for p in (dumps / bucket).iterdir()) == ["every-rank"]  # one program a bucket
-        assert sorted(p.name for p in (dumps / bucket / "every-rank").iterdir()) == names
-        folder = dumps / bucket / "every-rank"
+        folder = dumps / bucket  # one program a bucket
+        assert sorted(p.name for p in folder.iterdir()) == names
         assert "graphc.attention_combine" in (folder / "00-capture.py").read_text()
         assert "graphc.attention_combine" not in (folder / f"{PASSES.index('lower_trivial_collectives') + 1:02d}-lower_trivial_collectives.py").read_text()
         assert "graphc.kv_write" in (folder / f"{len(PASSES):02d}-dead_code_elimination.py").read_text()
@@ -512,11 +511,11 @@ def test_disabled_lowering_keeps_collectives_and_tokens(no_lowering, cli_compile
     lines = inspect_lines(out)
     assert sorted(lines) == sorted(BUCKETS)
     for bucket in BUCKETS:
-        counts = manifest["extra"]["op_counts"][f"{bucket} every-rank"]
+        counts = manifest["extra"]["op_counts"][bucket]
         assert counts["graphc::attention_combine"] == 3  # one per layer, over a context-parallel group of one
         assert "graphc::attention_combine x3" in lines[bucket]
-        assert not (dumps / bucket / "every-rank" / f"{PASSES.index('lower_trivial_collectives') + 1:02d}-lower_trivial_collectives.py").exists()
-        assert (dumps / bucket / "every-rank" / f"{len(PASSES):02d}-dead_code_elimination.py").is_file()
+        assert not (dumps / bucket / f"{PASSES.index('lower_trivial_collectives') + 1:02d}-lower_trivial_collectives.py").exists()
+        assert (dumps / bucket / f"{len(PASSES):02d}-dead_code_elimination.py").is_file()
     standard = yaml.safe_load((cli_compiled[0] / MANIFEST).read_text())
     assert not {g["file"] for g in manifest["ranks"][0]["graphs"]} & {g["file"] for g in standard["ranks"][0]["graphs"]}
     prompts = [[5], prompt_of(20), prompt_of(40)]

@@ -391,7 +391,6 @@ def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_
 def inspect(artifacts: Path, lint: bool) -> None:
     """Show ARTIFACTS' buckets, graphs, sizes and op counts (verifies hashes first)."""
     from graphc.artifacts.directory import read_manifest
-    from graphc.backends import backend
     m = read_manifest(artifacts)
     click.echo(f"graphc {m.graphc_version}, torch {m.torch_version}, backend {m.backend}, "
                f"format {m.format_version}")
@@ -405,8 +404,7 @@ def inspect(artifacts: Path, lint: bool) -> None:
                    f"{'samples' if rank.samples else 'no sampler'}")
         for g in rank.graphs:
             label = g.bucket.name
-            program = backend(m.backend).program_of(rank.rank, m.topology.topology())  # ranks share programs
-            counts = m.extra.get("op_counts", {}).get(f"{label} {program}", {})
+            counts = m.extra.get("op_counts", {}).get(label, {})  # every rank runs the bucket's one program
             graphc_ops = ", ".join(f"{op} x{n}" for op, n in sorted(counts.items()) if op.startswith("graphc::"))
             click.echo(f"  {label:12s} {g.file} ({(artifacts / g.file).stat().st_size / 1e6:.2f} MB; "
                        f"MoE {g.moe_form}, exchange {g.moe_exchange}; {sum(counts.values())} ops; {graphc_ops})")

@@ -81,14 +81,6 @@ def test_neuron_takes_data_parallel_attention_and_the_even_all_to_all_and_refuse
     assert [moe_exchange("auto", ep, False) for ep in (2, 4, 8)] == ["a2a_even", "a2a_v", "a2a_v"]
 
 
-def test_replica_leaders_run_the_leaders_program():
-    """With data-parallel attention the first rank of each replica samples: it runs the leader's
-    program (the sampler kept), every other rank the followers'."""
-    neuron, topology = BACKENDS["neuron"], Topology(cp=2, ep=4, dp=2)
-    assert [neuron.program_of(rank, topology) for rank in range(4)] == ["leader", "followers", "leader", "followers"]
-    assert [BACKENDS["export"].program_of(rank, topology) for rank in range(4)] == ["every-rank"] * 4
-
-
 RAGGED_ALL_TO_ALL = """
 import jax, jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P

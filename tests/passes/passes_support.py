@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from graphc.backends import EVERY_RANK
 from graphc.buckets.selection import Bucket
 from graphc.passes.manager import PassContext
 from graphc.topology import Topology
 from support import BLOCKS_PER_ROW, run_program
 
 
-def context(bucket: Bucket, cp: int = 1, ep: int = 1, program: str = EVERY_RANK) -> PassContext:
-    return PassContext(Topology(cp, ep), program, bucket, BLOCKS_PER_ROW)
+def context(bucket: Bucket, cp: int = 1, ep: int = 1) -> PassContext:
+    return PassContext(Topology(cp, ep), bucket, BLOCKS_PER_ROW)
 
 
 def assert_same_step(program, before, model, bucket: Bucket) -> None:

@@ -15,9 +15,7 @@ from graphc.models.checkpoint import load_rank_shard
 from graphc.models.step_model import Parallelism
 from graphc.passes.collective_schedule import Collective, check_collective_schedule, program_collectives
 from graphc.passes.graph import graphc_op
-from graphc.passes.strip_follower_sampling import strip_follower_sampling
 from graphc.topology import Topology
-from passes_support import context
 from support import BLOCK_SIZE, BLOCKS_PER_ROW, NUM_BLOCKS, copy_program
 
 BUCKET = Bucket("decode", 2)
@@ -59,22 +57,18 @@ def test_a_rank_with_another_lowering_or_capacity_is_refused(all_to_all_program,
 
 
 def test_a_rank_that_skips_a_collective_is_refused(tiny_checkpoints):
-    """neuron's followers program (no sampler) must still issue the leader's collectives."""
     topology = Topology(2, 2)
     model = load_rank_shard(tiny_checkpoints["lora-groups"], topology, 0, torch.float32)
-    leader = capture_bucket(model, BUCKET, BLOCKS_PER_ROW, NUM_BLOCKS, BLOCK_SIZE,
-                            Parallelism(cp=2, ep=2, moe_exchange="static"))
-    followers = copy_program(leader)
-    strip_follower_sampling(followers.graph_module, context(BUCKET, 2, 2, "followers"))
-    check_collective_schedule(topology, BUCKET.name, {0: program_collectives(leader.graph_module),
-                                                      1: program_collectives(followers.graph_module)})
-    reduce = next(n for n in followers.graph.nodes if graphc_op(n) == "graphc::all_reduce")
+    program = capture_bucket(model, BUCKET, BLOCKS_PER_ROW, NUM_BLOCKS, BLOCK_SIZE,
+                             Parallelism(cp=2, ep=2, moe_exchange="static"))
+    skipping = copy_program(program)
+    reduce = next(n for n in skipping.graph.nodes if graphc_op(n) == "graphc::all_reduce")
     reduce.replace_all_uses_with(reduce.args[0])
-    followers.graph.erase_node(reduce)
+    skipping.graph.erase_node(reduce)
     with pytest.raises(GraphcError, match=r"decode-2: collective #\d+ on group \[0, 1\]: the members disagree "
                                           r"\(rank 0: all_reduce\(ep; .*rank 1: attention_combine\(cp; .*hang"):
-        check_collective_schedule(topology, BUCKET.name, {0: program_collectives(leader.graph_module),
-                                                          1: program_collectives(followers.graph_module)})
+        check_collective_schedule(topology, BUCKET.name, {0: program_collectives(program.graph_module),
+                                                          1: program_collectives(skipping.graph_module)})
 
 
 def test_a_tensor_parallel_rank_that_skips_an_all_reduce_is_refused_on_its_tp_group(tiny_checkpoints):

@@ -64,7 +64,7 @@ def test_new_nodes_carry_the_name_of_the_pass_that_made_them(tiny_checkpoints):
 def test_a_failing_pass_is_named_with_the_passes_before_it_and_the_node(tiny_checkpoints):
     _, program = captured(tiny_checkpoints["lora-groups"], BUCKET, GENERIC_MOE)
     manager = PassManager([SPECIALISE[0], ("explode", _fail)], verify)
-    with pytest.raises(PassFailure, match=r"pass explode failed \(after verify_bucket_shapes; decode-1, every-rank\): "
+    with pytest.raises(PassFailure, match=r"pass explode failed \(after verify_bucket_shapes; decode-1\): "
                                           r"deliberate \(node unbind: "):
         manager.run(program.graph_module, context(BUCKET))
 
@@ -90,7 +90,7 @@ def test_disabled_passes_are_skipped_and_unknown_names_refused(tiny_checkpoints)
 def test_dumps_the_graph_before_and_after_every_pass(tiny_checkpoints, tmp_path):
     _, program = captured(tiny_checkpoints["lora-groups"], BUCKET, GENERIC_MOE)
     PassManager(SPECIALISE, verify, dump_dir=tmp_path).run(program.graph_module, context(BUCKET))
-    dumped = sorted(p.name for p in (tmp_path / "decode-1" / "every-rank").iterdir())
+    dumped = sorted(p.name for p in (tmp_path / "decode-1").iterdir())
     assert dumped == ["00-capture.py"] + [f"{i:02d}-{name}.py" for i, (name, _) in enumerate(SPECIALISE, start=1)]
-    assert "moe_dispatch" in (tmp_path / "decode-1" / "every-rank" / "00-capture.py").read_text()
-    assert "moe_dispatch" not in (tmp_path / "decode-1" / "every-rank" / dumped[-1]).read_text()
+    assert "moe_dispatch" in (tmp_path / "decode-1" / "00-capture.py").read_text()
+    assert "moe_dispatch" not in (tmp_path / "decode-1" / dumped[-1]).read_text()

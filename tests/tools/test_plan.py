@@ -41,7 +41,7 @@ def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, dp, cp, e
     for rank in manifest.ranks:
         for graph in rank.graphs:
             bucket = graph.bucket
-            counts = manifest.extra["op_counts"][f"{bucket.name} every-rank"]
+            counts = manifest.extra["op_counts"][bucket.name]
             in_graph = {op: n for op, n in counts.items() if op in OPS.values()}
             assert graph.moe_exchange == exchange
             planned = {}
@@ -119,7 +119,7 @@ def test_plan_prints_buckets_waste_graphs_and_collectives_and_plots(auto_yaml, t
     out = result.stdout
     assert "planned from" in out and "budget 6 graphs per rank" in out
     assert "expected prefill padding over 200 prompts" in out and "vs power-of-two ladder" in out
-    assert "per rank x 2 rank(s) = 12 in all, 6 distinct (every-rank program per bucket" in out
+    assert "per rank x 2 rank(s) = 12 in all, 6 distinct (one program per bucket, every rank" in out
     assert "x attention_combine(cp)" in out and "x all_reduce(ep)" in out
     assert "groups (dp=1, cp=2, tp=1, ep=2; MoE exchange static):" in out and "cp    1 x 2 rank(s): [0, 1]" in out
     assert (tmp_path / "out" / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

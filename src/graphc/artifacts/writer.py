@@ -40,7 +40,7 @@ class WeightsFile:
 
 @dataclass(frozen=True)
 class CompiledGraph:
-    """One bucket's graph for one rank (the leader's or the followers' program), as the emitter left it."""
+    """One bucket's graph (every rank's program) for one rank, as the emitter left it."""
 
     bucket: Bucket
     file: Path

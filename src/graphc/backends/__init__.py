@@ -6,6 +6,12 @@ nothing outside it tells backends apart by name. A record's hooks name functions
 `module:function`, imported only when called: the runtime imports this module, and must not
 import a compiler with it. `compile_program` runs in a worker process: it must import nothing
 from the parent's state and register the graphc ops before loading the program. Torch-free.
+
+Every backend compiles one program per bucket that every rank runs: a rank's place in its groups
+is the step's `coordinates` input, never a constant, and its sampler keeps its tokens only where
+the `samples` coordinate says the rank samples (the first of each attention replica; zeros
+elsewhere). A follower computing the sampler it discards costs it no latency: the leader's step,
+which every collective waits on, computes it too.
 """
 
 from __future__ import annotations
@@ -58,10 +64,6 @@ class Backend:
     """Whether the KV pool's block count is fixed when compiling (static shapes everywhere), its
     last block a scratch slot that padding tokens write instead of being dropped: the runtime
     never allocates it and refuses another GRAPHC_NUM_KV_BLOCKS."""
-    follower_programs: bool = False
-    """Whether followers get a program of their own, without the sampler (a backend that compiles
-    the sampler into the graph). Otherwise every rank runs one program per bucket, whose sampler
-    op returns at once on followers (the `samples` coordinate): half the compiles."""
     toolchain: str | None = None
     """`module:function()` naming the host tools that change what a compile makes, a part of the
     compile cache's key (neuron's: whether neuronx-cc adds NEFFs); None: nothing beyond torch."""
@@ -76,20 +78,6 @@ class Backend:
     """The MoE lowerings it compiles (`moe_forms.MOE_LOWERINGS`' names); None: every one."""
     why_not: dict[str, str] = field(default_factory=dict)
     """Lowering -> why it is not among `lowerings` (its refusal says so)."""
-
-    def programs(self, topology: Topology) -> tuple[str, ...]:
-        """The programs compiled per bucket for `topology` (`PROGRAMS`): at most two, whatever the
-        world; no followers' where every rank samples (replicas of one rank)."""
-        if not self.follower_programs:
-            return (EVERY_RANK,)
-        return (LEADER,) if topology.replica == 1 else (LEADER, FOLLOWERS)
-
-    def program_of(self, rank: int, topology: Topology) -> str:
-        """Which of `programs` rank `rank` runs: the leader's wherever a rank samples (the first of
-        each attention replica), the followers' elsewhere."""
-        if not self.follower_programs:
-            return EVERY_RANK
-        return LEADER if rank == topology.replica_leader(topology.dp_rank(rank)) else FOLLOWERS
 
     def check_topology(self, topology: Topology, exchange: str) -> None:
         """Refuse a topology this backend cannot compile yet; `exchange` is its graphs' MoE
@@ -122,12 +110,6 @@ def _imported(hook: str) -> Callable:
     return getattr(importlib.import_module(module), function)
 
 
-EVERY_RANK, LEADER, FOLLOWERS = PROGRAMS = ("every-rank", "leader", "followers")
-"""The programs of a bucket: the one every rank runs, or the leader's (which samples) and the one
-every follower shares. A rank's place in its groups is the step's `coordinates` input, never a
-constant, so no program is specific to one rank."""
-
-
 BACKENDS = {backend.name: backend for backend in (
     Backend("export", "pt2", parallel_compile=False, serves_here=True,
             compiler="graphc.backends.export:compile_program", loader="graphc.runtime.graph_loaders:load_export"),
@@ -140,7 +122,7 @@ BACKENDS = {backend.name: backend for backend in (
     # (`moe_forms.moe_lowering_for`).
     Backend("neuron", "neuron.zip", parallel_compile=True, serves_here=True,
             compiler="graphc.backends.neuron:compile_program", loader="graphc.runtime.graph_loaders:load_neuron",
-            fixed_pool=True, follower_programs=True, toolchain="graphc.backends.neuron_archive:toolchain",
+            fixed_pool=True, toolchain="graphc.backends.neuron_archive:toolchain",
             manifest_extras="graphc.backends.neuron_archive:manifest_extras",
             linter="graphc.backends.xla.lint:lint_archives", neuron_finish=True,
             lowerings=("ag_rs", "a2a_even"),

@@ -305,32 +305,23 @@ def expected_parameters(context: GraphContext) -> dict[str, tuple[list[int], str
     inputs' from the graph entry (the pool's block count fixed at compile time), noise [rows,
     vocab] fp32, the weights' from the tensors bound (None where none are: any shape and dtype)."""
     manifest, rank, graph, weights = context.manifest, context.rank, context.graph, context.weights
-    names = parameter_names(len(rank.weight_names), takes_noise(context))
+    names = parameter_names(len(rank.weight_names), True)
     expected = dict.fromkeys(names[:len(rank.weight_names)]) if weights is None else {
         name: (list(w.shape), _program_dtype(w.dtype)) for name, w in zip(names, weights)}
     for name, spec in graph.inputs.items():
         shape = [manifest.kv_cache.num_blocks if size == -1 else size for size in spec.shape]
         expected[name] = shape, _program_dtype(spec.dtype)
-    if takes_noise(context):
-        positions = [1 + manifest.buckets.draft_tokens] if manifest.buckets.draft_tokens else []
-        expected[NOISE] = [graph.inputs["seed"].shape[0], *positions, manifest.model.vocab_size], "float32"
+    positions = [1 + manifest.buckets.draft_tokens] if manifest.buckets.draft_tokens else []
+    expected[NOISE] = [graph.inputs["seed"].shape[0], *positions, manifest.model.vocab_size], "float32"
     return expected
-
-
-def takes_noise(context: GraphContext) -> bool:
-    """Whether the rank's program takes the sampler's noise: where it samples, and on every rank of
-    a speculative step (each computes the verdict, `graphc.models.speculation`)."""
-    return context.rank.samples or context.manifest.buckets.draft_tokens > 0
 
 
 def _signature_problem(description: ProgramDescription, context: GraphContext) -> str | None:
     signature, rank, world = description.signature, context.rank, context.manifest.topology.world
     if description.world != world:
         return f"world: {description.world}; the manifest's topology has {world} rank(s)"
-    if signature.samples != takes_noise(context):
-        does = ("samples" if rank.samples else "draws its speculative steps' verdicts") if takes_noise(context) \
-            else "does not sample"
-        return f"signature.samples: {signature.samples}; rank {rank.rank} {does}"
+    if not signature.samples:
+        return "signature.samples: false; every step program samples (its tokens kept where a rank samples)"
     expected = expected_parameters(context)
     names, weights = list(expected), len(rank.weight_names)
     if signature.parameters != names:

@@ -99,44 +99,35 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         moe_forms = {bucket: step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
                                            args.n_routed_experts, topology.ep, exchange)
                      for bucket in buckets}
-        captured = {bucket: capture_bucket(model, bucket, table_width, kv.num_blocks, kv.block_size, parallel,
+        programs = {bucket: capture_bucket(model, bucket, table_width, kv.num_blocks, kv.block_size, parallel,
                                            moe_forms[bucket], weights, draft_tokens)
                     for bucket in buckets}
-        # 3. Rewrite each bucket's programs (passes/registry.py): at most two whatever the world
-        # (`Backend.programs`), the rank's coordinates being an input. Then check that no rank's
-        # collectives can wait forever on another's.
+        # 3. Rewrite each bucket's program (passes/registry.py): one whatever the world, the rank's
+        # coordinates being an input (`graphc.backends`). Then check that no rank's collectives can
+        # wait forever on another's.
         passes = backend_passes(backend)
         manager = PassManager(passes, verify, verify=options.verify_passes,
                               disabled=options.disabled_passes & {name for name, _ in passes},
                               dump_dir=options.dump_graphs)
-        names = backend_named(backend).programs(topology)
-        programs, pass_logs = {}, {}
-        for name in names:
-            for bucket in buckets:
-                # Each program is rewritten from its own copy when there are two.
-                program = copy_program(captured[bucket]) if len(names) > 1 else captured[bucket]
-                log = manager.run(program.graph_module, PassContext(topology, name, bucket, table_width))
-                _sync_output_signature(program)
-                programs[name, bucket] = program
-                pass_logs[f"{bucket.name} {name}"] = log.changes()
-        run_by = {rank: backend_named(backend).program_of(rank, topology) for rank in range(topology.world)}
-        for bucket in buckets:  # refuse any bucket whose ranks' collectives could hang
-            issued = {name: program_collectives(programs[name, bucket].graph_module) for name in names}
-            check_collective_schedule(topology, bucket.name, {rank: issued[run_by[rank]] for rank in run_by})
-        # 4. Emit: compile each distinct program once (cached); every rank's entry points at the
-        # file of the program it runs.
-        keys = {where: program_key(program, backend, topology) for where, program in programs.items()}
-        compiled = compile_all([CompileJob(f"{bucket.name} {name}", keys[name, bucket], program)
-                                for (name, bucket), program in programs.items()],
+        pass_logs = {}  # each program is rewritten in place
+        for bucket, program in programs.items():
+            pass_logs[bucket.name] = manager.run(program.graph_module,
+                                                 PassContext(topology, bucket, table_width)).changes()
+            _sync_output_signature(program)
+            issued = program_collectives(program.graph_module)
+            check_collective_schedule(topology, bucket.name, dict.fromkeys(range(topology.world), issued))
+        # 4. Emit: compile each distinct program once (cached); every rank's entry points at its
+        # bucket's file.
+        keys = {bucket: program_key(program, backend, topology) for bucket, program in programs.items()}
+        compiled = compile_all([CompileJob(bucket.name, keys[bucket], program) for bucket, program in programs.items()],
                                backend, topology, options.workers, options.show_progress)
-        graphs = {rank: [CompiledGraph(bucket, compiled[keys[run_by[rank], bucket]],
-                                       _step_specs(programs[run_by[rank], bucket]), moe_forms[bucket], exchange)
+        graphs = {rank: [CompiledGraph(bucket, compiled[keys[bucket]], _step_specs(programs[bucket]),
+                                       moe_forms[bucket], exchange)
                          for bucket in buckets]
                   for rank in range(topology.world)}
-        extra = {"op_counts": {f"{bucket.name} {name}": op_counts(program.graph_module)
-                               for (name, bucket), program in programs.items()},
+        extra = {"op_counts": {bucket.name: op_counts(program.graph_module) for bucket, program in programs.items()},
                  "passes": pass_logs, **backend_named(backend).extras()}
-        del programs, captured
+        del programs
         # 5. Weights, one shard (`Topology.weight_shard`: routed experts, tensor-parallel slice) in
         # memory at a time: rank 0's, then each other's, loaded, written and dropped (the captured
         # programs hold no weights). Shapes-only: their shapes, which every shard shares.

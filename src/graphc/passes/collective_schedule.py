@@ -9,9 +9,9 @@ program order between consecutive nodes. The job can hang when
   input dtypes or shapes): they would enter different collectives, or the same with other sizes;
 - a member never reaches the node (it issues fewer collectives on that group);
 - the graph has a cycle: rank a waits in node X for rank b, which waits in node Y for a.
-Ranks of one bucket may run different programs (neuron's leader and followers) and, once groups
-differ between ranks (data-parallel replicas, EP groups across them), "the same sequence as rank
-0" says nothing: this check is what holds.
+Every rank of a bucket runs one program, but its groups are its own (data-parallel replicas, EP
+groups across them): "the same sequence on every rank" says nothing about which ranks meet in
+which collective. This check is what holds.
 """
 
 from __future__ import annotations

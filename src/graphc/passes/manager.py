@@ -19,8 +19,6 @@ class PassContext:
     """What a pass may specialise on."""
 
     topology: Topology
-    program: str
-    """Which ranks run it (`graphc.backends.PROGRAMS`): every rank, the leader, or the followers."""
     bucket: Bucket
     blocks_per_row: int
     """Width M of the block table."""
@@ -129,11 +127,11 @@ class PassManager:
     @staticmethod
     def _failure(name, ran, ctx, error, what="failed") -> str:
         after = f"after {', '.join(ran)}" if ran else "as the first pass"
-        return f"pass {name} {what} ({after}; {ctx.bucket.name}, {ctx.program}): {error}"
+        return f"pass {name} {what} ({after}; {ctx.bucket.name}): {error}"
 
     def _dump(self, gm, ctx, index, name) -> None:
         if self.dump_dir is None:
             return
-        folder = Path(self.dump_dir) / ctx.bucket.name / ctx.program
+        folder = Path(self.dump_dir) / ctx.bucket.name
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{index:02d}-{name}.py").write_text(gm.code)

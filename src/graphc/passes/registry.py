@@ -18,7 +18,6 @@ from graphc.passes.lower_matvecs import lower_matvecs
 from graphc.passes.lower_trivial_collectives import lower_trivial_collectives
 from graphc.passes.manager import Pass
 from graphc.passes.place_dequantization import place_dequantization
-from graphc.passes.strip_follower_sampling import strip_follower_sampling
 from graphc.passes.verify_bucket_shapes import verify_bucket_shapes
 
 
@@ -44,8 +43,6 @@ PIPELINE = (
               "group) since every rank holds the same tokens; disabled, the generic all-gather / reduce-scatter form"),
     PassEntry("verify_bucket_shapes", verify_bucket_shapes,
               "first: nothing should build on a graph captured with the wrong shapes", on_layers=False),
-    PassEntry("strip_follower_sampling", strip_follower_sampling,
-              "a followers' program takes the leader's tokens instead of sampling", on_layers=False),
     PassEntry("lower_trivial_collectives", lower_trivial_collectives,
               "groups of one rank move no data: backends never see a no-op collective"),
     PassEntry("place_dequantization", place_dequantization,
@@ -64,7 +61,7 @@ PIPELINE = (
               backends=("inductor",), on_layers=False),
     PassEntry("dead_code_elimination", dead_code_elimination, "last: sweep what the rewrites above left unused"),
 )
-"""Capture choices, then the rewrites of each bucket's programs, in order (see README.md)."""
+"""Capture choices, then the rewrites of each bucket's program, in order (see README.md)."""
 
 PASS_NAMES = tuple(entry.name for entry in PIPELINE)
 
@@ -77,7 +74,7 @@ def check_pass_names(names) -> None:
 
 
 def backend_passes(backend: str) -> list[tuple[str, Pass]]:
-    """The (name, pass) pairs `backend` runs on every bucket's programs, in order."""
+    """The (name, pass) pairs `backend` runs on every bucket's program, in order."""
     return [(e.name, e.run) for e in PIPELINE if e.run is not None and backend in e.backends]
 
 

@@ -101,10 +101,9 @@ def describe(config: GraphcConfig, workload: Histogram | None) -> list[str]:
     exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated,
                             lowerings=backend(config.backend).lowerings)
     world = topology.world
-    programs = backend(config.backend).programs(topology)
     lines += [f"graphs: {len(buckets)} per rank x {world} rank(s) = {len(buckets) * world} in all, "
-              f"{len(buckets) * len(programs)} distinct ({' and '.join(programs)} program per bucket; "
-              "a rank's KV shard and experts are an input, its tensor-parallel slice its weights)"]
+              f"{len(buckets)} distinct (one program per bucket, every rank's; a rank's KV shard and experts "
+              "are an input, its tensor-parallel slice its weights)"]
     lines.append(f"groups (dp={topology.dp}, cp={topology.cp}, tp={topology.tp}, ep={topology.ep}; "
                  f"MoE exchange {exchange}):")
     for name in GROUPS:

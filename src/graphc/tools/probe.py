@@ -32,7 +32,6 @@ import torch
 import torch.fx
 from torch import Tensor
 
-from graphc.backends import EVERY_RANK
 from graphc.buckets.selection import Bucket
 from graphc.models.layers import RoutedExperts
 from graphc.models.step_model import Parallelism, StepInputs, StepModel
@@ -147,7 +146,7 @@ def compile_layer(program, passes, bucket: Bucket, blocks_per_row: int):
 
     compiled = copy_program(program)
     manager = PassManager(passes, verifier=lambda gm, ctx: None)
-    manager.run(compiled.graph_module, PassContext(Topology(1, 1), EVERY_RANK, bucket, blocks_per_row))
+    manager.run(compiled.graph_module, PassContext(Topology(1, 1), bucket, blocks_per_row))
     return compiled
 
 

@@ -517,7 +517,7 @@ def test_rules_cover_every_op_of_a_step_program(preset, tiny_checkpoints):
     bucket = Bucket("decode", 2)
     program = capture_bucket(model, bucket, 4, 8, 8)
     PassManager(backend_passes("neuron"), verify).run(program.graph_module,
-                                                      PassContext(Topology(1, 1), "leader", bucket, 4))
+                                                      PassContext(Topology(1, 1), bucket, 4))
     targets = {n.target for n in program.graph.nodes if n.op == "call_function"}
     missing = [str(t) for t in targets if t not in RULES and t not in aten_rules.IGNORED and t not in graphc_ops.RULES]
     assert not missing
