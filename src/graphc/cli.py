@@ -194,7 +194,7 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
                    "alone compiles to anyway. The artifacts cannot be served.")
 def compile_command(config_path, out, backend, disabled, dump_graphs, verify_passes, jobs, force, sign_key,
                     moe_lowering, shapes_only) -> None:
-    """Capture, rewrite and compile MODEL_YAML's model into per-bucket graphs (at most two per bucket)."""
+    """Capture, rewrite and compile MODEL_YAML's model into per-bucket graphs (one program per bucket, every rank's)."""
     from graphc.config import load_config
     from graphc.compiler.pipeline import CompileOptions, compile
 
@@ -205,6 +205,8 @@ def compile_command(config_path, out, backend, disabled, dump_graphs, verify_pas
                              verify_passes=verify_passes, force=force, sign_key=sign_key, shapes_only=shapes_only,
                              **({"workers": jobs} if jobs else {}))
     manifest = compile(config, out, options, on_checked=lambda: click.echo(_describe_config(config, backend), err=True))
+    for note in manifest.extra.get("notes", []):
+        click.echo(f"note: {note}", err=True)
     graphs = {g.file for r in manifest.ranks for g in r.graphs}
     click.echo(f"wrote {out}: {sum(len(r.graphs) for r in manifest.ranks)} graphs over {len(manifest.ranks)} "
                f"rank(s), {len(graphs)} distinct, backend {manifest.backend}" + (", signed" if sign_key else "")
@@ -398,6 +400,8 @@ def inspect(artifacts: Path, lint: bool) -> None:
     click.echo(f"model {m.model_fingerprint[:16]} ({m.model.architecture}, {m.model.dtype}{sparse}); "
                f"topology {dataclasses.asdict(m.topology)}")
     click.echo(f"buckets {dataclasses.asdict(m.buckets)}; kv_cache {dataclasses.asdict(m.kv_cache)}")
+    for note in m.extra.get("notes", []):
+        click.echo(f"note: {note}")
     for rank in m.ranks:
         size = (artifacts / rank.weights).stat().st_size
         click.echo(f"rank {rank.rank}: weights {rank.weights} ({size / 1e6:.2f} MB), "

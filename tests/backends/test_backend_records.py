@@ -4,6 +4,7 @@ hooks stay runtime-side, its topology limits refuse with their messages, and no 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 import subprocess
@@ -14,8 +15,7 @@ import pytest
 
 import graphc
 from graphc.backends import BACKENDS
-from graphc.errors import GraphcError
-from graphc.models.moe_forms import MOE_EXCHANGES, moe_exchange
+from graphc.models.moe_forms import MOE_LOWERINGS, moe_exchange
 from graphc.topology import Topology
 
 SOURCE = Path(graphc.__file__).parent
@@ -61,24 +61,31 @@ def test_the_backends_without_hooks_add_nothing():
 
 
 @pytest.mark.parametrize("name", [name for name, record in BACKENDS.items() if record.lowerings is None])
-def test_the_cpu_backends_take_every_topology_and_exchange(name):
-    for exchange in MOE_EXCHANGES:
-        BACKENDS[name].check_topology(Topology(cp=1, ep=2, dp=2), exchange)
+def test_the_cpu_backends_compile_every_exchange_as_chosen(name):
+    for choice in MOE_LOWERINGS:
+        assert BACKENDS[name].exchange(choice, Topology(cp=1, ep=2, dp=2)) == (choice, None)
 
 
-def test_neuron_takes_data_parallel_attention_and_the_even_all_to_all_and_refuses_a2a_v():
-    neuron = BACKENDS["neuron"]
-    for exchange in ("local", "static", "ag_rs", "a2a_even"):
-        neuron.check_topology(Topology(cp=2, ep=4, dp=2), exchange)
-    with pytest.raises(GraphcError) as refused:
-        neuron.check_topology(Topology(cp=2, ep=4, dp=2), "a2a_v")
-    assert str(refused.value) == ("model.moe_lowering: a2a_v has no neuron lowering yet (its variable-size exchange, "
-                                  "XLA's ragged-all-to-all, does not run on XLA:CPU, so it could not be checked here; "
-                                  "`auto` pads to the even form); the neuron backend takes ag_rs or a2a_even (or the "
-                                  "static MoE)")
+def test_neuron_compiles_the_even_all_to_all_in_a2a_vs_place_and_says_so():
+    neuron, topology = BACKENDS["neuron"], Topology(cp=2, ep=4, dp=2)
+    for choice in ("ag_rs", "a2a_even"):
+        assert neuron.exchange(choice, topology) == (choice, None)
+    assert neuron.exchange("a2a_v", topology) == ("a2a_even", (
+        "model.moe_lowering: a2a_v is compiled as a2a_even on neuron (the padded even form: a2a_v's variable-size "
+        "exchange, XLA's ragged-all-to-all, does not run on XLA:CPU, so it could not be checked here)"))
+    # No exchange to stand in for: one EP rank, or tokens replicated over the EP group.
+    assert neuron.exchange("a2a_v", Topology(cp=2, ep=1)) == ("local", None)
+    assert neuron.exchange("a2a_v", Topology(cp=2, ep=2)) == ("static", None)
     # `auto` pads where the variable form would be the choice (groups of 4 and 8) but is not lowered.
     assert [moe_exchange("auto", ep, False, lowerings=neuron.lowerings) for ep in (2, 4, 8)] == ["a2a_even"] * 3
     assert [moe_exchange("auto", ep, False) for ep in (2, 4, 8)] == ["a2a_even", "a2a_v", "a2a_v"]
+
+
+@pytest.mark.parametrize("stand_ins, named", [({}, "lowerings \\['a2a_v'\\] have no stand-in"),
+                                              ({"a2a_v": ("a2a_v", "")}, "stand-ins \\['a2a_v'\\] are not among")])
+def test_a_backend_record_whose_lowering_cannot_compile_is_refused(stand_ins, named):
+    with pytest.raises(ValueError, match=named):
+        dataclasses.replace(BACKENDS["neuron"], stand_ins=stand_ins)
 
 
 RAGGED_ALL_TO_ALL = """
@@ -94,8 +101,8 @@ print(step(jnp.ones((2, 2, 1)), jnp.zeros((2, 2, 1)), offsets, sizes, offsets, s
 """
 
 
-def test_xla_cpu_does_not_run_ragged_all_to_all_which_is_why_neuron_refuses_a2a_v():
-    """The reason the neuron backend gives for refusing a2a_v, as the pinned jaxlib has it: when
+def test_xla_cpu_does_not_run_ragged_all_to_all_which_is_why_neuron_stands_in_for_a2a_v():
+    """The reason the neuron backend gives for compiling a2a_even in a2a_v's place, as the pinned jaxlib has it: when
     this fails, XLA:CPU runs the variable-size exchange and a2a_v can be lowered and checked here."""
     import os
     import subprocess

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import zipfile
 
 import pytest
 import torch
-import yaml
 from click.testing import CliRunner
 
 from graphc.artifacts.directory import read_manifest
+from graphc.backends import BACKENDS
 from graphc.cli import cli
 from graphc.errors import GraphcError
 from graphc.runtime import Engine, Request
@@ -25,7 +24,7 @@ from graphc.runtime.loader import load_rank
 from graphc.sampling import Sampling
 from graphc.step import PADDING_SLOT
 from graphc.tools.lint import lint_artifacts
-from support import SPARSE_V32, TEST_BUCKETS, model_yaml
+from support import SPARSE_V32
 
 pytestmark = [pytest.mark.compiles]
 
@@ -87,16 +86,17 @@ def test_neuron_artifacts_serve_the_export_tokens(preset, cp, ep, tp, compiled):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("preset, dp, cp, ep", [
-    ("lora-groups", 2, 1, 2),
-    pytest.param("wide-16e", 2, 2, 4, marks=pytest.mark.slow),  # `auto` pads the group of 4 (no a2a_v here)
+@pytest.mark.parametrize("preset, dp, cp, ep, lowering", [
+    ("lora-groups", 2, 1, 2, "a2a_v"),  # compiled as a2a_even, saying so
+    pytest.param("wide-16e", 2, 2, 4, "auto", marks=pytest.mark.slow),  # `auto` pads the group of 4
 ])
-def test_data_parallel_neuron_artifacts_serve_the_export_tokens_over_the_even_all_to_all(preset, dp, cp, ep, compiled):
+def test_data_parallel_neuron_artifacts_serve_the_export_tokens_over_the_even_all_to_all(preset, dp, cp, ep, lowering,
+                                                                                         compiled):
     """Two replicas, each sampling its own rows (the program's tokens kept on its first rank), the experts over the
     world reached by HLO all-to-alls; a batch of one leaves the second replica all padding."""
     requests = _requests()
     expected = Engine(compiled(preset, "export", "dp")).generate(requests)  # one rank's: what dp serves too
-    artifacts = compiled(preset, "neuron", "dp", cp, ep, True, dp)
+    artifacts = compiled(preset, "neuron", "dp", cp, ep, True, dp, lowering)
     got, alone = serve(artifacts, [requests, requests[:1]])
     assert [r.output_ids for r in got.results] == [r.output_ids for r in expected]
     assert alone.results[0].output_ids == expected[0].output_ids
@@ -105,6 +105,9 @@ def test_data_parallel_neuron_artifacts_serve_the_export_tokens_over_the_even_al
     assert [rank.samples for rank in manifest.ranks] == [r % (cp) == 0 for r in range(dp * cp)]
     lint = CliRunner().invoke(cli, ["inspect", str(artifacts), "--lint"])
     assert lint.exit_code == 0 and "no problem(s)" in lint.stdout, lint.output
+    note = f"note: {BACKENDS['neuron'].exchange('a2a_v', manifest.topology.topology())[1]}"
+    assert manifest.extra.get("notes", []) == ([note.removeprefix("note: ")] if lowering == "a2a_v" else [])
+    assert (note in lint.stdout) == (lowering == "a2a_v")
 
 
 def test_the_lint_catches_ranks_that_do_not_share_a_program(compiled):
@@ -163,15 +166,3 @@ def test_the_pool_size_is_fixed_at_compile_time(compiled, monkeypatch):
     Engine(artifacts)
 
 
-@pytest.mark.parametrize("topology, lowering, says", [
-    ({"dp": 1, "cp": 2, "ep": 2}, "a2a_v", r"^model\.moe_lowering: a2a_v has no neuron lowering yet"),
-])
-def test_what_the_neuron_backend_cannot_compile_yet_is_refused_before_any_work(topology, lowering, says, tmp_path,
-                                                                            tiny_checkpoints):
-    config = {**model_yaml(tiny_checkpoints["lora-groups"], TEST_BUCKETS["small"], "neuron"), "topology": topology}
-    (tmp_path / "model.yaml").write_text(yaml.safe_dump(config))
-    result = CliRunner().invoke(cli, ["compile", str(tmp_path / "model.yaml"), "-o", str(tmp_path / "out"),
-                                      "--disable-pass", "static_moe", "--moe-lowering", lowering])
-    assert result.exit_code == 2, result.output
-    assert re.search(says, result.stderr.removeprefix("error: ")) and result.stderr.count("\n") == 1
-    assert not (tmp_path / "out").exists()

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Literal
 
 from graphc.errors import GraphcError
+from graphc.models.moe_forms import MOE_LOWERINGS, moe_exchange
 from graphc.topology import Topology
 
 if TYPE_CHECKING:
@@ -76,17 +77,30 @@ class Backend:
     """Whether `graphc neuron-finish` takes its artifacts (adds each program's NEFF on a Neuron host)."""
     lowerings: tuple[str, ...] | None = None
     """The MoE lowerings it compiles (`moe_forms.MOE_LOWERINGS`' names); None: every one."""
-    why_not: dict[str, str] = field(default_factory=dict)
-    """Lowering -> why it is not among `lowerings` (its refusal says so)."""
+    stand_ins: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """A lowering not among `lowerings` -> (the lowering compiled in its place, why): one that
+    gives the same values (`moe_forms.MOE_LOWERINGS`). Its graphs record the stand-in, and the
+    compile and `graphc inspect` say so (`exchange`)."""
 
-    def check_topology(self, topology: Topology, exchange: str) -> None:
-        """Refuse a topology this backend cannot compile yet; `exchange` is its graphs' MoE
-        exchange (`moe_forms.moe_exchange`)."""
-        # `local` and `static` exchange nothing to lower: every backend compiles them.
-        if self.lowerings is not None and exchange not in ("local", "static", *self.lowerings):
-            why = f" ({self.why_not[exchange]})" if exchange in self.why_not else ""
-            raise GraphcError(f"model.moe_lowering: {exchange} has no {self.name} lowering yet{why}; the {self.name} "
-                              f"backend takes {' or '.join(self.lowerings)} (or the static MoE)")
+    def exchange(self, choice: str, topology: Topology, static_enabled: bool = True) -> tuple[str, str | None]:
+        """The MoE exchange this backend compiles for model.moe_lowering `choice` on `topology`
+        (`moe_forms.moe_exchange` among its `lowerings`) and, where another stands in for the one
+        chosen, the note saying so."""
+        exchange = moe_exchange(choice, topology.ep, topology.tokens_replicated, static_enabled, self.lowerings)
+        if exchange not in self.stand_ins:
+            return exchange, None
+        lowering, why = self.stand_ins[exchange]
+        return lowering, f"model.moe_lowering: {exchange} is compiled as {lowering} on {self.name} ({why})"
+
+    def __post_init__(self):
+        # Every lowering compiles: as itself or through its stand-in, which must be one of the
+        # backend's own (so no topology is refused for its exchange).
+        if self.lowerings is not None:
+            missing = set(MOE_LOWERINGS) - set(self.lowerings) - set(self.stand_ins)
+            strays = {lowering for lowering, _ in self.stand_ins.values()} - set(self.lowerings)
+            if missing or strays:
+                raise ValueError(f"backend {self.name}: lowerings {sorted(missing)} have no stand-in, stand-ins "
+                                 f"{sorted(strays)} are not among its lowerings")
 
     def compile(self, program: Path, out: Path, topology: Topology) -> None:
         _imported(self.compiler)(program, out, topology)
@@ -116,18 +130,19 @@ BACKENDS = {backend.name: backend for backend in (
     Backend("inductor", "aoti.pt2", parallel_compile=True, serves_here=True,
             compiler="graphc.backends.inductor:compile_program", loader="graphc.runtime.graph_loaders:load_inductor"),
     # The all-to-all's even form only: a2a_v sizes its sends from the split matrix, which XLA's
-    # static-shape all-to-all cannot take; its variable-size collective, ragged-all-to-all, is one
-    # XLA:CPU does not execute (jaxlib 0.10: "HLO opcode `ragged-all-to-all` is not supported by
-    # XLA:CPU ThunkEmitter"), so no program holding it could be checked here. `auto` pads instead
-    # (`moe_forms.moe_lowering_for`).
+    # static-shape all-to-all cannot take, and its variable-size collective, ragged-all-to-all, is
+    # one XLA:CPU does not execute (jaxlib 0.10: "HLO opcode `ragged-all-to-all` is not supported
+    # by XLA:CPU ThunkEmitter"), so no program holding it could be checked here. The padded even
+    # form stands in for it (same values, `moe_forms.MOE_LOWERINGS`), and `auto` picks it.
     Backend("neuron", "neuron.zip", parallel_compile=True, serves_here=True,
             compiler="graphc.backends.neuron:compile_program", loader="graphc.runtime.graph_loaders:load_neuron",
             fixed_pool=True, toolchain="graphc.backends.neuron_archive:toolchain",
             manifest_extras="graphc.backends.neuron_archive:manifest_extras",
             linter="graphc.backends.xla.lint:lint_archives", neuron_finish=True,
             lowerings=("ag_rs", "a2a_even"),
-            why_not={"a2a_v": "its variable-size exchange, XLA's ragged-all-to-all, does not run on XLA:CPU, so it "
-                              "could not be checked here; `auto` pads to the even form"}),
+            stand_ins={"a2a_v": ("a2a_even", "the padded even form: a2a_v's variable-size exchange, XLA's "
+                                             "ragged-all-to-all, does not run on XLA:CPU, so it could not be checked "
+                                             "here")}),
 )}
 
 BackendName = Literal[tuple(BACKENDS)]  # noqa: typed.build reads the names from this Literal

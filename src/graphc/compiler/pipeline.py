@@ -22,7 +22,7 @@ from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
 from graphc.config import GraphcConfig
 from graphc.models.abstract import abstract_shard
 from graphc.models.checkpoint import default_sparse_probabilities, holds_weights, load_rank_shard
-from graphc.models.moe_forms import moe_exchange, step_moe_form
+from graphc.models.moe_forms import step_moe_form
 from graphc.models.step_model import Parallelism
 from graphc.passes.collective_schedule import check_collective_schedule, program_collectives
 from graphc.passes.graph import step_placeholders
@@ -69,9 +69,8 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
     on_checked()
     backend = options.backend or config.backend
     topology = config.topology.topology()
-    exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated,
-                            static_enabled="static_moe" not in options.disabled_passes,
-                            lowerings=backend_named(backend).lowerings)
+    exchange, stand_in_note = backend_named(backend).exchange(config.model.moe_lowering, topology,
+                                                              "static_moe" not in options.disabled_passes)
     b, kv = config.buckets, config.kv_cache
     table_width = blocks_per_row(b.context_limit, kv.block_size)
     dtype = getattr(torch, config.model.dtype)
@@ -126,7 +125,8 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                          for bucket in buckets]
                   for rank in range(topology.world)}
         extra = {"op_counts": {bucket.name: op_counts(program.graph_module) for bucket, program in programs.items()},
-                 "passes": pass_logs, **backend_named(backend).extras()}
+                 "passes": pass_logs, **backend_named(backend).extras(),
+                 **({"notes": [stand_in_note]} if stand_in_note else {})}
         del programs
         # 5. Weights, one shard (`Topology.weight_shard`: routed experts, tensor-parallel slice) in
         # memory at a time: rank 0's, then each other's, loaded, written and dropped (the captured
@@ -148,13 +148,11 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
 
 def check_backend_topology(backend: str, config: GraphcConfig, static_enabled: bool) -> None:
     """Refuse what is not built yet: what the model family does not take (`Family.check_compile`:
-    its backends, data-parallel attention, MoE exchanges), then what the backend does not (its
-    record's `Backend.check_topology`)."""
+    its backends, data-parallel attention, MoE exchanges) with the exchange the backend compiles
+    (`Backend.exchange`: every backend compiles every lowering, some through a stand-in)."""
     topology = config.topology.topology()
-    exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated, static_enabled,
-                            backend_named(backend).lowerings)
+    exchange, _ = backend_named(backend).exchange(config.model.moe_lowering, topology, static_enabled)
     config.family.check_compile(config.model_args, topology, exchange, backend)
-    backend_named(backend).check_topology(topology, exchange)
 
 
 def copy_program(capture: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

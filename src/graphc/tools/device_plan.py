@@ -36,7 +36,6 @@ from graphc.errors import GraphcError
 from graphc.models.checkpoint import build_model
 from graphc.models.abstract import StoredTensor, released_fp8_block, stored_tensors
 from graphc.models.layers import STACKED_EXPERT
-from graphc.models.moe_forms import moe_exchange
 from graphc.models.registry import family_of
 from graphc.models.step_model import ModelArgs
 from graphc.step import blocks_per_row, kv_pool_shape
@@ -221,8 +220,7 @@ def _decode_step(config, args, topology, tensors, target: Device, rows: int, per
     worst = min(local, routes) * per_expert * moe_layers
     context = blocks_per_row(config.buckets.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
     kv_read = rows * math.ceil(context / topology.cp) * per_token
-    exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated,
-                            lowerings=backend(config.backend).lowerings)
+    exchange, _ = backend(config.backend).exchange(config.model.moe_lowering, topology)
     collectives = sum(c.count * c.bytes_in for c in step_collectives(args, topology, Bucket("decode", rows),
                                                                       config.model.dtype, exchange, context,
                                                                       config.kv_cache.block_size))

@@ -19,7 +19,7 @@ from graphc.buckets.planner import Histogram, chunk_histogram, padding_waste, po
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
 from graphc.models.family import Collective
-from graphc.models.moe_forms import moe_exchange, shared_experts_reduced_with_routed, step_moe_form
+from graphc.models.moe_forms import shared_experts_reduced_with_routed, step_moe_form
 from graphc.models.registry import family_of
 from graphc.models.step_model import ModelArgs
 from graphc.step import blocks_per_row
@@ -98,8 +98,7 @@ def describe(config: GraphcConfig, workload: Histogram | None) -> list[str]:
     if workload:
         lines += _waste_lines(config, workload)
     topology = t.topology()
-    exchange = moe_exchange(config.model.moe_lowering, topology.ep, topology.tokens_replicated,
-                            lowerings=backend(config.backend).lowerings)
+    exchange, _ = backend(config.backend).exchange(config.model.moe_lowering, topology)
     world = topology.world
     lines += [f"graphs: {len(buckets)} per rank x {world} rank(s) = {len(buckets) * world} in all, "
               f"{len(buckets)} distinct (one program per bucket, every rank's; a rank's KV shard and experts "

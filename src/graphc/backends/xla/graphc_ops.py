@@ -158,8 +158,8 @@ def moe_a2a_combine(context, out: Out, partial, sent, received, group: str, grou
 
 
 def _check_even(lowering: str) -> None:
-    # The backend refuses a2a_v before capture (`Backend.check_topology`); a program that still
-    # holds one was not compiled by graphc's pipeline.
+    # The backend compiles a2a_even in a2a_v's place (`Backend.stand_ins`); a program that still
+    # holds a2a_v was not compiled by graphc's pipeline.
     if lowering != "a2a_even":
         raise GraphcError(f"xla lowering: the {lowering} all-to-all has no XLA rule; only a2a_even is lowered")
 
