@@ -29,6 +29,7 @@ def placeholder_inputs(program: torch.export.ExportedProgram) -> tuple[tuple, di
     flat = []
     for name in program.graph_signature.user_inputs:
         value = values[name]
-        shape = [size if isinstance(size, int) else size.node.shape_env.size_hint(size.node.expr) for size in value.shape]
+        shape = [size if isinstance(size, int) else size.node.shape_env.guarding_hint_or_throw(size.node.expr)
+                 for size in value.shape]
         flat.append(torch.empty(shape, dtype=value.dtype))
     return pytree.tree_unflatten(flat, program.call_spec.in_spec)

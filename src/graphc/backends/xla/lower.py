@@ -78,7 +78,7 @@ def _num_blocks(program: ExportedProgram) -> int:
     """The pool's block count the program was captured with (its one symbolic dim's hint)."""
     pool = [n for n in program.graph.nodes if n.op == "placeholder"][-len(STEP_INPUTS) + STEP_INPUTS.index("kv_pool")]
     size = pool.meta["val"].shape[1]
-    return size if isinstance(size, int) else int(size.node.shape_env.size_hint(size.node.expr))
+    return size if isinstance(size, int) else int(size.node.shape_env.guarding_hint_or_throw(size.node.expr))
 
 
 def lower_to_hlo(program: ExportedProgram, topology: Topology,
