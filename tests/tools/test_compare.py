@@ -89,6 +89,19 @@ def test_bf16_tensor_parallel_artifacts_stay_inside_the_floor(tmp_path, compiled
     assert max(max(r["relative_error"]) for r in reports) > 1e-3  # bf16's rounding, not fp32's
 
 
+@pytest.mark.slow
+def test_bf16_v41_neuron_artifacts_stay_inside_the_floor(tmp_path, compiled, tiny_checkpoints):
+    """V4.1 (Engram) lowered to XLA and served on XLA:CPU in bf16, judged against the V4.1
+    reference's own bf16 noise floor (measured with the defaults, 3 x 27 tokens: 25, 25, 25
+    matched, every miss inside)."""
+    artifacts = compiled("v41", "neuron", "small", dtype="bfloat16")
+    result = _compare(tmp_path, tiny_checkpoints["v41"], artifacts)
+    assert result.exit_code == 0, result.output
+    reports = json.loads((tmp_path / "report.json").read_text())
+    assert all(m["inside_floor"] for r in reports for m in r["mismatches"])
+    assert max(max(r["relative_error"]) for r in reports) > 1e-3  # bf16's rounding, not fp32's
+
+
 def test_transformers_is_the_reference_where_it_has_the_architecture(tmp_path, compiled, tiny_checkpoints):
     result = _compare(tmp_path, tiny_checkpoints["lora-groups"], compiled("lora-groups", "export", "small"))
     assert result.exit_code == 0, result.output
