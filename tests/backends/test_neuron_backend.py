@@ -88,12 +88,14 @@ def test_neuron_artifacts_serve_the_export_tokens(preset, cp, ep, tp, compiled):
 @pytest.mark.multirank
 @pytest.mark.parametrize("preset, dp, cp, ep, lowering", [
     ("lora-groups", 2, 1, 2, "a2a_v"),  # compiled as a2a_even, saying so
+    pytest.param("lora-groups", 2, 1, 2, "ag_rs", marks=pytest.mark.slow),  # all-gather, route, reduce-scatter
     pytest.param("wide-16e", 2, 2, 4, "auto", marks=pytest.mark.slow),  # `auto` pads the group of 4
 ])
-def test_data_parallel_neuron_artifacts_serve_the_export_tokens_over_the_even_all_to_all(preset, dp, cp, ep, lowering,
+def test_data_parallel_neuron_artifacts_serve_the_export_tokens_over_their_exchange(preset, dp, cp, ep, lowering,
                                                                                          compiled):
     """Two replicas, each sampling its own rows (the program's tokens kept on its first rank), the experts over the
-    world reached by HLO all-to-alls; a batch of one leaves the second replica all padding."""
+    world reached by HLO all-to-alls (ag_rs: all-gathers and reduce-scatters); a batch of one leaves the second
+    replica all padding."""
     requests = _requests()
     expected = Engine(compiled(preset, "export", "dp")).generate(requests)  # one rank's: what dp serves too
     artifacts = compiled(preset, "neuron", "dp", cp, ep, True, dp, lowering)
@@ -101,7 +103,7 @@ def test_data_parallel_neuron_artifacts_serve_the_export_tokens_over_the_even_al
     assert [r.output_ids for r in got.results] == [r.output_ids for r in expected]
     assert alone.results[0].output_ids == expected[0].output_ids
     manifest = read_manifest(artifacts)
-    assert {g.moe_exchange for rank in manifest.ranks for g in rank.graphs} == {"a2a_even"}
+    assert {g.moe_exchange for rank in manifest.ranks for g in rank.graphs} == {"ag_rs" if lowering == "ag_rs" else "a2a_even"}
     assert [rank.samples for rank in manifest.ranks] == [r % (cp) == 0 for r in range(dp * cp)]
     lint = CliRunner().invoke(cli, ["inspect", str(artifacts), "--lint"])
     assert lint.exit_code == 0 and "no problem(s)" in lint.stdout, lint.output
