@@ -92,7 +92,7 @@ def test_neuron_artifacts_serve_the_export_tokens(preset, cp, ep, tp, compiled):
     pytest.param("wide-16e", 2, 2, 4, "auto", marks=pytest.mark.slow),  # `auto` pads the group of 4
 ])
 def test_data_parallel_neuron_artifacts_serve_the_export_tokens_over_their_exchange(preset, dp, cp, ep, lowering,
-                                                                                         compiled):
+                                                                                   compiled):
     """Two replicas, each sampling its own rows (the program's tokens kept on its first rank), the experts over the
     world reached by HLO all-to-alls (ag_rs: all-gathers and reduce-scatters); a batch of one leaves the second
     replica all padding."""
