@@ -194,7 +194,7 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
                    "alone compiles to anyway. The artifacts cannot be served.")
 def compile_command(config_path, out, backend, disabled, dump_graphs, verify_passes, jobs, force, sign_key,
                     moe_lowering, shapes_only) -> None:
-    """Capture, rewrite and compile MODEL_YAML's model into per-bucket graphs (one program per bucket, every rank's)."""
+    """Capture, rewrite and compile MODEL_YAML's model: one program per bucket, which every rank runs."""
     from graphc.config import load_config
     from graphc.compiler.pipeline import CompileOptions, compile
 

@@ -305,7 +305,7 @@ def expected_parameters(context: GraphContext) -> dict[str, tuple[list[int], str
     inputs' from the graph entry (the pool's block count fixed at compile time), noise [rows,
     vocab] fp32, the weights' from the tensors bound (None where none are: any shape and dtype)."""
     manifest, rank, graph, weights = context.manifest, context.rank, context.graph, context.weights
-    names = parameter_names(len(rank.weight_names), True)
+    names = parameter_names(len(rank.weight_names), samples=True)
     expected = dict.fromkeys(names[:len(rank.weight_names)]) if weights is None else {
         name: (list(w.shape), _program_dtype(w.dtype)) for name, w in zip(names, weights)}
     for name, spec in graph.inputs.items():
