@@ -111,27 +111,27 @@ def compile_all(jobs: list[CompileJob], backend: str, topology: Topology, worker
         console=Console(stderr=True), disable=not show_progress, transient=False,
     ) as progress:
         task = progress.add_task(backend, total=len(todo))
-        programs = {}
         # Same extension as the cache entry: AOTInductor insists on package paths ending in .pt2.
+        programs = {key: Path(scratch) / f"{key}.pt2" for key in todo}
         partials = {key: Path(scratch) / f"{key}.partial.{extension}" for key in todo}
-        for key, job in todo.items():
-            programs[key] = Path(scratch) / f"{key}.pt2"
-            save_exported_program(job.program, programs[key])
 
         def compiled(key: str, partial: Path) -> None:
             _store(partial, results[key])
             progress.advance(task)
 
         if not backend_named(backend).parallel_compile or workers <= 1 or len(todo) == 1:
-            for key in todo:
+            for key, job in todo.items():
                 progress.update(task, description=f"{backend}: {', '.join(labels[key])}")
+                save_exported_program(job.program, programs[key])
                 compile_program(backend, programs[key], partials[key], topology)
                 compiled(key, partials[key])
             return results
         context = multiprocessing.get_context("spawn")  # fork would inherit the parent's threads and locks
         with concurrent.futures.ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=context) as pool:
-            futures = {pool.submit(compile_program, backend, programs[key], partials[key], topology): key
-                       for key in todo}
+            futures = {}
+            for key, job in todo.items():  # each program compiles while the next is saved
+                save_exported_program(job.program, programs[key])
+                futures[pool.submit(compile_program, backend, programs[key], partials[key], topology)] = key
             running = set(futures.values())
             progress.update(task, description=f"{backend}: {len(running)} graphs")
             for future in concurrent.futures.as_completed(futures):
