@@ -178,7 +178,8 @@ CASES = {  # name -> (the change, the refusal after "error: <archive>: ")
     "another world": (_edited_program(lambda d: d.update(world=2)),
                       "program.json: world: 2; the manifest's topology has 1 rank(s)"),
     "no sampler": (_edited_program(_signature(samples=False)),
-                   "program.json: signature.samples: False; rank 0 samples"),
+                   "program.json: signature.samples: false; every step program samples (its tokens kept where a "
+                   "rank samples)"),
     "other outputs": (_edited_program(_signature(outputs=["kv_pool", "logits", "tokens"])),
                       "program.json: signature.outputs, output_dtypes: ['kv_pool', 'logits', 'tokens'] ['float32', "
                       "'int32', 'float32']; expected ['kv_pool', 'tokens', 'logits'] [float32, int32, float32 or "
