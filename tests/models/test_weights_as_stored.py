@@ -1,5 +1,5 @@
 """FP8 weights kept as stored (`model.weights: as-stored`): a loaded model holds every FP8 tensor
-of the checkpoint as stored, with its fp32 scales, and a step dequantising them in the graph gives
+of the checkpoint as stored (V4.1's FP4 routed experts as their bytes), with its fp32 scales, and a step dequantising them in the graph gives
 the logits of the model dequantised on load, bit for bit, for a preset of every family."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from safetensors import safe_open
 from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import StepGraph, model_weights
 from graphc.models.checkpoint import QUANTIZED_WEIGHTS, check_checkpoint, fp8_tensors, load_model
+from graphc.models import fp4
 from graphc.models.fp8 import FP8
 from support import FP8_PRESETS, run_step
 
@@ -34,14 +35,18 @@ def test_every_fp8_tensor_is_kept_as_stored_with_its_scales(fp8_checkpoints, pre
     quantized = getattr(model, QUANTIZED_WEIGHTS)
     parameters, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     assert quantized and not getattr(plain, QUANTIZED_WEIGHTS)
-    for name, weight in quantized.items():
-        assert parameters[name].dtype == FP8 and buffers[weight.scale].dtype == torch.float32
-        assert weight.dtype == dict(plain.named_parameters())[name].dtype
-    # Nothing FP8 of the main layers was dequantised on the way but the row-sharded tables (V4.1's
-    # Engram: looked up by row, not multiplied).
     checked = check_checkpoint(checkpoint)
+    for name, weight in quantized.items():
+        packed = parameters[name].dtype == fp4.PAIRS
+        assert parameters[name].dtype == FP8 or (packed and ".experts." in name and preset == "v41")
+        assert buffers[weight.scale].dtype == torch.float32 and weight.block == (fp4.BLOCK if packed else weight.block)
+        assert weight.dtype == dict(plain.named_parameters())[name].dtype
+    # Nothing FP8 (FP4) of the main layers was dequantised on the way but the row-sharded tables
+    # (V4.1's Engram: looked up by row, not multiplied).
     stored = [n for n in fp8_tensors(checkpoint) if n in checked.expected and not n.endswith(checked.family.row_sharded_tables)]
-    assert sum(parameters[n].numel() for n in quantized) == _stored_elements(checkpoint, stored)
+    values = sum(p.numel() * (2 if p.dtype == fp4.PAIRS else 1) for p in map(parameters.get, quantized))
+    assert values == _stored_elements(checkpoint, stored + list(checked.fp4_bytes))
+    assert bool(checked.fp4_bytes) == (preset == "v41")
     for name, parameter in plain.named_parameters():
         if name not in quantized:
             assert torch.equal(parameters[name], parameter)

@@ -78,9 +78,9 @@ NEFF_BYTES = 2 * 2**30
 NOISE = "noise"
 OUTPUTS = ("kv_pool", "tokens", "logits")
 """A step program's results, in order."""
-Dtype = Literal["float32", "bfloat16", "int32", "bool", "uint8"]
+Dtype = Literal["float32", "bfloat16", "int32", "bool", "uint8", "int8"]
 """A parameter's or result's dtype: what the lowering emits and the XLA:CPU runner binds (uint8: an
-FP8 weight kept as stored, as its bytes)."""
+FP8 weight kept as stored, as its bytes; int8: an FP4 one's bytes, `models/fp4.PAIRS`)."""
 _PROGRAM_DTYPES = {"int64": "int32", "float8_e4m3fn": "uint8"}
 """A torch dtype's name -> its values' dtype in a program (`xla.interpret.JAX_DTYPES`: no jax x64 mode;
 FP8 weights as bytes, `xla.aten.FP8_BITS`)."""

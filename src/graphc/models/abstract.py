@@ -5,7 +5,7 @@ FP8 scales) without reading any tensor data: it mirrors `checkpoint.load_model` 
 experts, the family's fp32 parameters and index tables, and, with `as_stored`, the tensors the
 family's FP8 releases quantise (`Family.fp8_quantised`) kept FP8 where config.json's
 `quantization_config` says the checkpoint is FP8, their scales stacked as `_kept_as_stored`
-stacks them). `graphc plan --device` counts its bytes; tests hold it to loaded shards.
+stacks them; FP4 (`fp4_quantised`) as their bytes, two values each). `graphc plan --device` counts its bytes; tests hold it to loaded shards.
 
 `abstract_shard` builds that shard's module on the meta device with fake tensors for its
 weights (no weight bytes in memory): what a shapes-only compile captures.
@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from graphc.models.checkpoint import QUANTIZED_WEIGHTS, build_model
+from graphc.models import fp4
+from graphc.models.checkpoint import QUANTIZED_WEIGHTS, build_model, hold_as_stored
 from graphc.models.fp8 import FP8, SCALE_SUFFIX, QuantizedWeight, scale_grid
 from graphc.models.hf_config import read_hf_config
 from graphc.models.registry import family_of
@@ -37,7 +38,7 @@ class StoredTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     quantized: QuantizedWeight | None = None
-    """Where kept FP8 as stored: its scales' buffer, block and compute dtype."""
+    """Where kept FP8 (FP4) as stored: its scales' buffer, block and compute dtype."""
     scale_shape: tuple[int, ...] | None = None
 
     @property
@@ -81,7 +82,11 @@ def stored_tensors(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_sto
         kept_fp8 = (block is not None and stored and all(family.fp8_quantised.match(n) for n in stored)
                     and not name.endswith(family.row_sharded_tables) and len(shape) in (2, 3))
         dim = family.tensor_parallel_dim(name) if tp > 1 else None
-        if kept_fp8 and dim is not None:  # as `checkpoint._kept_as_stored` slices it
+        if kept_fp8 and len(shape) == 3 and all(family.fp4_quantised.match(n) for n in stored):
+            tensors.append(StoredTensor(name, (*shape[:-1], shape[-1] // 2), fp4.PAIRS,
+                                        QuantizedWeight(name + SCALE_SUFFIX, fp4.BLOCK, target),
+                                        (*shape[:-2], *scale_grid(shape[-2:], fp4.BLOCK))))
+        elif kept_fp8 and dim is not None:  # as `checkpoint._kept_as_stored` slices it
             whole_grid = torch.empty(scale_grid(whole_shapes[name], block), device="meta")
             grid, split_block = TensorShard(0, tp).scales(whole_grid, block, dim, whole_shapes[name][dim])
             tensors.append(StoredTensor(name, shape, FP8, QuantizedWeight(name + SCALE_SUFFIX, split_block, target),
@@ -109,6 +114,9 @@ def abstract_shard(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_sto
         state = {t.name: torch.empty(t.shape, dtype=t.dtype) for t in tensors}
         if args.tie_word_embeddings and tp == 1:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        for t in tensors:
+            if t.quantized is not None:
+                hold_as_stored(model, t.name, state[t.name])
         model.load_state_dict(state, strict=True, assign=True)
         for t in tensors:
             if t.quantized is not None:

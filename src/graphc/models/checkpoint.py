@@ -8,9 +8,10 @@ experts, which it stacks in the layout the compiled graphs read: `model.layers.{
 gate_proj.weight` and `up_proj.weight` for e in 0..E-1 become `model.layers.{i}.mlp.experts.gate_up_proj`
 [E, 2I, D] (each expert's gate rows, then its up rows), and `down_proj.weight` becomes `down_proj`
 [E, D, I]. FP8 block-quantised weights (DeepSeek's
-release format: a float8_e4m3fn `X.weight` with its `X.weight_scale_inv`) are dequantised exactly
-on load (models/fp8.py), or, for step graphs (`as_stored`), kept as stored: the parameter holds the
-FP8 values and a buffer `<parameter>_scale_inv` their fp32 scales (`fp8.QuantizedWeight`). A
+release format: a float8_e4m3fn `X.weight` with its `X.weight_scale_inv`) and FP4 ones (V4.1's
+routed experts: `models/fp4.py`) are dequantised exactly on load, or, for step graphs
+(`as_stored`), kept as stored: the parameter holds the FP8 values (FP4: their bytes) and a buffer
+`<parameter>_scale_inv` their fp32 scales (`fp8.QuantizedWeight`). A
 tensor-parallel rank (`tp_shard`) reads only its slice of each weight its family splits
 (`Family.tensor_parallel_dims`, `tensor_shard.TensorShard`), FP8 ones with their slice's scales.
 """
@@ -21,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from graphc.errors import CheckpointError
+from graphc.models import fp4
 from graphc.models.family import Family, Sources
 from graphc.models.fp8 import (SCALE_SUFFIX, UE8M0_SUFFIX, QuantizedWeight, dequantize, scale_grid, scale_name,
                                scaled_weight)
@@ -221,6 +224,8 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
                 state[name] = read(groups[0][0])
     if args.tie_word_embeddings and not tied_split:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    for name in scales:
+        hold_as_stored(model, name, state[name])
     model.load_state_dict(state, strict=True, assign=True)
     for name, (scale, quantized) in scales.items():
         owner, _, attribute = quantized.scale.rpartition(".")
@@ -231,12 +236,21 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     return model.requires_grad_(False).eval()  # inference only: no autograd bookkeeping
 
 
+def hold_as_stored(model: nn.Module, name: str, stored: Tensor) -> None:
+    """Declare parameter `name` (of a module on the meta device) with the shape and dtype it is
+    kept in, so `load_state_dict(assign=True)` takes it: an FP4 weight is half its columns, in bytes."""
+    owner, _, attribute = name.rpartition(".")
+    empty = torch.empty(stored.shape, dtype=stored.dtype, device="meta")
+    model.get_submodule(owner).register_parameter(attribute, nn.Parameter(empty, requires_grad=False))
+
+
 def _kept_as_stored(handles: dict, checked: "CheckedCheckpoint", name: str, groups: list[list[str]],
                     experts: range, shard: tuple[int, TensorShard] | None = None
                     ) -> tuple[Tensor, Tensor, tuple[int, int]] | None:
-    """Parameter `name` as its FP8 values, fp32 scales and scale block, where every tensor it is
-    made of is stored FP8; None where it is not (it is dequantised on load then). Row-sharded
-    tables (V4.1's Engram) are looked up by row, not multiplied: dequantised on load.
+    """Parameter `name` as its FP8 values (FP4: bytes), fp32 scales and scale block, where every
+    tensor it is made of is stored FP8, or every one FP4; None where not (it is dequantised on load
+    then). Row-sharded tables (V4.1's Engram) are looked up by row, not multiplied: dequantised on
+    load.
 
     Stacked experts stack their scales too; where a part's rows are not a whole number of scale
     blocks (gate and up fused into one matrix), each row gets its block's scale (block rows 1).
@@ -244,8 +258,13 @@ def _kept_as_stored(handles: dict, checked: "CheckedCheckpoint", name: str, grou
     (`TensorShard.scales`).
     """
     parts = [n for group in groups for n in group]
-    if name.endswith(checked.family.row_sharded_tables) or not all(
-            handles[checked.files[n]].get_slice(n).get_dtype() == "F8_E4M3" for n in parts):
+    if name.endswith(checked.family.row_sharded_tables):
+        return None
+    if all(n in checked.fp4_bytes for n in parts) and _stored_per_expert(checked.family, name, groups):
+        weights = torch.stack([torch.cat([_fp4_pairs(checked, n) for n in groups[e]]) for e in experts])
+        grids = torch.stack([torch.cat([_fp4_scale(handles, checked, n) for n in groups[e]]) for e in experts])
+        return weights, grids, fp4.BLOCK
+    if not all(handles[checked.files[n]].get_slice(n).get_dtype() == "F8_E4M3" for n in parts):
         return None
     block = checked.fp8_block
 
@@ -304,6 +323,21 @@ def load_reference(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float3
     return model.requires_grad_(False).eval()
 
 
+def _fp4_pairs(checked: "CheckedCheckpoint", name: str) -> Tensor:
+    """An FP4 tensor's bytes [R, C / 2] as `fp4.PAIRS`, read from its byte range: safetensors 0.8
+    sizes an F4 read as one byte per value (its `get_slice` and pread `get_tensor` fail on one)."""
+    path, start, stop = checked.fp4_bytes[name]
+    rows, columns = checked.expected[name]
+    with open(path, "rb") as f:
+        data = os.pread(f.fileno(), stop - start, start)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(rows, columns // 2).view(fp4.PAIRS)
+
+
+def _fp4_scale(handles: dict, checked: "CheckedCheckpoint", name: str) -> Tensor:
+    scale = scale_name(name, checked.ue8m0)
+    return handles[checked.files[scale]].get_slice(scale)[:].float()
+
+
 @dataclass(frozen=True)
 class CheckedCheckpoint:
     args: ModelArgs
@@ -315,6 +349,8 @@ class CheckedCheckpoint:
     """Each tensor of the main layers with its shape."""
     sources: Sources
     """The stored tensors of each graphc parameter."""
+    fp4_bytes: dict[str, tuple[Path, int, int]] = dataclasses.field(default_factory=dict)
+    """Each FP4 tensor's file and byte range (`_fp4_pairs`)."""
 
     @property
     def ue8m0(self) -> bool:
@@ -325,10 +361,14 @@ class CheckedCheckpoint:
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-                      "F8_E8M0": torch.float8_e8m0fnu}
-"""safetensors' dtype names."""
-WEIGHT_DTYPES = ("F32", "BF16", "F16", "F8_E4M3")
-"""What a weight may be stored as (FP8 with its block scales)."""
+                      "F8_E8M0": torch.float8_e8m0fnu, "F4": torch.float4_e2m1fn_x2}
+"""safetensors' dtype names (an F4 tensor's shape counts values, two to a byte)."""
+WEIGHT_DTYPES = ("F32", "BF16", "F16", "F8_E4M3", "F4")
+"""What a weight may be stored as (FP8 and FP4 with their block scales)."""
+QUANTIZED = {"F8_E4M3": "float8_e4m3fn", "F4": "float4_e2m1 (F4)"}
+"""The block-scaled dtypes: their scale tensor is required."""
+SUPPORTED_WEIGHTS = ("float32, bfloat16, float16, and float8_e4m3fn (or float4_e2m1, F4: two values a byte) "
+                     "with block scales")
 INDEX_DTYPES = ("I64", "I32")
 """What an index table (V4's `tid2eid`) may be stored as."""
 
@@ -373,38 +413,42 @@ def check_checkpoint(checkpoint_dir: Path, draft_layers: int = 0) -> CheckedChec
     expected = _expected_shapes(args, sources)
     headers = {path: _header(path) for path in sorted(set(files.values()))}
     for name, shape in expected.items():
-        dtype, stored_shape = headers[files[name]][name]
+        dtype, stored_shape, _ = headers[files[name]][name]
         if name.endswith(family.index_tensors):
             if dtype not in INDEX_DTYPES:
                 raise CheckpointError(f"{files[name].name}: tensor {name} has dtype {SAFETENSORS_DTYPES[dtype]}; "
                                       "supported: int64, int32")
         elif dtype not in WEIGHT_DTYPES:
             raise CheckpointError(f"{files[name].name}: tensor {name} has dtype {SAFETENSORS_DTYPES[dtype]}; supported: "
-                                  "float32, bfloat16, float16, and float8_e4m3fn with block scales")
+                                  f"{SUPPORTED_WEIGHTS}")
         if tuple(stored_shape) != shape:
             raise CheckpointError(f"{files[name].name}: tensor {name} has shape {stored_shape}, expected {list(shape)} "
                                   "from config.json")
-        _check_scale(name, shape, dtype == "F8_E4M3", files, headers, block, family)
-    checked = CheckedCheckpoint(args, family, files, block, expected, sources)
+        _check_scale(name, shape, dtype, files, headers, block, family)
+    fp4_bytes = {name: (files[name], *headers[files[name]][name][2]) for name in expected
+                 if headers[files[name]][name][0] == "F4"}
+    checked = CheckedCheckpoint(args, family, files, block, expected, sources, fp4_bytes)
     _check_index_tables(checked)
     return checked
 
 
-def _check_scale(name: str, shape: tuple[int, ...], fp8: bool, files: dict[str, Path], headers: dict,
+def _check_scale(name: str, shape: tuple[int, ...], dtype: str, files: dict[str, Path], headers: dict,
                  block: tuple[int, int] | None, family: Family) -> None:
-    """An FP8 weight's scale is present and tiles it; a weight of another dtype has none."""
+    """An FP8 (FP4) weight's scale is present and tiles it; a weight of another dtype has none."""
     scale = scale_name(name, family.ue8m0_scales)
-    if not fp8:
+    if dtype not in QUANTIZED:
         if scale in files:
             raise CheckpointError(f"{files[scale].name}: {scale} scales {name}, which is stored as "
-                                  f"{SAFETENSORS_DTYPES[headers[files[name]][name][0]]}, not float8_e4m3fn")
+                                  f"{SAFETENSORS_DTYPES[dtype]}, not float8_e4m3fn or float4_e2m1")
         return
-    if scale not in files or block is None:
-        raise CheckpointError(f"{files[name].name}: tensor {name} is float8_e4m3fn but {scale} is missing")
-    if len(shape) != 2:
-        raise CheckpointError(f"{files[name].name}: tensor {name} is float8_e4m3fn of shape {list(shape)}; block "
-                              "scales quantise matrices only")
-    per_row = (1, block[1]) if name.endswith(family.row_sharded_tables) else block  # a table's rows scale alone
+    kind = QUANTIZED[dtype]
+    if scale not in files or (block is None and dtype != "F4"):
+        raise CheckpointError(f"{files[name].name}: tensor {name} is {kind} but {scale} is missing")
+    if len(shape) != 2 or (dtype == "F4" and shape[1] % 2):
+        raise CheckpointError(f"{files[name].name}: tensor {name} is {kind} of shape {list(shape)}; block "
+                              "scales quantise matrices only" + (" (FP4: of an even column count)" if dtype == "F4" else ""))
+    per_row = (fp4.BLOCK if dtype == "F4" else
+               (1, block[1]) if name.endswith(family.row_sharded_tables) else block)  # a table's rows scale alone
     stored = headers[files[scale]][scale][1]
     wanted = list(scale_grid(shape, per_row))
     if list(stored) != wanted:
@@ -425,8 +469,9 @@ def _check_index_tables(checked: CheckedCheckpoint) -> None:
                                   f"routed experts 0..{experts - 1} (n_routed_experts {experts})")
 
 
-def _header(path: Path) -> dict[str, tuple[str, list[int]]]:
-    """A safetensors file's tensors (dtype, shape), each byte range checked against the file."""
+def _header(path: Path) -> dict[str, tuple[str, list[int], tuple[int, int]]]:
+    """A safetensors file's tensors (dtype, shape, byte range in the file), each byte range checked
+    against the file."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         prefix = f.read(8)
@@ -444,13 +489,14 @@ def _header(path: Path) -> dict[str, tuple[str, list[int]]]:
             continue
         try:
             dtype, shape, (begin, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
-            nbytes = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
+            nbytes = (-(-math.prod(shape) // 2) if dtype == "F4" else
+                      math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize)
         except (TypeError, KeyError, ValueError):
             raise CheckpointError(f"{path}: corrupt safetensors header entry for {name!r}") from None
         if end - begin != nbytes or not 0 <= begin <= end <= data_bytes:
             raise CheckpointError(f"{path}: tensor {name} claims bytes {begin}..{end} of {data_bytes} "
                                   f"({list(shape)} {dtype} is {nbytes} bytes): the file is truncated or corrupt")
-        tensors[name] = (dtype, shape)
+        tensors[name] = (dtype, shape, (8 + length + begin, 8 + length + end))
     return tensors
 
 
@@ -489,9 +535,12 @@ def _read_tensor(handles: dict, checked: CheckedCheckpoint, name: str, shape: tu
                  rows: slice = slice(None), shard: tuple[int, TensorShard] | None = None) -> Tensor:
     """A stored tensor (its `rows` only: a sharded Engram table; or a tensor-parallel rank's slice
     of split dim `shard[0]`), FP8 dequantised with its scales (the whole scale blocks the slice
-    lies in, then the slice of those)."""
+    lies in, then the slice of those); FP4 dequantised whole, then sliced."""
     files, fp8_block, family = checked.files, checked.fp8_block, checked.family
     path, scale = files[name], scale_name(name, checked.ue8m0)
+    if name in checked.fp4_bytes:
+        whole = fp4.dequantize(_fp4_pairs(checked, name), _fp4_scale(handles, checked, name))
+        return whole[rows] if shard is None else whole[shard[1].index(shard[0], shape[shard[0]])]
     stored = handles[path].get_slice(name)
     if tuple(stored.get_shape()) != shape:
         raise CheckpointError(
@@ -512,8 +561,7 @@ def _read_tensor(handles: dict, checked: CheckedCheckpoint, name: str, shape: tu
         block = (1, fp8_block[1]) if name.endswith(family.row_sharded_tables) else fp8_block  # a table's rows scale alone
         return dequantize(tensor, handles[files[scale]].get_slice(scale)[rows], block)
     if tensor.dtype not in SUPPORTED_DTYPES and not name.endswith(family.index_tensors):
-        raise CheckpointError(f"{path.name}: tensor {name} has dtype {tensor.dtype}; supported: float32, bfloat16, "
-                              "float16, and float8_e4m3fn with block scales")
+        raise CheckpointError(f"{path.name}: tensor {name} has dtype {tensor.dtype}; supported: {SUPPORTED_WEIGHTS}")
     return tensor
 
 

@@ -85,6 +85,8 @@ class Family:
     """FP8 scales named and stored as DeepSeek-V4.1's (`fp8.UE8M0_SUFFIX`)."""
     fp8_quantised: re.Pattern = re.compile(r"(?!)")
     """The stored weights its FP8 releases quantise (what `make-tiny --fp8-block` quantises)."""
+    fp4_quantised: re.Pattern = re.compile(r"(?!)")
+    """Of those, the ones its releases store as FP4 instead (`models/fp4.py`: V4.1's routed experts)."""
 
     # Tensor parallelism: none where the family is served with tp = 1 only.
     tensor_parallel_dims: tuple[tuple[re.Pattern, int], ...] = ()

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from graphc.errors import GraphcError
+from graphc.models import fp4
 from graphc.models.checkpoint import expected_tensors
 from graphc.models.fp8 import quantize, quantize_ue8m0, scale_name
 from graphc.models.family import Family
@@ -122,12 +123,14 @@ def byte_level_tokenizer():
 def quantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int], family: Family) -> dict[str, torch.Tensor]:
     """The family's FP8 release layout: the weights it quantises (`Family.fp8_quantised`: the decoder
     layers' projections) as float8_e4m3fn with block scales (V4.1's power-of-two ones, and its
-    tables' per row: `Family.ue8m0_scales`, `row_sharded_tables`); embeddings, norms, the router
-    and the head stay as they are."""
+    tables' per row: `Family.ue8m0_scales`, `row_sharded_tables`), or as FP4 (`fp4_quantised`: V4.1's
+    routed experts); embeddings, norms, the router and the head stay as they are."""
     out = {}
     quantizer = quantize_ue8m0 if family.ue8m0_scales else quantize
     for name, tensor in tensors.items():
-        if family.fp8_quantised.match(name):
+        if family.fp4_quantised.match(name):
+            out[name], out[scale_name(name, family.ue8m0_scales)] = fp4.quantize(tensor)
+        elif family.fp8_quantised.match(name):
             per_row = name.endswith(family.row_sharded_tables)
             out[name], out[scale_name(name, family.ue8m0_scales)] = quantizer(tensor, (1, block[1]) if per_row else block)
         else:

@@ -1,5 +1,5 @@
-"""`graphc::dequantize`: a block-scaled low-precision weight (FP8 as DeepSeek releases it) back in
-the compute dtype, inside the graph, next to the op that reads it.
+"""`graphc::dequantize`: a block-scaled low-precision weight (FP8 or FP4 as DeepSeek releases it)
+back in the compute dtype, inside the graph, next to the op that reads it.
 
 Weights kept as stored (`model.weights: as-stored`) enter a step graph in their checkpoint dtype
 with their fp32 block scales; one node per weight turns them into what the layer multiplies by.
@@ -10,9 +10,14 @@ fuses the scaling into the reduction of a one-row linear layer, so a decode step
 per FP8 weight. The scale is broadcast by a view (expand and reshape), not `repeat_interleave`'s
 gather, so the fused code indexes it.
 
-Exact: W_q * scale in fp32 (an fp8 value has 4 significant bits, so the product with an fp32 scale
-is exact unless it under- or overflows), then one rounding to `dtype`: the values of the load-time
-dequantisation (`models/fp8.py`) followed by the loader's cast, bit for bit.
+The weight's dtype says its format: float8_e4m3fn values (`models/fp8.py`), or int8 bytes each
+holding two float4_e2m1 codes (`models/fp4.py`, whose scales cover 1 x 32), unpacked here to twice
+the columns.
+
+Exact: W_q * scale in fp32 (an fp8 value has 4 significant bits, an fp4 one 2, so the product with
+an fp32 scale is exact unless it under- or overflows), then one rounding to `dtype`: the values of
+the load-time dequantisation (`models/fp8.py`, `models/fp4.py`) followed by the loader's cast, bit
+for bit.
 """
 
 from __future__ import annotations
@@ -20,18 +25,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from graphc.models import fp4
 from graphc.ops.library import define_op
 
 
 def dequantize_reference(weight: Tensor, scale: Tensor, block_rows: int, block_cols: int,
                          dtype: torch.dtype) -> Tensor:
-    """W [..., R, C] in `dtype` from W_q [..., R, C] and scale [..., ceil(R / br), ceil(C / bc)]:
-    every element times its block's scale, in fp32, then rounded to `dtype` once."""
-    *lead, rows, cols = weight.shape
+    """W [..., R, C] in `dtype` from W_q [..., R, C] (FP4: [..., R, C / 2] bytes) and scale
+    [..., ceil(R / br), ceil(C / bc)]: every element times its block's scale, in fp32, then rounded
+    to `dtype` once."""
+    values = fp4.unpack(weight) if weight.dtype == fp4.PAIRS else weight.float()
+    *lead, rows, cols = values.shape
     grid_rows, grid_cols = scale.shape[-2:]
     expanded = scale.float()[..., :, None, :, None].expand(*lead, grid_rows, block_rows, grid_cols, block_cols)
     expanded = expanded.reshape(*lead, grid_rows * block_rows, grid_cols * block_cols)[..., :rows, :cols]
-    return (weight.float() * expanded).to(dtype)
+    return (values * expanded).to(dtype)
 
 
 def _dequantize(weight: Tensor, scale: Tensor, block_rows: int, block_cols: int, dtype: torch.dtype) -> Tensor:
@@ -39,7 +47,8 @@ def _dequantize(weight: Tensor, scale: Tensor, block_rows: int, block_cols: int,
 
 
 def _dequantize_fake(weight: Tensor, scale: Tensor, block_rows: int, block_cols: int, dtype: torch.dtype) -> Tensor:
-    return weight.new_empty(weight.shape, dtype=dtype)
+    *lead, rows, cols = weight.shape
+    return weight.new_empty((*lead, rows, 2 * cols if weight.dtype == fp4.PAIRS else cols), dtype=dtype)
 
 
 dequantize = define_op("dequantize(Tensor weight, Tensor scale, int block_rows, int block_cols, ScalarType dtype) -> Tensor",

@@ -27,7 +27,7 @@ from graphc.errors import GraphcError
 from graphc.ops.sampler import step_noise
 
 _NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int32": np.int32, "bool": np.bool_,
-                 "uint8": np.uint8}
+                 "uint8": np.uint8, "int8": np.int8}
 _BIT_VIEWS = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16), torch.float8_e4m3fn: (torch.uint8, np.uint8)}
 """Tensors numpy cannot take from torch directly, handed over as their bits: bf16 (numpy has it
 through ml_dtypes) and FP8 weights (programs take their bytes: `xla.aten.FP8_BITS`)."""

@@ -33,6 +33,7 @@ from graphc.backends import backend
 from graphc.buckets.selection import all_buckets
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
+from graphc.models import fp4
 from graphc.models.checkpoint import build_model
 from graphc.models.abstract import StoredTensor, released_fp8_block, stored_tensors
 from graphc.models.layers import STACKED_EXPERT
@@ -99,7 +100,8 @@ def rank_tensors(config: GraphcConfig) -> list[StoredTensor]:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    """The stored format's name (FP4 weights are held as bytes of two values: `fp4.PAIRS`)."""
+    return "float4_e2m1" if dtype == fp4.PAIRS else str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ class DevicePlan:
     device_bytes: int
     bandwidth: float
     weights_bytes: dict[str, int]
-    """By dtype ("float8_e4m3fn" with its scales)."""
+    """By dtype ("float8_e4m3fn" and "float4_e2m1" with their scales)."""
     kv_bytes: int
     kv_tokens_fit: int
     activation_bytes: int

@@ -20,6 +20,7 @@ FAMILY = Family(
     row_sharded_tables=(layout.ENGRAM_TABLE,),
     ue8m0_scales=True,
     fp8_quantised=layout.FP8_RELEASED,
+    fp4_quantised=layout.FP4_RELEASED,
     data_parallel=False,
     # A V4.1 layer also takes the previous sublayer's pre-mix and the selections earlier layers
     # published: a layer alone is not a step.

@@ -37,8 +37,10 @@ OUTSIDE_TEXT_MODEL = re.compile(r"^(vision|aligner)\.|^image_(start|end|newline)
 text-only loader skips them."""
 FP8_RELEASED = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.(experts\.\d+|shared_experts)"
                           r"\.w[123]|engram\.(wkv|embed))\.weight$")
-"""The weights DeepSeek-V4.1's release stores as FP8 (its routed experts are FP4 there; graphc's
-tiny checkpoints store them as FP8 too), the Engram tables with a scale per row and 32 columns."""
+"""The weights DeepSeek-V4.1's release quantises: FP8, the Engram tables with a scale per row and
+32 columns, except the routed experts (`FP4_RELEASED`)."""
+FP4_RELEASED = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+"""The routed experts' weights, which DeepSeek-V4.1's release stores as FP4 (`models/fp4.py`)."""
 TENSOR_PARALLEL_DIMS = (
     (re.compile(r"\.attn\.(wq_b\.weight|attn_sink|wo_a\.weight|indexer\.wq_b\.weight|indexer\.weights_proj\.weight)$"), 0),
     (re.compile(r"\.attn\.wo_b\.weight$"), 1),
