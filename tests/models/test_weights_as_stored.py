@@ -68,9 +68,14 @@ def test_a_step_dequantising_in_the_graph_equals_dequantising_on_load(fp8_checkp
 
 
 @pytest.mark.compiles
-@pytest.mark.parametrize("backend", ["export", "neuron", pytest.param("inductor", marks=pytest.mark.inductor)])
-def test_artifacts_store_the_fp8_weights_and_serve_the_eager_tokens(fp8_checkpoints, tmp_path, backend):
-    """On every backend: the weights file holds the checkpoint's FP8 tensors as stored (not
+@pytest.mark.parametrize("preset, backend", [
+    ("lora-groups", "export"), ("lora-groups", "neuron"),
+    pytest.param("lora-groups", "inductor", marks=pytest.mark.inductor),
+    pytest.param("v41", "neuron", marks=pytest.mark.slow),  # FP4 experts too
+    pytest.param("v41", "inductor", marks=[pytest.mark.slow, pytest.mark.inductor]),
+])
+def test_artifacts_store_the_fp8_weights_and_serve_the_eager_tokens(fp8_checkpoints, tmp_path, preset, backend):
+    """On every backend: the weights file holds the checkpoint's FP8 (FP4) tensors as stored (not
     dequantised), and the served tokens are the eager model's, dequantised on load (fp32)."""
     import yaml
     from safetensors.torch import load_file
@@ -82,7 +87,7 @@ def test_artifacts_store_the_fp8_weights_and_serve_the_eager_tokens(fp8_checkpoi
     from graphc.tools.generate import PagedKV, generate
     from support import model_yaml
 
-    checkpoint = fp8_checkpoints["lora-groups"]
+    checkpoint = fp8_checkpoints[preset]
     buckets = {"prefill": [8], "decode": [1], "prompt_as_decode": 0, "context_limit": 64}  # decode 1: matvecs
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(model_yaml(checkpoint, buckets, backend)))
     compile(load_config(tmp_path / "model.yaml"), tmp_path / "artifacts", CompileOptions(show_progress=False))
@@ -90,8 +95,9 @@ def test_artifacts_store_the_fp8_weights_and_serve_the_eager_tokens(fp8_checkpoi
     weights = load_file(tmp_path / "artifacts" / rank.weights)
     model = load_model(checkpoint, as_stored=True)
     for name, quantized in model.quantized_weights.items():
-        assert weights[name].dtype == FP8 and torch.equal(weights[name].view(torch.uint8),
-                                                          dict(model.named_parameters())[name].view(torch.uint8))
+        kept = dict(model.named_parameters())[name]
+        assert weights[name].dtype == kept.dtype in (FP8, fp4.PAIRS)
+        assert torch.equal(weights[name].view(torch.uint8), kept.view(torch.uint8))
         assert weights[quantized.scale].dtype == torch.float32
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7]]
     served = Engine(tmp_path / "artifacts").generate([Request(p, 6, stop_at_eos=False) for p in prompts])

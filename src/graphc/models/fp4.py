@@ -39,7 +39,7 @@ def e2m1_values(codes: Tensor) -> Tensor:
 
 def unpack(pairs: Tensor) -> Tensor:
     """[..., C] fp32 values from [..., C / 2] bytes (int8, uint8 or float4_e2m1fn_x2)."""
-    as_int = pairs.view(PAIRS).to(torch.int32) & 0xFF
+    as_int = (pairs if pairs.dtype == PAIRS else pairs.view(PAIRS)).to(torch.int32) & 0xFF
     return e2m1_values(torch.stack([as_int & 0xF, as_int >> 4], dim=-1).flatten(-2))
 
 

@@ -192,6 +192,12 @@ CASES = [
     _case("bitwise_and-int", aten.bitwise_and.Tensor, torch.tensor([6, 5, 12, -1]), torch.tensor([3, 3, 10, 6])),
     _case("bitwise_or-bool", aten.bitwise_or.Tensor, B, _randn(3, 5, 7, seed=1) > 0),
     _case("bitwise_or-int", aten.bitwise_or.Tensor, torch.tensor([6, 4, 0, -8]), torch.tensor([3, 1, 0, 1])),
+    # an FP4 weight's decode (`models/fp4.py`): its bytes' nibbles, an fp32 built from its bits
+    _case("bitwise_and-scalar", aten.bitwise_and.Scalar, torch.tensor([-1, 200, 15, 16, 255], dtype=torch.int32), 0xF),
+    _case("rshift", aten.__rshift__.Scalar, torch.tensor([255, 16, 7, 0, 1 << 30], dtype=torch.int32), 4),
+    _case("lshift", aten.__lshift__.Scalar, torch.tensor([0, 1, 3, 129, 127], dtype=torch.int32), 23),
+    _case("view-int32-as-float32", aten.view.dtype, torch.tensor([0x3F800000, 0x40C00000, 0, -2**31, 0x00400000],
+                                                                  dtype=torch.int32), torch.float32),
     # comparisons (ties and -inf)
     _case("eq-scalar-neg-inf", aten.eq.Scalar, MASKED, -INF),
     _case("eq-scalar-int", aten.eq.Scalar, _randint(0, 4, 3, 5, 7), 2),
@@ -366,6 +372,7 @@ CASES = [
     _case("contiguous", aten.contiguous.default, X),
     _case("lift-fresh-copy", aten.lift_fresh_copy.default, I),
     _case("detach-in-place", aten.detach_.default, X.clone()),
+    _case("detach", aten.detach.default, _randn(3, 5)),
     _case("reshape", aten.reshape.default, X, [5, -1]),
     _case("view-as", aten.view_as.default, X, X.reshape(15, 7)),
     _case("flatten", aten.flatten.using_ints, X, 0, 1),
@@ -508,12 +515,13 @@ def test_first_argmax_is_torch_argmax(name, x):
     np.testing.assert_array_equal(got, torch.argmax(x, dim=-1).numpy())
 
 
-@pytest.mark.parametrize("preset", ["lora-groups", SPARSE_V32, "v4", "v41"])
-def test_rules_cover_every_op_of_a_step_program(preset, tiny_checkpoints):
+@pytest.mark.parametrize("preset, as_stored", [("lora-groups", False), (SPARSE_V32, False), ("v4", False),
+                                               ("v41", False), ("v41", True)])
+def test_rules_cover_every_op_of_a_step_program(preset, as_stored, tiny_checkpoints, fp8_checkpoints):
     """Every op of a decode step program as captured, after the neuron passes, has a rule of its own
     (or is ignored, or a graphc op): none is left to the node-by-node decomposition, which costs a
-    trace per distinct node (`interpret.py`)."""
-    model = load_model(tiny_checkpoints[preset])
+    trace per distinct node (`interpret.py`). As stored: V4.1's FP8 and FP4 weights' decodes."""
+    model = load_model((fp8_checkpoints if as_stored else tiny_checkpoints)[preset], as_stored=as_stored)
     bucket = Bucket("decode", 2)
     program = capture_bucket(model, bucket, 4, 8, 8)
     PassManager(backend_passes("neuron"), verify).run(program.graph_module,
