@@ -8,22 +8,20 @@ import pytest
 import torch
 
 from graphc.models.checkpoint import QUANTIZED_WEIGHTS, load_model
-from graphc.models.fp8 import dequantize
 from graphc.models.registry import family_of
 from graphc.models.tensor_shard import TensorShard
+from graphc.ops.dequantize import dequantize_reference
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
-    """Every parameter as the model computes with it (kept FP8 dequantised with its scales)."""
+    """Every parameter as the model computes with it (kept FP8 / FP4 dequantised with its scales)."""
     buffers, out = dict(model.named_buffers()), {}
     for name, parameter in model.named_parameters():
         quantized = getattr(model, QUANTIZED_WEIGHTS).get(name)
         if quantized is None:
             out[name] = parameter.float()
-        else:  # stacked experts: one matrix an expert
-            matrices = zip(parameter.reshape(-1, *parameter.shape[-2:]), buffers[quantized.scale].reshape(
-                -1, *buffers[quantized.scale].shape[-2:]))
-            out[name] = torch.stack([dequantize(w, s, quantized.block) for w, s in matrices]).view(parameter.shape)
+        else:  # as the step graph dequantises it (V4.1's FP4 experts unpacked too)
+            out[name] = dequantize_reference(parameter, buffers[quantized.scale], *quantized.block, torch.float32)
     return out
 
 

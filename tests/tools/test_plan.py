@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -34,9 +36,25 @@ def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, dp, cp, e
                                                               tiny_checkpoints):
     static = exchange != "ag_rs"
     # The data-parallel artifacts are the serving tests' (runtime/test_data_parallel.py).
-    manifest = read_manifest(compiled(preset, "export", "dp" if dp > 1 else "small", cp, ep, static, dp, tp=tp))
+    artifacts = compiled(preset, "export", "dp" if dp > 1 else "small", cp, ep, static, dp, tp=tp)
+    _assert_planned_as_compiled(artifacts, load_model_args(tiny_checkpoints[preset]), exchange)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("buckets, dp, cp, exchange", [("prompt_as_decode_small", 1, 2, "static"),
+                                                       ("dp", 2, 1, "a2a_even")])
+def test_a_speculative_steps_collectives_are_those_of_the_compiled_graphs(buckets, dp, cp, exchange, compiled,
+                                                                         tiny_checkpoints):
+    """With MTP drafts (k = 2): the verify positions' head, then the MTP layer over the step's
+    tokens and once more over a token a row (the serving tests' artifacts, runtime/test_speculative.py)."""
+    artifacts = compiled("trained", "export", buckets, cp=cp, ep=2, dp=dp, speculative=2)
+    _assert_planned_as_compiled(artifacts, load_model_args(tiny_checkpoints["trained"]), exchange, draft_tokens=2)
+
+
+def _assert_planned_as_compiled(artifacts, args, exchange: str, draft_tokens: int = 0) -> None:
+    manifest = read_manifest(artifacts)
     topology = manifest.topology.topology()
-    args = load_model_args(tiny_checkpoints[preset])
+    args = dataclasses.replace(args, draft_layers=1) if draft_tokens else args
     slots = manifest.kv_cache.blocks_per_row * manifest.kv_cache.block_size
     for rank in manifest.ranks:
         for graph in rank.graphs:
@@ -46,7 +64,7 @@ def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, dp, cp, e
             assert graph.moe_exchange == exchange
             planned = {}
             for c in step_collectives(args, topology, bucket, "float32", exchange, context_slots=slots,
-                                      block_size=manifest.kv_cache.block_size):
+                                      block_size=manifest.kv_cache.block_size, draft_tokens=draft_tokens):
                 planned[OPS[c.op]] = planned.get(OPS[c.op], 0) + c.count
             assert planned == in_graph, (bucket.name, rank.rank)
 

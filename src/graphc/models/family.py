@@ -102,6 +102,9 @@ class Family:
     drafts_with_mtp: bool = False
     """Whether its MTP layer serves as speculative decoding's draft (its args' `draft_layers`, its
     model's `final_hidden`, `logits`, `draft_hidden` and `draft_logits`)."""
+    draft_layer: Callable[["ModelArgs"], "ModelArgs"] | None = None
+    """Where it drafts: its MTP layer as the args of a one-layer model, whose collectives
+    (`attention_collectives`, ...) are the layer's (`graphc plan`)."""
     check_exchange: Callable[["ModelArgs", str], None] = _accepts
     """Raises `GraphcError` for an MoE exchange its layers cannot take."""
     probe_refusal: str | None = None

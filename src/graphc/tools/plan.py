@@ -29,7 +29,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype: str, exchange: str,
-                     context_slots: int | None = None, block_size: int = 1) -> list[Collective]:
+                     context_slots: int | None = None, block_size: int = 1, draft_tokens: int = 0) -> list[Collective]:
     """The collectives of one step in `bucket` on any rank (every rank issues the same ones, each
     over its own group of the name).
 
@@ -43,8 +43,28 @@ def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype:
     int64 split counts [ep]), plus the family's other collectives over ep
     (`Family.expert_group_collectives`: V4.1's Engram lookups). A group of one rank issues nothing
     (the pass lowers it away).
+
+    A speculative step (`draft_tokens` k > 0, `models/speculation.py`) takes the LM head at 1 + k
+    positions a row, then runs the MTP layer (`Family.draft_layer`) over every token of the
+    step and k - 1 times more over one token a row, each followed by the head over one row each.
+    Collectives of the same op, group and payload are counted together.
     """
-    tokens = bucket.rows * bucket.width
+    tokens, rows = bucket.rows * bucket.width, bucket.rows
+    passes = [(args, tokens, rows * (1 + draft_tokens))]
+    if draft_tokens:
+        draft = family_of(args).draft_layer(args)
+        passes += [(draft, tokens, rows)] + [(draft, rows, rows)] * (draft_tokens - 1)
+    counted: dict[tuple[str, str, int], int] = {}
+    for layers, layer_tokens, head_rows in passes:
+        for c in _model_collectives(layers, topology, layer_tokens, head_rows, dtype, exchange, context_slots,
+                                    block_size):
+            counted[c.op, c.group, c.bytes_in] = counted.get((c.op, c.group, c.bytes_in), 0) + c.count
+    return [Collective(op, group, count, payload) for (op, group, payload), count in counted.items()]
+
+
+def _model_collectives(args: ModelArgs, topology: Topology, tokens: int, rows: int, dtype: str, exchange: str,
+                       context_slots: int | None, block_size: int) -> list[Collective]:
+    """`step_collectives` of the layers of `args` over `tokens` tokens, the LM head over `rows`."""
     moe_layers = args.num_hidden_layers - args.first_k_dense_replace
     width = DTYPE_BYTES[dtype]
     hidden = tokens * args.hidden_size * width
@@ -53,7 +73,7 @@ def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype:
     if topology.tp > 1:
         slots = context_slots or 0
         shard_keys = -(-slots // block_size // topology.cp) * block_size
-        out += family.tensor_parallel_collectives(args, tokens, bucket.rows, slots, shard_keys, width, topology.tp,
+        out += family.tensor_parallel_collectives(args, tokens, rows, slots, shard_keys, width, topology.tp,
                                                   shared_experts_reduced_with_routed(exchange, topology.ep, topology.tp))
     ep = topology.ep
     if ep == 1 or not moe_layers:
@@ -113,7 +133,7 @@ def describe(config: GraphcConfig, workload: Histogram | None) -> list[str]:
     for bucket in buckets:
         slots = blocks_per_row(config.buckets.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
         calls = step_collectives(args, topology, bucket, config.model.dtype, exchange, context_slots=slots,
-                                 block_size=config.kv_cache.block_size)
+                                 block_size=config.kv_cache.block_size, draft_tokens=config.draft_tokens)
         text = ", ".join(f"{c.count} x {c.op}({c.group}) of {format_bytes(c.bytes_in)}" for c in calls) or "none"
         form = step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
                              args.n_routed_experts, topology.ep, exchange)

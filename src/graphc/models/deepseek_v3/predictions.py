@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from graphc.models.deepseek_v3.args import V3Args
 from graphc.models.family import Collective
 
@@ -19,6 +21,12 @@ def attention_collectives(args: V3Args, tokens: int, context_slots: int | None, 
     out.append(Collective("attention_combine", "cp", args.num_hidden_layers,
                           tokens * args.num_attention_heads // tp * (args.kv_lora_rank + 1) * 4))
     return out
+
+
+def draft_layer(args: V3Args) -> V3Args:
+    """The MTP layer (layer `num_hidden_layers`: MLA, V3.2's indexer, MoE) as a one-layer model."""
+    return dataclasses.replace(args, num_hidden_layers=1, first_k_dense_replace=0, num_nextn_predict_layers=0,
+                               draft_layers=0)
 
 
 def tensor_parallel_collectives(args: V3Args, tokens: int, rows: int, context_slots: int, shard_keys: int,

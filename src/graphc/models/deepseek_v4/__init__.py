@@ -38,4 +38,5 @@ FAMILY = Family(
     presets=presets.PRESETS,
     draft_and_extra_shapes=layout.draft_shapes,
     drafts_with_mtp=True,
+    draft_layer=predictions.draft_layer,
 )

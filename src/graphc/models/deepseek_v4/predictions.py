@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from graphc.models.deepseek_v4.args import CSA, HCA, V4Args
+import dataclasses
+
+from graphc.models.deepseek_v4.args import CSA, HCA, MOE, V4Args
 from graphc.models.family import Collective
 
 
@@ -25,6 +27,13 @@ def attention_collectives(args: V4Args, tokens: int, context_slots: int | None, 
     heads = args.num_attention_heads // tp
     out.append(Collective("attention_combine", "cp", len(kinds), tokens * heads * (args.head_dim + 1) * 4))
     return out
+
+
+def draft_layer(args: V4Args) -> V4Args:
+    """The MTP module (`mtp.0`: its attention kind, routed by score) as a one-layer model."""
+    return dataclasses.replace(args, num_hidden_layers=1, layer_types=(args.attention_type(args.num_hidden_layers),),
+                               mlp_layer_types=(MOE,), num_nextn_predict_layers=0, draft_layer_types=(),
+                               draft_layers=0)
 
 
 def tensor_parallel_collectives(args: V4Args, tokens: int, rows: int, context_slots: int, shard_keys: int,
