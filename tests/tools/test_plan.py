@@ -41,14 +41,16 @@ def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, dp, cp, e
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("buckets, dp, cp, exchange", [("prompt_as_decode_small", 1, 2, "static"),
-                                                       ("dp", 2, 1, "a2a_even")])
-def test_a_speculative_steps_collectives_are_those_of_the_compiled_graphs(buckets, dp, cp, exchange, compiled,
-                                                                         tiny_checkpoints):
+@pytest.mark.parametrize("preset, buckets, dp, cp, tp, exchange", [
+    ("trained", "prompt_as_decode_small", 1, 2, 1, "static"), ("trained", "dp", 2, 1, 1, "a2a_even"),
+    pytest.param("v4", "small", 1, 2, 2, "static", marks=pytest.mark.slow),  # the MTP module's tp collectives
+])
+def test_a_speculative_steps_collectives_are_those_of_the_compiled_graphs(preset, buckets, dp, cp, tp, exchange,
+                                                                         compiled, tiny_checkpoints):
     """With MTP drafts (k = 2): the verify positions' head, then the MTP layer over the step's
     tokens and once more over a token a row (the serving tests' artifacts, runtime/test_speculative.py)."""
-    artifacts = compiled("trained", "export", buckets, cp=cp, ep=2, dp=dp, speculative=2)
-    _assert_planned_as_compiled(artifacts, load_model_args(tiny_checkpoints["trained"]), exchange, draft_tokens=2)
+    artifacts = compiled(preset, "export", buckets, cp=cp, ep=2, dp=dp, tp=tp, speculative=2)
+    _assert_planned_as_compiled(artifacts, load_model_args(tiny_checkpoints[preset]), exchange, draft_tokens=2)
 
 
 def _assert_planned_as_compiled(artifacts, args, exchange: str, draft_tokens: int = 0) -> None:
