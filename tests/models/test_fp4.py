@@ -26,6 +26,16 @@ def test_every_code_decodes_to_the_formats_value():
     assert torch.signbit(fp4.e2m1_values(torch.tensor([8]))).item()  # code 8 is -0
 
 
+def test_every_scale_byte_decodes_as_torchs_float8_e8m0fnu():
+    """The scales kept as bytes (`fp4.EXPONENTS`) decode to torch's values, bit for bit: 2^-127
+    (byte 0) to 2^127, and NaN (255)."""
+    exponents = torch.arange(256, dtype=torch.uint8)
+    want = exponents.view(torch.float8_e8m0fnu).float()
+    got = fp4.e8m0_values(exponents.view(fp4.EXPONENTS))
+    assert torch.equal(got[:255].view(torch.int32), want[:255].view(torch.int32))
+    assert got[255].isnan() and want[255].isnan() and got[0] == 2.0**-127
+
+
 def test_a_byte_holds_its_even_column_in_the_low_nibble():
     pairs = torch.tensor([[0x21, 0xF7]], dtype=torch.uint8)  # codes 1, 2 | 7, 15
     assert fp4.unpack(pairs).tolist() == [[0.5, 1.0, 6.0, -6.0]]
@@ -89,6 +99,9 @@ def test_both_models_read_the_fp4_experts_exactly(v41_checkpoint):
     (lambda t: t.pop(EXPERT.replace("weight", "scale")),
      r"tensor layers\.2\.ffn\.experts\.5\.w2\.weight is float4_e2m1 \(F4\) but layers\.2\.ffn\.experts\.5\.w2\.scale "
      r"is missing"),
+    (lambda t: t.__setitem__(EXPERT.replace("weight", "scale"), torch.ones(64, 1)),
+     r"layers\.2\.ffn\.experts\.5\.w2\.scale scales the FP4 tensor layers\.2\.ffn\.experts\.5\.w2\.weight as "
+     r"torch\.float32; FP4 scales are float8_e8m0fnu"),
     (lambda t: t.__setitem__(EXPERT, torch.zeros(64, 33, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)),
      r"tensor layers\.2\.ffn\.experts\.5\.w2\.weight has shape \[64, 66\], expected \[64, 32\]"),
 ])

@@ -45,6 +45,7 @@ def test_the_planned_weights_are_those_the_compiler_writes(fp8_checkpoints, tmp_
             assert (planned[name].shape, planned[name].dtype) == (tuple(tensor.shape), tensor.dtype), name
             assert planned[name].scale_shape == (tuple(scales[name].shape) if name in scales else None), name
             if name in scales:
+                assert planned[name].scale_dtype == scales[name].dtype, name
                 assert planned[name].quantized == model.quantized_weights[name]
 
 

@@ -40,11 +40,13 @@ class StoredTensor:
     quantized: QuantizedWeight | None = None
     """Where kept FP8 (FP4) as stored: its scales' buffer, block and compute dtype."""
     scale_shape: tuple[int, ...] | None = None
+    scale_dtype: torch.dtype = torch.float32
+    """fp32, or an FP4 weight's float8_e8m0fnu bytes (`fp4.EXPONENTS`)."""
 
     @property
     def nbytes(self) -> int:
-        scales = 4 * math.prod(self.scale_shape) if self.scale_shape else 0
-        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size() + scales
+        scales = math.prod(self.scale_shape) * self.scale_dtype.itemsize if self.scale_shape else 0
+        return math.prod(self.shape) * self.dtype.itemsize + scales
 
 
 def released_fp8_block(checkpoint: Path) -> tuple[int, int] | None:
@@ -85,7 +87,7 @@ def stored_tensors(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_sto
         if kept_fp8 and len(shape) == 3 and all(family.fp4_quantised.match(n) for n in stored):
             tensors.append(StoredTensor(name, (*shape[:-1], shape[-1] // 2), fp4.PAIRS,
                                         QuantizedWeight(name + SCALE_SUFFIX, fp4.BLOCK, target),
-                                        (*shape[:-2], *scale_grid(shape[-2:], fp4.BLOCK))))
+                                        (*shape[:-2], *scale_grid(shape[-2:], fp4.BLOCK)), fp4.EXPONENTS))
         elif kept_fp8 and dim is not None:  # as `checkpoint._kept_as_stored` slices it
             whole_grid = torch.empty(scale_grid(whole_shapes[name], block), device="meta")
             grid, split_block = TensorShard(0, tp).scales(whole_grid, block, dim, whole_shapes[name][dim])
@@ -121,7 +123,7 @@ def abstract_shard(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_sto
         for t in tensors:
             if t.quantized is not None:
                 owner, _, attribute = t.quantized.scale.rpartition(".")
-                model.get_submodule(owner).register_buffer(attribute, torch.empty(t.scale_shape))
+                model.get_submodule(owner).register_buffer(attribute, torch.empty(t.scale_shape, dtype=t.scale_dtype))
     setattr(model, QUANTIZED_WEIGHTS, {t.name: t.quantized for t in tensors if t.quantized is not None})
     model = model.requires_grad_(False).eval()
     shapes = {**dict(model.named_parameters()), **dict(model.named_buffers())}

@@ -10,8 +10,8 @@ gate_proj.weight` and `up_proj.weight` for e in 0..E-1 become `model.layers.{i}.
 [E, D, I]. FP8 block-quantised weights (DeepSeek's
 release format: a float8_e4m3fn `X.weight` with its `X.weight_scale_inv`) and FP4 ones (V4.1's
 routed experts: `models/fp4.py`) are dequantised exactly on load, or, for step graphs
-(`as_stored`), kept as stored: the parameter holds the FP8 values (FP4: their bytes) and a buffer
-`<parameter>_scale_inv` their fp32 scales (`fp8.QuantizedWeight`). A
+(`as_stored`), kept as stored: the parameter holds the FP8 values and a buffer
+`<parameter>_scale_inv` their fp32 scales (FP4: both as bytes; `fp8.QuantizedWeight`). A
 tensor-parallel rank (`tp_shard`) reads only its slice of each weight its family splits
 (`Family.tensor_parallel_dims`, `tensor_shard.TensorShard`), FP8 ones with their slice's scales.
 """
@@ -247,9 +247,9 @@ def hold_as_stored(model: nn.Module, name: str, stored: Tensor) -> None:
 def _kept_as_stored(handles: dict, checked: "CheckedCheckpoint", name: str, groups: list[list[str]],
                     experts: range, shard: tuple[int, TensorShard] | None = None
                     ) -> tuple[Tensor, Tensor, tuple[int, int]] | None:
-    """Parameter `name` as its FP8 values (FP4: bytes), fp32 scales and scale block, where every
-    tensor it is made of is stored FP8, or every one FP4; None where not (it is dequantised on load
-    then). Row-sharded tables (V4.1's Engram) are looked up by row, not multiplied: dequantised on
+    """Parameter `name` as its FP8 values and fp32 scales (FP4: both as bytes) and scale block,
+    where every tensor it is made of is stored FP8, or every one FP4; None where not (it is
+    dequantised on load then). Row-sharded tables (V4.1's Engram) are looked up by row, not multiplied: dequantised on
     load.
 
     Stacked experts stack their scales too; where a part's rows are not a whole number of scale
@@ -334,8 +334,9 @@ def _fp4_pairs(checked: "CheckedCheckpoint", name: str) -> Tensor:
 
 
 def _fp4_scale(handles: dict, checked: "CheckedCheckpoint", name: str) -> Tensor:
+    """An FP4 tensor's scales as their float8_e8m0fnu bytes (`fp4.EXPONENTS`)."""
     scale = scale_name(name, checked.ue8m0)
-    return handles[checked.files[scale]].get_slice(scale)[:].float()
+    return handles[checked.files[scale]].get_slice(scale)[:].view(fp4.EXPONENTS)
 
 
 @dataclass(frozen=True)
@@ -444,6 +445,9 @@ def _check_scale(name: str, shape: tuple[int, ...], dtype: str, files: dict[str,
     kind = QUANTIZED[dtype]
     if scale not in files or (block is None and dtype != "F4"):
         raise CheckpointError(f"{files[name].name}: tensor {name} is {kind} but {scale} is missing")
+    if dtype == "F4" and headers[files[scale]][scale][0] != "F8_E8M0":
+        raise CheckpointError(f"{files[scale].name}: {scale} scales the FP4 tensor {name} as "
+                              f"{SAFETENSORS_DTYPES[headers[files[scale]][scale][0]]}; FP4 scales are float8_e8m0fnu")
     if len(shape) != 2 or (dtype == "F4" and shape[1] % 2):
         raise CheckpointError(f"{files[name].name}: tensor {name} is {kind} of shape {list(shape)}; block "
                               "scales quantise matrices only" + (" (FP4: of an even column count)" if dtype == "F4" else ""))

@@ -8,10 +8,11 @@ nibble first, each times its block's scale). A code is a sign bit (bit 3), two e
 1 and one mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. Dequantisation is exact in
 fp32 (a value of 2 significant bits times a power of two).
 
-Inside graphc the bytes travel as torch.int8 (`PAIRS`): torch has no arithmetic on
-float4_e2m1fn_x2, and uint8 is what an FP8 weight becomes in a lowered program
-(`backends/xla/aten.FP8_BITS`), so a byte type of its own keeps the two apart; no other weight is
-int8 (`checkpoint.WEIGHT_DTYPES`).
+Kept as stored, the bytes travel as torch.int8 (`PAIRS`), and so do the scales' (`EXPONENTS`: an
+fp32 scale per 32 values would add a quarter to the bytes a step reads): torch has no arithmetic
+on float4_e2m1fn_x2 or float8_e8m0fnu, and uint8 is what an FP8 weight becomes in a lowered
+program (`backends/xla/aten.FP8_BITS`), so a byte type of its own keeps them apart; no other
+weight or scale is int8 (`checkpoint.WEIGHT_DTYPES`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ BLOCK = (1, 32)
 """The rows and columns one scale covers."""
 PAIRS = torch.int8
 """The dtype of a weight kept as stored in FP4: one byte per two values."""
+EXPONENTS = torch.int8
+"""The dtype of its scales kept as stored: their float8_e8m0fnu bytes."""
 E2M1_MAX = 6.0
 _MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -37,6 +40,14 @@ def e2m1_values(codes: Tensor) -> Tensor:
     return torch.where((codes >> 3) == 1, -magnitude, magnitude)
 
 
+def e8m0_values(exponents: Tensor) -> Tensor:
+    """The fp32 value of each float8_e8m0fnu byte (int8, uint8 or float8_e8m0fnu) as torch
+    converts it: 2^(e - 127), built as fp32's bits; e = 0 the subnormal 2^-127, 255 NaN."""
+    e = (exponents if exponents.dtype == EXPONENTS else exponents.view(EXPONENTS)).to(torch.int32) & 0xFF
+    bits = torch.where(e == 0, 1 << 22, torch.where(e == 0xFF, 0x7FC00000, e << 23))
+    return bits.view(torch.float32)
+
+
 def unpack(pairs: Tensor) -> Tensor:
     """[..., C] fp32 values from [..., C / 2] bytes (int8, uint8 or float4_e2m1fn_x2)."""
     as_int = (pairs if pairs.dtype == PAIRS else pairs.view(PAIRS)).to(torch.int32) & 0xFF
@@ -44,7 +55,8 @@ def unpack(pairs: Tensor) -> Tensor:
 
 
 def dequantize(pairs: Tensor, scale: Tensor) -> Tensor:
-    """fp32 W [R, C] from its bytes [R, C / 2] and scales [R, ceil(C / 32)].
+    """fp32 W [R, C] from its bytes [R, C / 2] and scales [R, ceil(C / 32)] (float8_e8m0fnu, their
+    bytes as `EXPONENTS`, or fp32).
 
     Raises:
         ValueError: the scales do not tile the weight.
@@ -54,7 +66,8 @@ def dequantize(pairs: Tensor, scale: Tensor) -> Tensor:
     if pairs.dim() != 2 or tuple(scale.shape) != (rows, blocks):
         raise ValueError(f"scales {list(scale.shape)} do not tile an FP4 weight of {[rows, columns]} in "
                          f"{list(BLOCK)} blocks; expected {[rows, blocks]}")
-    return unpack(pairs) * scale.float().repeat_interleave(BLOCK[1], dim=1)[:, :columns]
+    scales = e8m0_values(scale) if scale.dtype in (EXPONENTS, torch.float8_e8m0fnu) else scale.float()
+    return unpack(pairs) * scales.repeat_interleave(BLOCK[1], dim=1)[:, :columns]
 
 
 def quantize(weight: Tensor) -> tuple[Tensor, Tensor]:

@@ -12,7 +12,7 @@ gather, so the fused code indexes it.
 
 The weight's dtype says its format: float8_e4m3fn values (`models/fp8.py`), or int8 bytes each
 holding two float4_e2m1 codes (`models/fp4.py`, whose scales cover 1 x 32), unpacked here to twice
-the columns.
+the columns; the scale's: fp32, or int8 float8_e8m0fnu bytes (FP4's).
 
 Exact: W_q * scale in fp32 (an fp8 value has 4 significant bits, an fp4 one 2, so the product with
 an fp32 scale is exact unless it under- or overflows), then one rounding to `dtype`: the values of
@@ -35,9 +35,10 @@ def dequantize_reference(weight: Tensor, scale: Tensor, block_rows: int, block_c
     [..., ceil(R / br), ceil(C / bc)]: every element times its block's scale, in fp32, then rounded
     to `dtype` once."""
     values = fp4.unpack(weight) if weight.dtype == fp4.PAIRS else weight.float()
+    scales = fp4.e8m0_values(scale) if scale.dtype == fp4.EXPONENTS else scale.float()
     *lead, rows, cols = values.shape
     grid_rows, grid_cols = scale.shape[-2:]
-    expanded = scale.float()[..., :, None, :, None].expand(*lead, grid_rows, block_rows, grid_cols, block_cols)
+    expanded = scales[..., :, None, :, None].expand(*lead, grid_rows, block_rows, grid_cols, block_cols)
     expanded = expanded.reshape(*lead, grid_rows * block_rows, grid_cols * block_cols)[..., :rows, :cols]
     return (values * expanded).to(dtype)
 
