@@ -74,6 +74,31 @@ def test_the_released_v3_on_trn2_at_cp_ep_64_does_not_fit_and_says_why():
     assert sum(plan_device(dequantized, DEVICES["trn2"]).weights_bytes.values()) > 1.8 * weights
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_speculative_step_reads_the_mtp_layer_and_the_head_again_for_each_draft(tmp_path, k):
+    """The released V3 at tp 16 with its MTP layer (61) drafting k tokens: a verify step reads the
+    main weights once for B (1 + k) tokens, then per MTP pass that layer's weights and the LM head
+    again (one pass over the step's tokens, k - 1 over a token a row); it costs more than one plain
+    step and less than 1 + k of them, and yields up to 1 + k tokens a row."""
+    config = yaml.safe_load((RELEASED / "v3-trn2-tp16.yaml").read_text())
+    config["model"]["checkpoint"] = str(RELEASED / config["model"]["checkpoint"])
+    config["model"]["speculative"] = {"method": "mtp", "tokens": k}
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(config))
+    speculative = load_config(tmp_path / "model.yaml")
+    plain = plan_device(load_config(RELEASED / "v3-trn2-tp16.yaml"), DEVICES["trn2"]).decode
+    tensors = {t.name: t.nbytes for t in rank_tensors(speculative)}
+    mtp_layer = sum(n for name, n in tensors.items() if name.startswith("model.layers.61.") and ".experts." not in name)
+    embedding_row = tensors["model.embed_tokens.weight"] // 129280
+    for step, without in zip(plan_device(speculative, DEVICES["trn2"]).decode, plain, strict=True):
+        rows = step.rows
+        assert step.bucket == f"decode-{rows}x{1 + k}"
+        passes = rows * (1 + k) + rows * (k - 1)
+        assert step.weights_read == (without.weights_read + k * (mtp_layer + tensors["lm_head.weight"])
+                                     + embedding_row * (rows * (1 + k) - rows + passes))
+        assert without.step_ms < step.step_ms < (1 + k) * without.step_ms
+        assert step.tokens_per_second_accepted == pytest.approx((1 + k) * step.tokens_per_second)
+
+
 def test_the_cli_prints_json_and_exits_2_when_a_rank_does_not_fit(tmp_path):
     result = CliRunner().invoke(cli, ["plan", str(RELEASED / "v3-trn2.yaml"), "--device", "trn2", "--json"])
     assert result.exit_code == 2

@@ -20,10 +20,17 @@ no data), so it runs on a config.json alone (a released model's). Per rank:
   under uniform routing and in the worst case, every cached value of each row's context at the
   context limit: an upper bound for sparse attention) and the roofline `step_ms` / tok/s at the
   device's bandwidth; its collective bytes beside it (over links, not HBM: not in the roofline).
+  With speculative decoding (k drafts, `models/speculation.py`) a decode step is the [B, 1 + k]
+  verify bucket: the main layers over B (1 + k) tokens, then the MTP layer (its weights and the
+  LM head read again each time) over the same tokens and k - 1 times over B; it yields from B
+  tokens (no draft accepted) to B (1 + k) (every one): `tokens_per_second` and
+  `tokens_per_second_accepted`. The MTP layer's later passes re-read its own KV: one layer's of
+  the cache, not counted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
@@ -43,7 +50,7 @@ from graphc.step import blocks_per_row, kv_pool_shape
 from graphc.tools.plan import format_bytes as size, step_collectives
 
 GiB = 2**30
-EMBEDDING = "model.embed_tokens.weight"
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 """Every family's token embedding in graphc's module: a step reads one row of it a token."""
 
 
@@ -121,6 +128,8 @@ class DecodeStep:
     step_ms: float
     tokens_per_second: float
     step_ms_worst: float
+    tokens_per_second_accepted: float | None = None
+    """Speculative decoding: tok/s when every draft is accepted (`tokens_per_second`: none)."""
 
 
 @dataclass(frozen=True)
@@ -173,7 +182,7 @@ def plan_device(config: GraphcConfig, target: Device) -> DevicePlan:
     args = config.model_args
     topology = config.topology.topology()
     kv = config.kv_cache
-    tensors = rank_tensors(config)
+    tensors, draft = rank_tensors(config), _draft_tensors(config)
     by_dtype: dict[str, int] = {}
     for t in tensors:
         by_dtype[_dtype_name(t.dtype)] = by_dtype.get(_dtype_name(t.dtype), 0) + t.nbytes
@@ -199,41 +208,68 @@ def plan_device(config: GraphcConfig, target: Device) -> DevicePlan:
         reason = f"{size(target.memory_bytes - total)} to spare"
     return DevicePlan(target.name, target.memory_bytes, target.bandwidth, by_dtype, pool, max(0, left) // per_token,
                       activations, total, total <= target.memory_bytes, reason,
-                      [_decode_step(config, args, topology, tensors, target, size, per_token)
+                      [_decode_step(config, args, topology, tensors, target, size, per_token, draft)
                        for size in config.buckets.decode], topology.cp)
 
 
-def _decode_step(config, args, topology, tensors, target: Device, rows: int, per_token: int) -> DecodeStep:
+def _draft_tensors(config: GraphcConfig) -> set[str]:
+    """The names of the tensors of the MTP layer served as the draft (none without speculation)."""
+    if not config.draft_tokens:
+        return set()
+    topology = config.topology.topology()
+    plain = dataclasses.replace(config.model_args, draft_layers=0)
+    main = stored_tensors(plain, config.model.checkpoint, getattr(torch, config.model.dtype),
+                          config.model.weights == "as-stored", topology.ep, topology.tp)
+    return {t.name for t in rank_tensors(config)} - {t.name for t in main}
+
+
+def _decode_step(config, args, topology, tensors, target: Device, rows: int, per_token: int,
+                 draft: set[str]) -> DecodeStep:
     from graphc.buckets.selection import Bucket
 
-    family = family_of(args)
-    expert_bytes = sum(t.nbytes for t in tensors if STACKED_EXPERT.match(t.name))
+    family, k = family_of(args), config.draft_tokens
+    experts = [t for t in tensors if STACKED_EXPERT.match(t.name)]
+    expert_bytes = sum(t.nbytes for t in experts if t.name not in draft)
+    draft_experts = sum(t.nbytes for t in experts if t.name in draft)
     embedding = sum(t.nbytes for t in tensors if t.name == EMBEDDING)
+    head = sum(t.nbytes for t in tensors if t.name == HEAD) or embedding  # tied: the embedding is the head
     tables = sum(t.nbytes for t in tensors if t.name.endswith(family.row_sharded_tables))
-    others = sum(t.nbytes for t in tensors) - expert_bytes - embedding - tables
-    embedding_row = embedding // args.vocab_size * rows
+    draft_others = sum(t.nbytes for t in tensors if t.name in draft) - draft_experts
+    others = sum(t.nbytes for t in tensors) - expert_bytes - draft_experts - embedding - tables - draft_others
     moe_layers = args.num_hidden_layers - args.first_k_dense_replace
     local = args.n_routed_experts // topology.ep
-    per_expert = expert_bytes / (moe_layers * local) if moe_layers and local else 0
     replicas = 1 if topology.tokens_replicated else max(1, topology.ep // topology.replica)
-    routes = rows * args.num_experts_per_tok * replicas
-    # Uniform routing: each local expert is missed by all `routes` with probability (1 - 1/E)^routes.
-    expected = local * (1 - (1 - 1 / args.n_routed_experts) ** routes) * per_expert * moe_layers
-    worst = min(local, routes) * per_expert * moe_layers
+
+    def routed(tokens: int, layers: int, layer_bytes: float) -> tuple[float, float]:
+        """(expected, worst) bytes of the local experts `tokens`' routes reach in `layers` layers."""
+        per_expert = layer_bytes / (layers * local) if layers and local else 0
+        routes = tokens * args.num_experts_per_tok * replicas
+        # Uniform routing: each local expert is missed by all `routes` with probability (1 - 1/E)^routes.
+        return (local * (1 - (1 - 1 / args.n_routed_experts) ** routes) * per_expert * layers,
+                min(local, routes) * per_expert * layers)
+
+    tokens = rows * (1 + k)
+    read = others + embedding // args.vocab_size * tokens
+    expected, worst = routed(tokens, moe_layers, expert_bytes)
+    for passed in ([tokens] + [rows] * (k - 1)) if k else []:  # the MTP layer's passes
+        read += draft_others + head + embedding // args.vocab_size * passed
+        expected, worst = (a + b for a, b in zip((expected, worst), routed(passed, 1, draft_experts)))
     context = blocks_per_row(config.buckets.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
     kv_read = rows * math.ceil(context / topology.cp) * per_token
     exchange, _ = backend(config.backend).exchange(config.model.moe_lowering, topology)
-    collectives = sum(c.count * c.bytes_in for c in step_collectives(args, topology, Bucket("decode", rows),
-                                                                      config.model.dtype, exchange, context,
-                                                                      config.kv_cache.block_size))
-    read = others + embedding_row
+    bucket = Bucket("decode", rows, 1 + k) if k else Bucket("decode", rows)
+    collectives = sum(c.count * c.bytes_in for c in step_collectives(args, topology, bucket, config.model.dtype,
+                                                                      exchange, context, config.kv_cache.block_size,
+                                                                      k))
     step = read + expected + kv_read
     seconds = step / target.bandwidth
-    return DecodeStep(f"decode-{rows}", rows, read, expected, worst, kv_read, collectives, step, seconds * 1e3,
-                      rows / seconds, (read + worst + kv_read) / target.bandwidth * 1e3)
+    return DecodeStep(bucket.name, rows, read, expected, worst, kv_read, collectives, step, seconds * 1e3,
+                      rows / seconds, (read + worst + kv_read) / target.bandwidth * 1e3,
+                      tokens / seconds if k else None)
 
 
 def describe(plan: DevicePlan) -> list[str]:
+    speculative = any(d.tokens_per_second_accepted is not None for d in plan.decode)
     lines = [f"per rank on {plan.device} ({size(plan.device_bytes)}, {plan.bandwidth / 1e9:.0f} GB/s):",
              "  weights     " + ", ".join(f"{dtype} {size(n)}" for dtype, n in plan.weights_bytes.items())
              + f"  (total {size(sum(plan.weights_bytes.values()))})",
@@ -242,13 +278,16 @@ def describe(plan: DevicePlan) -> list[str]:
              f"  activations {size(plan.activation_bytes)} (estimate: the largest bucket)",
              f"  total       {size(plan.total_bytes)} of {size(plan.device_bytes)}: "
              + ("fits" if plan.fits else "does not fit") + f" ({plan.reason})",
-             "decode steps on the busiest rank (HBM roofline; collectives over links, not included):",
+             "decode steps on the busiest rank (HBM roofline; collectives over links, not included)"
+             + (": verify steps of the MTP drafts, tok/s with none accepted and with all" if speculative else ":"),
              f"  {'bucket':10s} {'weights':>10s} {'experts':>10s} {'(worst)':>10s} {'KV':>10s} {'step':>10s} "
-             f"{'ms':>8s} {'tok/s':>9s} {'collectives':>11s}"]
+             f"{'ms':>8s} {'tok/s':>9s}" + (f" {'(all)':>9s}" if speculative else "") + f" {'collectives':>11s}"]
     for d in plan.decode:
         cells = " ".join(f"{size(n):>10s}" for n in (d.weights_read, d.experts_expected, d.experts_worst, d.kv_read,
                                                       d.step_bytes))
-        lines.append(f"  {d.bucket:10s} {cells} {d.step_ms:8.2f} {d.tokens_per_second:9.1f} {size(d.collective_bytes):>11s}")
+        accepted = f" {d.tokens_per_second_accepted:9.1f}" if speculative else ""
+        lines.append(f"  {d.bucket:10s} {cells} {d.step_ms:8.2f} {d.tokens_per_second:9.1f}{accepted} "
+                     f"{size(d.collective_bytes):>11s}")
     return lines
 
 
