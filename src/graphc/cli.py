@@ -390,10 +390,16 @@ def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_
 @cli.command()
 @click.argument("artifacts", type=click.Path(path_type=Path))
 @click.option("--lint", is_flag=True, help="Also check the programs' structure (neuron: the HLO lint); exit 1 on a problem.")
-def inspect(artifacts: Path, lint: bool) -> None:
+@click.option("--memory", is_flag=True,
+              help="Neuron: also each program's parameter, result and temporary bytes in XLA's buffer assignment "
+                   "(compiles the CPU variants: seconds to minutes a program).")
+def inspect(artifacts: Path, lint: bool, memory: bool) -> None:
     """Show ARTIFACTS' buckets, graphs, sizes and op counts (verifies hashes first)."""
     from graphc.artifacts.directory import read_manifest
     m = read_manifest(artifacts)
+    if memory and m.backend != "neuron":
+        raise GraphcError(f"--memory reads XLA's buffer assignment of neuron programs; {artifacts} holds "
+                          f"{m.backend} artifacts")
     click.echo(f"graphc {m.graphc_version}, torch {m.torch_version}, backend {m.backend}, "
                f"format {m.format_version}")
     sparse = f", sparse attention P {m.model.sparse_probabilities}" if m.model.sparse_probabilities else ""
@@ -412,6 +418,15 @@ def inspect(artifacts: Path, lint: bool) -> None:
             graphc_ops = ", ".join(f"{op} x{n}" for op, n in sorted(counts.items()) if op.startswith("graphc::"))
             click.echo(f"  {label:12s} {g.file} ({(artifacts / g.file).stat().st_size / 1e6:.2f} MB; "
                        f"MoE {g.moe_form}, exchange {g.moe_exchange}; {sum(counts.values())} ops; {graphc_ops})")
+    if memory:
+        from graphc.backends.xla.memory import program_memory
+
+        programs = program_memory(artifacts, m)
+        for graph in m.ranks[0].graphs:
+            p = programs[graph.file]
+            click.echo(f"memory: {graph.bucket.name:12s} parameters {p.parameters / 1e6:.2f} MB, results "
+                       f"{p.results / 1e6:.2f} MB ({p.aliased / 1e6:.2f} MB of them in a parameter's buffer), "
+                       f"temporaries {p.temporaries / 1e6:.2f} MB (XLA:CPU's buffer assignment)")
     if lint:
         from graphc.tools.lint import lint_artifacts
 

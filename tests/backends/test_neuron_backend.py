@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import zipfile
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 
 from graphc.artifacts.directory import read_manifest
 from graphc.backends import BACKENDS
+from graphc.backends.neuron_archive import program_contexts, read_archive
+from graphc.backends.xla.memory import program_memory
 from graphc.cli import cli
 from graphc.errors import GraphcError
 from graphc.runtime import Engine, Request
@@ -168,3 +172,24 @@ def test_the_pool_size_is_fixed_at_compile_time(compiled, monkeypatch):
     Engine(artifacts)
 
 
+
+
+def test_inspect_memory_reads_each_programs_buffer_assignment(compiled):
+    """`inspect --memory`: per bucket, XLA's bytes for the program's parameters (every weight and
+    step input of its signature), its results (the pool's in the pool parameter's buffer) and its
+    temporaries; export artifacts are refused in one line."""
+    artifacts = compiled("lora-groups", "neuron", "prompt_as_decode_small")
+    manifest = read_manifest(artifacts)
+    programs = program_memory(artifacts, manifest)
+    for name, context in program_contexts(manifest).items():
+        signature = read_archive(artifacts / name, context, ())[0].signature
+        sizes = [math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in zip(signature.shapes, signature.dtypes)]
+        pool = sizes[signature.parameters.index("kv_pool")]
+        assert programs[name].parameters == sum(sizes) and programs[name].aliased == pool
+        assert programs[name].results > pool and programs[name].temporaries > 0
+    shown = CliRunner().invoke(cli, ["inspect", str(artifacts), "--memory"])
+    assert shown.exit_code == 0 and len([line for line in shown.stdout.splitlines() if line.startswith("memory: ")]) \
+        == len(manifest.ranks[0].graphs)
+    refused = CliRunner().invoke(cli, ["inspect", str(compiled("lora-groups", "export", "prompt_as_decode_small")),
+                                       "--memory"])
+    assert refused.exit_code == 2 and "--memory reads XLA's buffer assignment of neuron programs" in refused.output

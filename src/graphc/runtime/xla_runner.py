@@ -93,7 +93,7 @@ def load_xla(path: Path, collectives: bool, context: GraphContext) -> Callable:
     if len(devices) != world:
         raise GraphcError(f"{path.name}: compiled for {world} ranks, but jax sees {len(devices)} devices")
     try:
-        executable = _compiled(files[CPU_HLO], devices)
+        executable = compile_on_cpu(files[CPU_HLO], devices)
     except xla_client.XlaRuntimeError as e:
         raise ArtifactError(f"{path}: {CPU_HLO}: XLA:CPU cannot compile it ({str(e).splitlines()[0]})") from None
     device = jax.local_devices()[0]
@@ -119,7 +119,7 @@ def load_xla(path: Path, collectives: bool, context: GraphContext) -> Callable:
     return run
 
 
-def _compiled(hlo: bytes, devices: list):
+def compile_on_cpu(hlo: bytes, devices: list):
     """XLA:CPU's executable of `hlo` over `devices` (one replica each); what XLA logs of a module it
     refuses is held back (`native_log_held`)."""
     import jax.extend

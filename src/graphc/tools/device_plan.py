@@ -14,6 +14,9 @@ no data), so it runs on a config.json alone (a released model's). Per rank:
 - `activation_bytes`: an estimate of the largest bucket's peak (no buffer assignment exists before
   lowering): its tokens through the widest projection and the routed experts' rows, four hidden
   vectors a token, attention's fp32 scores over the block table's slots, and the fp32 logits.
+  After a neuron compile, `graphc inspect --memory` reads XLA's assignment of each program
+  (`backends/xla/memory.py`): it holds what the estimate leaves out, the gathered keys and the
+  dequantised expert weights, far above it where the grouped expert GEMM gathers a matrix a route.
 - per decode bucket, on the busiest rank: `step_bytes` read from HBM (every weight but the routed
   experts, the embedding and the row-sharded tables (V4.1's Engram: a few rows a token, not
   counted), one embedding row a token, the routed experts the step's routes reach
