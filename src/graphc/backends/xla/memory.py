@@ -6,7 +6,10 @@ has ranks, and its buffer assignment read back: the parameters (weights, step in
 pool), the results (the pool's aliases its parameter), and the temporaries, every value in
 between, which are what the program needs beyond its inputs: its activations. These are the
 lowered program's figures, not a device's: neuronx-cc assigns the Neuron variant's buffers
-itself. `graphc plan --device` estimates activations before any lowering (`tools/device_plan.py`).
+itself, and XLA:CPU computes bf16 dots in fp32, holding fp32 copies of the bf16 operands they
+read (weights included), which a device with bf16 matmuls does not: a bf16 program's
+temporaries are overstated by those. `graphc plan --device` estimates activations before any
+lowering (`tools/device_plan.py`).
 """
 
 from __future__ import annotations
