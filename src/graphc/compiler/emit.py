@@ -1,7 +1,8 @@
 """Emit: content-hash rewritten programs, compile each distinct one once, cache the results.
 
 A graph's key is the sha256 of what determines its compiled form: the backend, the graphc and
-torch versions, the topology (a backend may name its groups' ranks in the program: neuron's
+torch versions and graphc's own source files (a lowering changed without a version bump, as in a
+checkout, compiles again), the topology (a backend may name its groups' ranks in the program: neuron's
 replica groups), the backend's toolchain (neuron's: whether programs get NEFFs), the graph code,
 its signature, its constants and the shapes and dtypes of every node. Weights are graph inputs,
 so they are not part of the key. Compiled files live in a content-addressed cache
@@ -18,6 +19,7 @@ the cache directory must be writable only by those trusted to compile (README, t
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import multiprocessing
 import os
@@ -75,10 +77,25 @@ def _store(partial: Path, entry: Path) -> None:
     os.replace(record.name, _record(entry))
 
 
+def sources_digest(package: Path) -> str:
+    """The sha256 of the Python sources under `package` (their names and contents)."""
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+@functools.cache
+def source_digest() -> str:
+    """graphc's own `sources_digest`, once a process."""
+    return sources_digest(Path(__file__).resolve().parents[1])
+
+
 def program_key(program: ExportedProgram, backend: str, topology: Topology) -> str:
     digest = hashlib.sha256()
     toolchain = backend_named(backend).cache_toolchain()  # neuron's: with or without NEFFs
-    for part in (backend, __version__, torch.__version__, repr(topology), toolchain, program.graph_module.code,
+    for part in (backend, __version__, source_digest(), torch.__version__, repr(topology), toolchain,
+                 program.graph_module.code,
                  str(program.graph_signature), str(program.range_constraints)):
         digest.update(part.encode())
         digest.update(b"\0")
