@@ -19,7 +19,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 import click  # noqa: E402
 
-from graphc.backends import BACKENDS  # noqa: E402
+from graphc.backends import BACKENDS, backend  # noqa: E402
 from graphc.errors import GraphcError, Interrupted
 from graphc.models.moe_forms import MOE_LOWERING_CHOICES
 from graphc.server.limits import BODY_SECONDS, MAX_BODY_BYTES, TEMPLATE_SECONDS, RequestLimits
@@ -391,15 +391,13 @@ def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_
 @click.argument("artifacts", type=click.Path(path_type=Path))
 @click.option("--lint", is_flag=True, help="Also check the programs' structure (neuron: the HLO lint); exit 1 on a problem.")
 @click.option("--memory", is_flag=True,
-              help="Neuron: also each program's parameter, result and temporary bytes in XLA's buffer assignment "
-                   "(compiles the CPU variants: seconds to minutes a program).")
+              help="Also each program's parameter, result and temporary bytes in its compiler's buffer assignment "
+                   "(neuron: XLA's, compiling the CPU variants: seconds to minutes a program).")
 def inspect(artifacts: Path, lint: bool, memory: bool) -> None:
     """Show ARTIFACTS' buckets, graphs, sizes and op counts (verifies hashes first)."""
     from graphc.artifacts.directory import read_manifest
     m = read_manifest(artifacts)
-    if memory and m.backend != "neuron":
-        raise GraphcError(f"--memory reads XLA's buffer assignment of neuron programs; {artifacts} holds "
-                          f"{m.backend} artifacts")
+    programs = backend(m.backend).memory(artifacts, m) if memory else {}
     click.echo(f"graphc {m.graphc_version}, torch {m.torch_version}, backend {m.backend}, "
                f"format {m.format_version}")
     sparse = f", sparse attention P {m.model.sparse_probabilities}" if m.model.sparse_probabilities else ""
@@ -419,9 +417,6 @@ def inspect(artifacts: Path, lint: bool, memory: bool) -> None:
             click.echo(f"  {label:12s} {g.file} ({(artifacts / g.file).stat().st_size / 1e6:.2f} MB; "
                        f"MoE {g.moe_form}, exchange {g.moe_exchange}; {sum(counts.values())} ops; {graphc_ops})")
     if memory:
-        from graphc.backends.xla.memory import program_memory
-
-        programs = program_memory(artifacts, m)
         for graph in m.ranks[0].graphs:
             p = programs[graph.file]
             click.echo(f"memory: {graph.bucket.name:12s} parameters {p.parameters / 1e6:.2f} MB, results "

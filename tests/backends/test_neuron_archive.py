@@ -44,7 +44,7 @@ def xla_compiles_once():
     """XLA:CPU's compile of a byte-identical module, memoised for this module's tests: a pure
     function of the bytes, and some 2 s a program on two cores. Every check of every archive still
     runs each time; a changed module is compiled anew."""
-    compile_module, executables = xla_runner._compiled, {}
+    compile_module, executables = xla_runner.compile_on_cpu, {}
 
     def memoised(hlo: bytes, devices: list):
         key = hlo, tuple(devices)
@@ -53,7 +53,7 @@ def xla_compiles_once():
         return executables[key]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(xla_runner, "_compiled", memoised)
+        patch.setattr(xla_runner, "compile_on_cpu", memoised)
         yield
 
 
@@ -158,7 +158,7 @@ CASES = {  # name -> (the change, the refusal after "error: <archive>: ")
                            "program.json: <top level>: expected a mapping, got [1, 2]"),
     "missing key": (_edited_program(lambda d: d["signature"].pop("dtypes")),
                     "program.json: signature.dtypes: required key is missing (a list of one of 'float32', "
-                    "'bfloat16', 'int32', 'bool', 'uint8')"),
+                    "'bfloat16', 'int32', 'bool', 'uint8', 'int8')"),
     "unknown key": (_edited_program(lambda d: d.update({"entry\nnext": 1})),
                     r"program.json: entry\nnext: unknown key; allowed here: signature, world, neuronx_cc, "
                     "stablehlo_version"),

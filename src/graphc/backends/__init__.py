@@ -73,6 +73,9 @@ class Backend:
     linter: str | None = None
     """`module:function(artifacts, manifest)` returning the problems of `graphc inspect --lint`
     that are this backend's own, one line each."""
+    memory_report: str | None = None
+    """`module:function(artifacts, manifest)` returning each program file's bytes in its compiler's
+    buffer assignment (`graphc inspect --memory`); None where the backend has none to read."""
     neuron_finish: bool = False
     """Whether `graphc neuron-finish` takes its artifacts (adds each program's NEFF on a Neuron host)."""
     lowerings: tuple[str, ...] | None = None
@@ -117,6 +120,17 @@ class Backend:
     def lint(self, artifacts: Path, manifest: Manifest) -> list[str]:
         return _imported(self.linter)(artifacts, manifest) if self.linter else []
 
+    def memory(self, artifacts: Path, manifest: Manifest) -> dict:
+        """`memory_report`'s figures (file -> `backends.xla.memory.ProgramMemory`).
+
+        Raises:
+            GraphcError: the backend has no buffer assignment to read.
+        """
+        if self.memory_report is None:
+            raise GraphcError(f"--memory reads a compiler's buffer assignment, which {self.name} artifacts do not "
+                              f"have; backends with one: {', '.join(n for n, b in BACKENDS.items() if b.memory_report)}")
+        return _imported(self.memory_report)(artifacts, manifest)
+
 
 def _imported(hook: str) -> Callable:
     """The function a hook names (`module:function`), its module imported now."""
@@ -139,6 +153,7 @@ BACKENDS = {backend.name: backend for backend in (
             fixed_pool=True, toolchain="graphc.backends.neuron_archive:toolchain",
             manifest_extras="graphc.backends.neuron_archive:manifest_extras",
             linter="graphc.backends.xla.lint:lint_archives", neuron_finish=True,
+            memory_report="graphc.backends.xla.memory:program_memory",
             lowerings=("ag_rs", "a2a_even"),
             stand_ins={"a2a_v": ("a2a_even", "the padded even form: a2a_v's variable-size exchange, XLA's "
                                              "ragged-all-to-all, does not run on XLA:CPU, so it could not be checked "
