@@ -183,7 +183,8 @@ def test_inspect_memory_reads_each_programs_buffer_assignment(compiled):
     programs = program_memory(artifacts, manifest)
     for name, context in program_contexts(manifest).items():
         signature = read_archive(artifacts / name, context, ())[0].signature
-        sizes = [math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in zip(signature.shapes, signature.dtypes)]
+        sizes = [math.prod(shape) * np.dtype(dtype).itemsize
+                 for shape, dtype in zip(signature.shapes, signature.dtypes)]
         pool = sizes[signature.parameters.index("kv_pool")]
         assert programs[name].parameters == sum(sizes) and programs[name].aliased == pool
         assert programs[name].results > pool and programs[name].temporaries > 0

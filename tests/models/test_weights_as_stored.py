@@ -1,6 +1,7 @@
 """FP8 weights kept as stored (`model.weights: as-stored`): a loaded model holds every FP8 tensor
-of the checkpoint as stored (V4.1's FP4 routed experts as their bytes), with its fp32 scales, and a step dequantising them in the graph gives
-the logits of the model dequantised on load, bit for bit, for a preset of every family."""
+of the checkpoint as stored, with its fp32 scales (V4.1's FP4 routed experts and their scales as
+bytes), and a step dequantising them in the graph gives the logits of the model dequantised on
+load, bit for bit, for a preset of every family."""
 
 from __future__ import annotations
 

@@ -127,8 +127,9 @@ class Backend:
             GraphcError: the backend has no buffer assignment to read.
         """
         if self.memory_report is None:
+            having = ", ".join(name for name, record in BACKENDS.items() if record.memory_report)
             raise GraphcError(f"--memory reads a compiler's buffer assignment, which {self.name} artifacts do not "
-                              f"have; backends with one: {', '.join(n for n, b in BACKENDS.items() if b.memory_report)}")
+                              f"have; backends with one: {having}")
         return _imported(self.memory_report)(artifacts, manifest)
 
 

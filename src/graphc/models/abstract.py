@@ -5,7 +5,8 @@ FP8 scales) without reading any tensor data: it mirrors `checkpoint.load_model` 
 experts, the family's fp32 parameters and index tables, and, with `as_stored`, the tensors the
 family's FP8 releases quantise (`Family.fp8_quantised`) kept FP8 where config.json's
 `quantization_config` says the checkpoint is FP8, their scales stacked as `_kept_as_stored`
-stacks them; FP4 (`fp4_quantised`) as their bytes, two values each). `graphc plan --device` counts its bytes; tests hold it to loaded shards.
+stacks them; FP4 (`fp4_quantised`) as their bytes, two values each, and their scales'). `graphc
+plan --device` counts its bytes; tests hold it to loaded shards.
 
 `abstract_shard` builds that shard's module on the meta device with fake tensors for its
 weights (no weight bytes in memory): what a shapes-only compile captures.

@@ -248,9 +248,9 @@ def _kept_as_stored(handles: dict, checked: "CheckedCheckpoint", name: str, grou
                     experts: range, shard: tuple[int, TensorShard] | None = None
                     ) -> tuple[Tensor, Tensor, tuple[int, int]] | None:
     """Parameter `name` as its FP8 values and fp32 scales (FP4: both as bytes) and scale block,
-    where every tensor it is made of is stored FP8, or every one FP4; None where not (it is
-    dequantised on load then). Row-sharded tables (V4.1's Engram) are looked up by row, not multiplied: dequantised on
-    load.
+    where every tensor it is made of is stored FP8, or every one FP4 (stacked experts); None where
+    not (it is dequantised on load then). Row-sharded tables (V4.1's Engram) are looked up by row,
+    not multiplied: dequantised on load.
 
     Stacked experts stack their scales too; where a part's rows are not a whole number of scale
     blocks (gate and up fused into one matrix), each row gets its block's scale (block rows 1).
@@ -449,8 +449,9 @@ def _check_scale(name: str, shape: tuple[int, ...], dtype: str, files: dict[str,
         raise CheckpointError(f"{files[scale].name}: {scale} scales the FP4 tensor {name} as "
                               f"{SAFETENSORS_DTYPES[headers[files[scale]][scale][0]]}; FP4 scales are float8_e8m0fnu")
     if len(shape) != 2 or (dtype == "F4" and shape[1] % 2):
+        even = " (FP4: of an even column count)" if dtype == "F4" else ""
         raise CheckpointError(f"{files[name].name}: tensor {name} is {kind} of shape {list(shape)}; block "
-                              "scales quantise matrices only" + (" (FP4: of an even column count)" if dtype == "F4" else ""))
+                              f"scales quantise matrices only{even}")
     per_row = (fp4.BLOCK if dtype == "F4" else
                (1, block[1]) if name.endswith(family.row_sharded_tables) else block)  # a table's rows scale alone
     stored = headers[files[scale]][scale][1]
