@@ -100,18 +100,17 @@ def verify_drafts(lowering, out: Out, logits, drafts, draft_count, temperature, 
 
 def grouped_mm(lowering, out: Out, rows, weights, offsets):
     """rows [M, D] sorted by expert @ their expert's weights [E', D, F] -> [M, F]; rows past
-    offsets[-1] (routes to other ranks' experts) are 0. One GEMM an expert, over every row, each
-    row's result kept from its expert's: every weight is read once and no per-row matrix is
-    gathered (gathered, the gate-up and down matrices of a 256-token chunk at DeepSeek-V3's width are 168 GiB),
-    at E' times the rows' multiply-adds; a reference lowering, not a Neuron kernel."""
-    index = jnp.arange(rows.shape[0])
-    result = jnp.zeros(out.shape, jnp.float32)
-    for expert in range(weights.shape[0]):
-        start = offsets[expert - 1] if expert else 0
-        product = jnp.matmul(rows, weights[expert], precision=jax.lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32)
-        result = jnp.where(((index >= start) & (index < offsets[expert]))[:, None], product, result)
-    return result.astype(out.dtype)
+    offsets[-1] (routes to other ranks' experts) are 0. Every row times every local expert's
+    weights in one batched GEMM ([E', M, F]), each row's result taken from its expert's: every
+    weight is read once and no per-row matrix is gathered (gathered, the gate-up and down matrices
+    of a 256-token chunk at DeepSeek-V3's width are 168 GiB), at E' times the rows' multiply-adds;
+    a reference lowering, not a Neuron kernel."""
+    # Compare-all, not a binary search: no while loop in the module.
+    expert = jnp.searchsorted(offsets, jnp.arange(rows.shape[0]), side="right", method="compare_all")  # [M]
+    products = jnp.einsum("md,edf->emf", rows, weights, precision=jax.lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)  # [E', M, F]
+    mine = expert[None, :, None] == jnp.arange(weights.shape[0])[:, None, None]  # [E', M, 1]
+    return jnp.where(mine, products, 0).sum(axis=0).astype(out.dtype)
 
 
 def attention_combine(lowering, out: Out, partial, lse, group: str):
