@@ -24,8 +24,12 @@ def all_gather_group(tensor: Tensor, pg) -> Tensor:
 def _attention_combine(out: Tensor, lse: Tensor, group: str) -> Tensor:
     """Combine the partial attentions of a context-parallel `group` exactly.
 
-    Each rank attended over its own shard of the keys; with L = logsumexp over ranks of lse,
-    the full attention is sum over ranks of exp(lse_r - L) * out_r. On one device the identity.
+    Each rank attended over its own shard of the keys; with M the maximum over ranks of lse and
+    w_r = exp(lse_r - M), the full attention is sum_r w_r out_r / sum_r w_r. Two all-reduces (the
+    maximum of lse, then the weighted outputs with their weights as one more channel), so a rank
+    holds one [B, Q, H, R + 1] sum whatever the group's size: all-gathered, every rank's partial
+    output was held at once (4 GiB for a 256-token chunk of DeepSeek-V3 at cp = 64). On one
+    device the identity.
 
     Args:
         out: [B, Q, H, R] this rank's partial output.
@@ -33,14 +37,18 @@ def _attention_combine(out: Tensor, lse: Tensor, group: str) -> Tensor:
         group: semantic group name ("cp").
 
     Returns:
-        [B, Q, H, R] the attention over every rank's keys, in out's dtype.
+        [B, Q, H, R] the attention over every rank's keys, in out's dtype (garbage where no rank
+        saw a key: position 0 always is, a pooled window that closes none may not be).
     """
     pg = process_group(group)
     if pg is None:
         return out.clone(memory_format=torch.contiguous_format)
-    outs, lses = (all_gather_group(t, pg) for t in (out, lse))  # [G, B, Q, H, R], [G, B, Q, H]
-    weights = torch.exp(lses - torch.logsumexp(lses, dim=0))  # [G, B, Q, H]; position 0 is always seen
-    return (weights[..., None] * outs.float()).sum(dim=0).to(out.dtype).contiguous()
+    top = lse.clone(memory_format=torch.contiguous_format)
+    torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=pg)
+    weights = torch.exp(lse - top)[..., None]  # [B, Q, H, 1]; 0 where this rank saw no key
+    summed = torch.cat([weights * out.float(), weights], dim=-1)  # [B, Q, H, R + 1]
+    torch.distributed.all_reduce(summed, group=pg)
+    return (summed[..., :-1] / summed[..., -1:]).to(out.dtype).contiguous()
 
 
 attention_combine = define_op("attention_combine(Tensor out, Tensor lse, str group) -> Tensor", _attention_combine,

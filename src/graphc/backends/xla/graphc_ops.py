@@ -114,10 +114,11 @@ def grouped_mm(lowering, out: Out, rows, weights, offsets):
 
 
 def attention_combine(lowering, out: Out, partial, lse, group: str):
-    outs = collectives.all_gather(partial, lowering.groups(group))  # [G, B, Q, H, R]
-    lses = collectives.all_gather(lse, lowering.groups(group))  # [G, B, Q, H]
-    weights = jnp.exp(lses - jax.nn.logsumexp(lses, axis=0))
-    return (weights[..., None] * outs.astype(jnp.float32)).sum(axis=0).astype(out.dtype)
+    """`graphc.ops.collectives._attention_combine`'s two all-reduces: nothing a group's size holds."""
+    groups = lowering.groups(group)
+    weights = jnp.exp(lse - collectives.all_reduce_max(lse, groups))[..., None]  # [B, Q, H, 1]
+    summed = collectives.all_reduce(jnp.concatenate([weights * partial.astype(jnp.float32), weights], axis=-1), groups)
+    return (summed[..., :-1] / summed[..., -1:]).astype(out.dtype)
 
 
 def moe_dispatch(lowering, out: Out, hidden, group: str, group_size: int = 1):
