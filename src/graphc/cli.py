@@ -445,8 +445,11 @@ def inspect(artifacts: Path, lint: bool, memory: bool) -> None:
 @click.option("--device-memory", type=float, default=None, help="A rank's memory in GiB (a custom device, or overriding --device's).")
 @click.option("--device-bandwidth", type=float, default=None,
               help="A rank's HBM bandwidth in GB/s (a custom device, or overriding --device's).")
+@click.option("--artifacts", type=click.Path(path_type=Path), default=None,
+              help="This config's compiled artifacts (neuron): activations from their programs' buffer assignment, "
+                   "not the estimate (with --device; seconds to minutes a program).")
 @click.option("--json", "as_json", is_flag=True, help="Print the device plan as JSON on stdout (with --device).")
-def plan(model_yaml, workload, plot_path, device_name, device_memory, device_bandwidth, as_json) -> None:
+def plan(model_yaml, workload, plot_path, device_name, device_memory, device_bandwidth, artifacts, as_json) -> None:
     """Dry run before any capture: the bucket table, expected padding, graphs per rank and in
     all, the collectives each rank issues per step; with --device, what a rank holds and reads."""
     import json
@@ -458,8 +461,9 @@ def plan(model_yaml, workload, plot_path, device_name, device_memory, device_ban
 
     on_device = device_name is not None or device_memory is not None or device_bandwidth is not None
     target = device_plan.device(device_name, device_memory, device_bandwidth) if on_device else None
-    if as_json and target is None:
-        raise GraphcError("--json prints the device plan: pass --device (or --device-memory and --device-bandwidth)")
+    for flag, given in (("--json prints", as_json), ("--artifacts measures", artifacts is not None)):
+        if given and target is None:
+            raise GraphcError(f"{flag} the device plan: pass --device (or --device-memory and --device-bandwidth)")
     config = load_config(model_yaml)
     source = workload or (config.buckets.auto.workload if config.buckets.auto else None)
     if plot_path is not None and source is None and target is None:
@@ -473,7 +477,8 @@ def plan(model_yaml, workload, plot_path, device_name, device_memory, device_ban
             raise GraphcError(f"--workload: cannot read {str(source)!r}: {e.strerror}") from None
         except ValueError as e:
             raise GraphcError(f"--workload: {e}") from None
-    memory = device_plan.plan_device(config, target) if target is not None else None
+    measured = device_plan.measured_activations(config, artifacts) if artifacts is not None else None
+    memory = device_plan.plan_device(config, target, measured) if target is not None else None
     if as_json:
         click.echo(json.dumps(memory.to_json(), indent=2))
     else:

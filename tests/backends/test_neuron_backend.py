@@ -14,6 +14,7 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+import yaml
 from click.testing import CliRunner
 
 from graphc.artifacts.directory import read_manifest
@@ -174,10 +175,12 @@ def test_the_pool_size_is_fixed_at_compile_time(compiled, monkeypatch):
 
 
 
-def test_inspect_memory_reads_each_programs_buffer_assignment(compiled):
+def test_inspect_memory_and_the_device_plan_read_each_programs_buffer_assignment(compiled, tmp_path):
     """`inspect --memory`: per bucket, XLA's bytes for the program's parameters (every weight and
     step input of its signature), its results (the pool's in the pool parameter's buffer) and its
-    temporaries; export artifacts are refused in one line."""
+    temporaries; export artifacts are refused in one line. `plan --device --artifacts`: the
+    activations are the largest program's temporaries, not the estimate; artifacts of another
+    config are refused, naming the field."""
     artifacts = compiled("lora-groups", "neuron", "prompt_as_decode_small")
     manifest = read_manifest(artifacts)
     programs = program_memory(artifacts, manifest)
@@ -195,3 +198,20 @@ def test_inspect_memory_reads_each_programs_buffer_assignment(compiled):
                                        "--memory"])
     assert refused.exit_code == 2 and refused.output == ("error: --memory reads a compiler's buffer assignment, which "
                                                          "export artifacts do not have; backends with one: neuron\n")
+
+    model_yaml = artifacts.parent / "model.yaml"
+    estimated = json.loads(CliRunner().invoke(cli, ["plan", str(model_yaml), "--device", "trn2", "--json"]).stdout)
+    planned = CliRunner().invoke(cli, ["plan", str(model_yaml), "--device", "trn2", "--json", "--artifacts", str(artifacts)])
+    assert planned.exit_code == 0, planned.output
+    measured = json.loads(planned.stdout)
+    assert estimated["activation_source"] == "estimate" and "buffer assignment" in measured["activation_source"]
+    largest = max(p.temporaries for p in programs.values())
+    assert measured["activation_bytes"] == largest != estimated["activation_bytes"]
+    assert measured["total_bytes"] - estimated["total_bytes"] == largest - estimated["activation_bytes"]
+    other = yaml.safe_load(model_yaml.read_text())
+    other["buckets"]["context_limit"] *= 2
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(other))
+    refused = CliRunner().invoke(cli, ["plan", str(tmp_path / "model.yaml"), "--device", "trn2", "--artifacts",
+                                       str(artifacts)])
+    assert refused.exit_code == 2 and refused.output.startswith(f"error: --artifacts {str(artifacts)!r}: compiled "
+                                                                "with buckets.context_limit ")

@@ -18,13 +18,13 @@ from graphc.compiler.capture import model_weights
 from graphc.config import load_config
 from graphc.models.checkpoint import load_rank_shard
 from graphc.tools.device_plan import DEVICES, plan_device, rank_tensors
-from support import FP8_PRESETS, TEST_BUCKETS, model_yaml, one_line_refusal
+from support import FP8_PRESETS, TEST_BUCKETS, V4_FP4_EXPERTS, model_yaml, one_line_refusal
 
 RELEASED = Path(__file__).resolve().parents[2] / "examples" / "released"
 
 
-@pytest.mark.parametrize("preset, tp", [*((p, 1) for p in FP8_PRESETS), ("lora-groups", 2), ("v32", 2), ("v4", 2),
-                                         ("v41", 2)])
+@pytest.mark.parametrize("preset, tp", [*((p, 1) for p in (*FP8_PRESETS, V4_FP4_EXPERTS)), ("lora-groups", 2),
+                                         ("v32", 2), ("v4", 2), ("v41", 2)])
 @pytest.mark.parametrize("weights", ["as-stored", "dequantized"])
 @pytest.mark.parametrize("ep", [1, 2])
 def test_the_planned_weights_are_those_the_compiler_writes(fp8_checkpoints, tmp_path, preset, tp, weights, ep):
@@ -124,6 +124,8 @@ def test_a_device_that_holds_the_tiny_model_fits_and_plots(tiny_checkpoints, tmp
                                 "(GB/s); or --device trn1 | trn2 | trn3"),
     (["--device", "trn2", "--device-bandwidth", "0"], "error: --device-bandwidth 0.0: must be a positive number"),
     (["--json"], "error: --json prints the device plan: pass --device (or --device-memory and --device-bandwidth)"),
+    (["--artifacts", "build"],
+     "error: --artifacts measures the device plan: pass --device (or --device-memory and --device-bandwidth)"),
     (["--device-memory", "0.001", "--device-bandwidth", "100"],  # the tiny model's weights, not its pool too
      "error: a rank does not fit the custom device (1.0 MiB): weights 878.8 KiB + KV pool "),
 ])

@@ -11,12 +11,14 @@ no data), so it runs on a config.json alone (a released model's). Per rank:
   the memory left after weights and activations holds (per rank; a replica holds cp times as many,
   its sequences' blocks being spread over its cp ranks; its tp ranks hold the same blocks, MLA's
   latent being every head's).
-- `activation_bytes`: an estimate of the largest bucket's peak (no buffer assignment exists before
-  lowering): its tokens through the widest projection and the routed experts' rows, four hidden
-  vectors a token, attention's fp32 scores over the block table's slots, and the fp32 logits.
-  After a neuron compile, `graphc inspect --memory` reads XLA's assignment of each program
-  (`backends/xla/memory.py`): it holds what the estimate leaves out, the gathered keys and the
-  dequantised expert weights, far above it where the grouped expert GEMM gathers a matrix a route.
+- `activation_bytes`: the largest bucket's peak. Given the artifacts compiled from the config
+  (`graphc plan --artifacts`, neuron), the largest temporaries of XLA's buffer assignment of a
+  program (`backends/xla/memory.py`: every value between its inputs and outputs, the gathered keys
+  and dequantised weights included; bf16 programs overstated by XLA:CPU's fp32 copies of the
+  operands of its dots). Before any lowering an estimate, which is low: its tokens through the
+  widest projection and the routed experts' rows, four hidden vectors a token, attention's fp32
+  scores over the block table's slots, and the fp32 logits (a tiny V3: 0.40 MB estimated, 3.43 MB
+  assigned).
 - per decode bucket, on the busiest rank: `step_bytes` read from HBM (every weight but the routed
   experts, the embedding and the row-sharded tables (V4.1's Engram: a few rows a token, not
   counted), one embedding row a token, the routed experts the step's routes reach
@@ -36,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -145,6 +148,8 @@ class DevicePlan:
     kv_bytes: int
     kv_tokens_fit: int
     activation_bytes: int
+    activation_source: str
+    """"estimate", or where the figure was measured (the artifacts' buffer assignment)."""
     total_bytes: int
     fits: bool
     reason: str
@@ -181,7 +186,48 @@ def activation_bytes(config: GraphcConfig, args: ModelArgs) -> int:
     return peak
 
 
-def plan_device(config: GraphcConfig, target: Device) -> DevicePlan:
+@dataclass(frozen=True)
+class MeasuredActivations:
+    """The largest temporaries of the buffer assignments of a compile's programs."""
+
+    bytes: int
+    source: str
+
+
+def measured_activations(config: GraphcConfig, artifacts: Path) -> MeasuredActivations:
+    """The artifacts' largest program temporaries (`Backend.memory`), once they are shown to be
+    the config's compile: same architecture, dtype, topology, buckets and KV pool.
+
+    Raises:
+        GraphcError: they were compiled from another config (naming the first field that differs),
+            or their backend has no buffer assignment to read.
+    """
+    from graphc.artifacts.directory import read_manifest
+
+    manifest = read_manifest(artifacts)
+    b, kv, topology = config.buckets, config.kv_cache, config.topology.topology()
+    expected = {
+        "model.dtype": (manifest.model.dtype, config.model.dtype),
+        "model.architecture": (manifest.model.architecture, config.model_args.architecture),
+        "topology": ((manifest.topology.cp, manifest.topology.ep, manifest.topology.dp, manifest.topology.tp),
+                     (topology.cp, topology.ep, topology.dp, topology.tp)),
+        "buckets.prefill": (manifest.buckets.prefill, list(b.prefill)),
+        "buckets.decode": (manifest.buckets.decode, list(b.decode)),
+        "buckets.prompt_as_decode": (manifest.buckets.prompt_as_decode, b.prompt_as_decode),
+        "buckets.context_limit": (manifest.buckets.context_limit, b.context_limit),
+        "draft_tokens": (manifest.buckets.draft_tokens, config.draft_tokens),
+        "kv_cache": ((manifest.kv_cache.block_size, manifest.kv_cache.num_blocks), (kv.block_size, kv.num_blocks)),
+    }
+    for field, (compiled, configured) in expected.items():
+        if compiled != configured:
+            raise GraphcError(f"--artifacts {str(artifacts)!r}: compiled with {field} {compiled}, the config has "
+                              f"{configured}; compile this config (graphc compile) to plan with its buffer assignment")
+    programs = backend(manifest.backend).memory(artifacts, manifest)
+    return MeasuredActivations(max(p.temporaries for p in programs.values()),
+                               f"buffer assignment of {artifacts}'s largest program ({manifest.backend})")
+
+
+def plan_device(config: GraphcConfig, target: Device, measured: MeasuredActivations | None = None) -> DevicePlan:
     args = config.model_args
     topology = config.topology.topology()
     kv = config.kv_cache
@@ -193,7 +239,7 @@ def plan_device(config: GraphcConfig, target: Device) -> DevicePlan:
     width = _dtype_bytes(config.model.dtype)
     per_token = args.cache_layers * args.kv_cache_dim * width
     pool = math.prod(kv_pool_shape(args.cache_layers, kv.num_blocks, kv.block_size, args.kv_cache_dim)) * width
-    activations = activation_bytes(config, args)
+    activations = measured.bytes if measured else activation_bytes(config, args)
     left = target.memory_bytes - weights - activations
     total = weights + pool + activations
     if weights > target.memory_bytes:
@@ -210,7 +256,8 @@ def plan_device(config: GraphcConfig, target: Device) -> DevicePlan:
     else:
         reason = f"{size(target.memory_bytes - total)} to spare"
     return DevicePlan(target.name, target.memory_bytes, target.bandwidth, by_dtype, pool, max(0, left) // per_token,
-                      activations, total, total <= target.memory_bytes, reason,
+                      activations, measured.source if measured else "estimate", total,
+                      total <= target.memory_bytes, reason,
                       [_decode_step(config, args, topology, tensors, target, size, per_token, draft)
                        for size in config.buckets.decode], topology.cp)
 
@@ -278,7 +325,7 @@ def describe(plan: DevicePlan) -> list[str]:
              + f"  (total {size(sum(plan.weights_bytes.values()))})",
              f"  KV pool     {size(plan.kv_bytes)} (kv_cache.num_blocks); the memory left holds "
              f"{plan.kv_tokens_fit} tokens of KV ({plan.kv_tokens_fit * plan.cp} a replica over its cp ranks)",
-             f"  activations {size(plan.activation_bytes)} (estimate: the largest bucket)",
+             f"  activations {size(plan.activation_bytes)} (the largest bucket: {plan.activation_source})",
              f"  total       {size(plan.total_bytes)} of {size(plan.device_bytes)}: "
              + ("fits" if plan.fits else "does not fit") + f" ({plan.reason})",
              "decode steps on the busiest rank (HBM roofline; collectives over links, not included)"
