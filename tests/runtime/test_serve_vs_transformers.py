@@ -16,15 +16,16 @@ from support import hf_greedy, load_hf
 
 LENGTHS = [1, 8, 20, 32, 75]
 NEW_TOKENS = 24
-# Every preset on export; inductor lowers the same ops, so one preset there (its compiles cost ~20 s
-# a graph; the V3.2 sparse ops are compiled with inductor in test_v32.py, V4's in
-# test_parallel_serve.py, both in the slow tier).
+# Every preset on export; inductor lowers the same ops, so one preset there, in the slow tier with
+# the V3.2 sparse ops' (test_v32.py) and V4's (test_parallel_serve.py): its compiles cost ~20 s a
+# graph, and the per-commit tier serves inductor artifacts at 2 x 2 ranks (test_parallel_serve.py),
+# as stored (test_weights_as_stored.py) and with drafts (test_speculative.py).
 # The first case is the fast tier's one end-to-end compile and serve; the others carry `compiles`.
+INDUCTOR = pytest.mark.slow
 BACKEND_PRESETS = [("export", "lora-groups")] + [
     pytest.param(backend, preset, marks=pytest.mark.compiles)
-    for backend, preset in [*(("export", p) for p in ("direct-q-yarn", "yarn-mscale", "wide-16e", "v32", "v4")),
-                            ("inductor", "lora-groups")]
-]
+    for backend, preset in (("export", p) for p in ("direct-q-yarn", "yarn-mscale", "wide-16e", "v32", "v4"))
+] + [pytest.param("inductor", "lora-groups", marks=[pytest.mark.compiles, INDUCTOR])]
 
 
 def prompts() -> list[list[int]]:
@@ -56,7 +57,7 @@ def test_served_tokens_equal_transformers_generate(backend, preset, compiled, re
 
 
 @pytest.mark.compiles
-@pytest.mark.parametrize("backend", ["export", "inductor"])
+@pytest.mark.parametrize("backend", ["export", pytest.param("inductor", marks=INDUCTOR)])
 def test_prompts_served_together_equal_each_served_alone(backend, compiled):
     engine = Engine(compiled("lora-groups", backend))  # loaded once; each generate has its own scheduler
     together = serve(engine, prompts())
