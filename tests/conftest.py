@@ -3,14 +3,16 @@ and the `inductor` tier marker, put on every test parametrized with the inductor
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from graphc.models.tiny import PRESETS, TRAINED_PRESET, TRANSFORMERS_PRESETS, make_tiny_checkpoint, preset_config
-from support import (FP8_BLOCK, FP8_PRESETS, SKEWED, SPARSE_TOPK, SPARSE_V32, TEST_BUCKETS, model_yaml,
+from graphc.models.tiny import (PRESETS, TRAINED_PRESET, TRANSFORMERS_PRESETS, make_tiny_checkpoint, preset_config,
+                                write_random_checkpoint)
+from support import (FP8_BLOCK, FP8_PRESETS, SKEWED, SPARSE_TOPK, SPARSE_V32, TEST_BUCKETS, V4_FP4_EXPERTS, model_yaml,
                      randomise_v4_zero_inits, rewrite_config, skew_routes_to_first_experts)
 
 # Lines the tests want a reader of the CI log to see (agreement rates, margins, noise floors).
@@ -53,9 +55,12 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def fp8_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """`make-tiny --fp8-block FP8_BLOCK` of each of FP8_PRESETS."""
+    """`make-tiny --fp8-block FP8_BLOCK` of each of FP8_PRESETS, and V4_FP4_EXPERTS."""
     root = tmp_path_factory.mktemp("fp8")
-    return {name: make_tiny_checkpoint(root / name, preset=name, seed=0, fp8_block=FP8_BLOCK) for name in FP8_PRESETS}
+    made = {name: make_tiny_checkpoint(root / name, preset=name, seed=0, fp8_block=FP8_BLOCK) for name in FP8_PRESETS}
+    flash = {**json.loads((made["v4"] / "config.json").read_text()), "expert_dtype": "fp4"}
+    made[V4_FP4_EXPERTS] = write_random_checkpoint(root / V4_FP4_EXPERTS, flash, seed=0)
+    return made
 
 
 @pytest.fixture(scope="session")

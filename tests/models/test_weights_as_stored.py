@@ -16,7 +16,7 @@ from graphc.compiler.capture import StepGraph, model_weights
 from graphc.models.checkpoint import QUANTIZED_WEIGHTS, check_checkpoint, fp8_tensors, load_model
 from graphc.models import fp4
 from graphc.models.fp8 import FP8
-from support import FP8_PRESETS, run_step
+from support import FP8_PRESETS, V4_FP4_EXPERTS, run_step
 
 
 def _stored_elements(checkpoint, names) -> int:
@@ -28,7 +28,11 @@ def _stored_elements(checkpoint, names) -> int:
     return total
 
 
-@pytest.mark.parametrize("preset", FP8_PRESETS)
+FP4_EXPERTS = ("v41", V4_FP4_EXPERTS)
+"""The checkpoints whose routed experts are FP4 (config.json's `expert_dtype: fp4`)."""
+
+
+@pytest.mark.parametrize("preset", [*FP8_PRESETS, V4_FP4_EXPERTS])
 def test_every_fp8_tensor_is_kept_as_stored_with_its_scales(fp8_checkpoints, preset):
     checkpoint = fp8_checkpoints[preset]
     model = load_model(checkpoint, torch.bfloat16, as_stored=True)
@@ -39,16 +43,17 @@ def test_every_fp8_tensor_is_kept_as_stored_with_its_scales(fp8_checkpoints, pre
     checked = check_checkpoint(checkpoint)
     for name, weight in quantized.items():
         packed = parameters[name].dtype == fp4.PAIRS
-        assert parameters[name].dtype == FP8 or (packed and ".experts." in name and preset == "v41")
+        assert parameters[name].dtype == FP8 or (packed and ".experts." in name and preset in FP4_EXPERTS)
         assert buffers[weight.scale].dtype == (fp4.EXPONENTS if packed else torch.float32)
         assert weight.block == fp4.BLOCK or not packed
         assert weight.dtype == dict(plain.named_parameters())[name].dtype
-    # Nothing FP8 (FP4) of the main layers was dequantised on the way but the row-sharded tables
-    # (V4.1's Engram: looked up by row, not multiplied).
-    stored = [n for n in fp8_tensors(checkpoint) if n in checked.expected and not n.endswith(checked.family.row_sharded_tables)]
+    # Nothing FP8 (FP4) of the main layers was dequantised on the way, V4.1's Engram tables included
+    # (the rows a step reads are dequantised where they are read, `by_row`).
+    stored = [n for n in fp8_tensors(checkpoint) if n in checked.expected]
+    assert all(q.by_row == n.endswith(checked.family.row_sharded_tables) for n, q in quantized.items())
     values = sum(p.numel() * (2 if p.dtype == fp4.PAIRS else 1) for p in map(parameters.get, quantized))
     assert values == _stored_elements(checkpoint, stored + list(checked.fp4_bytes))
-    assert bool(checked.fp4_bytes) == (preset == "v41")
+    assert bool(checked.fp4_bytes) == (preset in FP4_EXPERTS)
     for name, parameter in plain.named_parameters():
         if name not in quantized:
             assert torch.equal(parameters[name], parameter)
@@ -57,7 +62,7 @@ def test_every_fp8_tensor_is_kept_as_stored_with_its_scales(fp8_checkpoints, pre
     assert kept_bytes < plain_bytes
 
 
-@pytest.mark.parametrize("preset", FP8_PRESETS)
+@pytest.mark.parametrize("preset", [*FP8_PRESETS, V4_FP4_EXPERTS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_step_dequantising_in_the_graph_equals_dequantising_on_load(fp8_checkpoints, preset, dtype):
     checkpoint = fp8_checkpoints[preset]

@@ -74,6 +74,24 @@ def test_the_released_v3_on_trn2_at_cp_ep_64_does_not_fit_and_says_why():
     assert sum(plan_device(dequantized, DEVICES["trn2"]).weights_bytes.values()) > 1.8 * weights
 
 
+@pytest.mark.parametrize("released, experts, layers, hidden, width", [
+    ("v4-flash-trn2.yaml", 256, 43, 4096, 2048), ("v41-flash-trn2.yaml", 384, 40, 5120, 2304)])
+def test_the_released_v4_flash_and_v41_flash_fit_a_trn2_rank_with_their_experts_fp4(released, experts, layers, hidden,
+                                                                                    width):
+    """Their config.json says `expert_dtype: fp4`: a rank's routed experts (experts / 64 of each
+    layer's, gate, up and down) are half a byte a value plus an e8m0 byte per 32; V4.1's Engram
+    tables stay FP8 with a scale per row and 32 columns, each rank holding 1 / 64 of their rows."""
+    config = load_config(RELEASED / released)
+    plan = plan_device(config, DEVICES["trn2"])
+    assert plan.fits, plan.reason
+    assert plan.weights_bytes["float4_e2m1"] == experts // 64 * layers * 3 * hidden * width * (1 / 2 + 1 / 32)
+    tables = [t for t in rank_tensors(config) if ".engram.embed." in t.name]
+    assert len(tables) == (2 if "v41" in released else 0)
+    for table in tables:
+        assert table.dtype == torch.float8_e4m3fn and table.quantized.by_row and table.quantized.block == (1, 32)
+        assert table.shape[0] * 64 >= config.model_args.engram.table_rows()[int(table.name.split(".")[2])]
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_a_speculative_step_reads_the_mtp_layer_and_the_head_again_for_each_draft(tmp_path, k):
     """The released V3 at tp 16 with its MTP layer (61) drafting k tokens: a verify step reads the

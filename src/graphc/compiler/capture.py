@@ -78,6 +78,8 @@ class StepGraph(torch.nn.Module):
         parallel = dataclasses.replace(self.parallel, cp_rank=cp_rank, ep_rank=ep_rank)
         parameters = dict(zip(self.weight_names, weights))
         for name, quantized in self.quantized.items():
+            if quantized.by_row:  # the module dequantises the rows it reads
+                continue
             parameters[name] = dequantize(parameters[name], parameters[quantized.scale], *quantized.block,
                                           quantized.dtype)
         if self.draft_tokens:

@@ -74,6 +74,7 @@ def stored_tensors(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_sto
         sources["lm_head.weight"] = sources["model.embed_tokens.weight"]
     whole_shapes = {name: tuple(t.shape) for name, t in whole.state_dict().items()}
     block = released_fp8_block(checkpoint) if as_stored else None
+    experts_fp4 = fp4.experts_in_fp4(read_hf_config(checkpoint))
     tensors, shapes = [], {name: tuple(t.shape) for name, t in shard.state_dict().items()}
     for name in names(shard, tp):
         shape = shapes[name]
@@ -83,9 +84,13 @@ def stored_tensors(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_sto
             continue
         target = torch.float32 if family.keeps_fp32(name, args) else dtype
         kept_fp8 = (block is not None and stored and all(family.fp8_quantised.match(n) for n in stored)
-                    and not name.endswith(family.row_sharded_tables) and len(shape) in (2, 3))
+                    and len(shape) in (2, 3))
         dim = family.tensor_parallel_dim(name) if tp > 1 else None
-        if kept_fp8 and len(shape) == 3 and all(family.fp4_quantised.match(n) for n in stored):
+        if kept_fp8 and name.endswith(family.row_sharded_tables):  # the shard's rows, a scale per row and block
+            tensors.append(StoredTensor(name, shape, FP8, QuantizedWeight(name + SCALE_SUFFIX, (1, block[1]), target,
+                                                                          by_row=True),
+                                        scale_grid(shape, (1, block[1]))))
+        elif kept_fp8 and experts_fp4 and len(shape) == 3 and all(family.fp4_quantised.match(n) for n in stored):
             tensors.append(StoredTensor(name, (*shape[:-1], shape[-1] // 2), fp4.PAIRS,
                                         QuantizedWeight(name + SCALE_SUFFIX, fp4.BLOCK, target),
                                         (*shape[:-2], *scale_grid(shape[-2:], fp4.BLOCK)), fp4.EXPONENTS))
@@ -99,7 +104,7 @@ def stored_tensors(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_sto
             grid = scale_grid(shape[-2:], (rows, block[1]))
             tensors.append(StoredTensor(name, shape, FP8, QuantizedWeight(name + SCALE_SUFFIX, (rows, block[1]), target),
                                         (*shape[:-2], *grid)))
-        else:  # (a row-sharded table's module holds the shard's rows already)
+        else:
             tensors.append(StoredTensor(name, shape, target))
     return tensors
 

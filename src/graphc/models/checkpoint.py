@@ -34,8 +34,8 @@ from torch import Tensor, nn
 from graphc.errors import CheckpointError
 from graphc.models import fp4
 from graphc.models.family import Family, Sources
-from graphc.models.fp8 import (SCALE_SUFFIX, UE8M0_SUFFIX, QuantizedWeight, dequantize, scale_grid, scale_name,
-                               scaled_weight)
+from graphc.models.fp8 import (FP8, SCALE_SUFFIX, UE8M0_SUFFIX, QuantizedWeight, dequantize, scale_grid,
+                               scale_name, scaled_weight)
 from graphc.models.hf_config import read_hf_config
 from graphc.models.layers import STACKED_EXPERT
 from graphc.models.registry import family_of, family_of_config
@@ -213,7 +213,8 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
             if kept is not None:
                 weight, scale, block = kept
                 state[name] = weight.to(device)
-                scales[name] = scale.to(device), QuantizedWeight(name + SCALE_SUFFIX, block, target)
+                scales[name] = scale.to(device), QuantizedWeight(name + SCALE_SUFFIX, block, target,
+                                                                  by_row=name.endswith(family.row_sharded_tables))
             elif name.endswith(family.row_sharded_tables) and len(experts) < args.n_routed_experts:
                 state[name] = _table_rows(handles, checked, groups[0][0], experts).to(device=device, dtype=target)
             elif _stored_per_expert(family, name, groups):
@@ -249,8 +250,8 @@ def _kept_as_stored(handles: dict, checked: "CheckedCheckpoint", name: str, grou
                     ) -> tuple[Tensor, Tensor, tuple[int, int]] | None:
     """Parameter `name` as its FP8 values and fp32 scales (FP4: both as bytes) and scale block,
     where every tensor it is made of is stored FP8, or every one FP4 (stacked experts); None where
-    not (it is dequantised on load then). Row-sharded tables (V4.1's Engram) are looked up by row,
-    not multiplied: dequantised on load.
+    not (it is dequantised on load then). A row-sharded table (V4.1's Engram) keeps the shard's
+    rows, each with its own scales (`_table_rows_as_stored`).
 
     Stacked experts stack their scales too; where a part's rows are not a whole number of scale
     blocks (gate and up fused into one matrix), each row gets its block's scale (block rows 1).
@@ -259,7 +260,7 @@ def _kept_as_stored(handles: dict, checked: "CheckedCheckpoint", name: str, grou
     """
     parts = [n for group in groups for n in group]
     if name.endswith(checked.family.row_sharded_tables):
-        return None
+        return _table_rows_as_stored(handles, checked, parts[0], experts)
     if all(n in checked.fp4_bytes for n in parts) and _stored_per_expert(checked.family, name, groups):
         weights = torch.stack([torch.cat([_fp4_pairs(checked, n) for n in groups[e]]) for e in experts])
         grids = torch.stack([torch.cat([_fp4_scale(handles, checked, n) for n in groups[e]]) for e in experts])
@@ -291,15 +292,38 @@ def _kept_as_stored(handles: dict, checked: "CheckedCheckpoint", name: str, grou
     return weights, grids, (rows, block[1])
 
 
-def _table_rows(handles: dict, checked: "CheckedCheckpoint", name: str, experts: range) -> Tensor:
-    """The rows of a row-sharded table (V4.1's Engram tables) that this expert shard holds (read
-    alone: tables are the largest tensors of V4.1): shard s of ep holds rows [s R, (s + 1) R),
-    R = ceil(rows / ep), zero past the table's end (`deepseek_v41/engram.py`)."""
+def _table_rows_as_stored(handles: dict, checked: "CheckedCheckpoint", name: str, experts: range
+                          ) -> tuple[Tensor, Tensor, tuple[int, int]] | None:
+    """A row-sharded table's rows this expert shard holds as stored: FP8, with their per-row fp32
+    scales (`_table_rows`' rows, zero past the table's end alike); None where it is not FP8."""
+    stored = handles[checked.files[name]].get_slice(name)
+    if stored.get_dtype() != "F8_E4M3":
+        return None
+    scale = scale_name(name, checked.ue8m0)
+    rows, held = _held_rows(checked, name, experts)
+    values = stored[rows].view(torch.uint8)
+    scales = handles[checked.files[scale]].get_slice(scale)[rows].float()
+    pad = held - values.shape[0]
+    return (torch.nn.functional.pad(values, (0, 0, 0, pad)).view(FP8), torch.nn.functional.pad(scales, (0, 0, 0, pad)),
+            (1, checked.fp8_block[1]))
+
+
+def _held_rows(checked: "CheckedCheckpoint", name: str, experts: range) -> tuple[slice, int]:
+    """The stored rows of a row-sharded table (V4.1's Engram tables) this expert shard holds, and
+    how many it holds: shard s of ep holds rows [s R, (s + 1) R), R = ceil(rows / ep), the last
+    one zero past the table's end (`deepseek_v41/engram.py`)."""
     shards = checked.args.n_routed_experts // len(experts)  # experts are a contiguous, even share
     shard = experts.start // len(experts)
-    shape = checked.expected[name]
-    held = -(-shape[0] // shards)
-    part = _read_tensor(handles, checked, name, shape, slice(shard * held, min((shard + 1) * held, shape[0])))
+    rows = checked.expected[name][0]
+    held = -(-rows // shards)
+    return slice(shard * held, min((shard + 1) * held, rows)), held
+
+
+def _table_rows(handles: dict, checked: "CheckedCheckpoint", name: str, experts: range) -> Tensor:
+    """The rows of a row-sharded table this expert shard holds, dequantised (`_held_rows`; read
+    alone: tables are the largest tensors of V4.1)."""
+    rows, held = _held_rows(checked, name, experts)
+    part = _read_tensor(handles, checked, name, checked.expected[name], rows)
     return torch.nn.functional.pad(part, (0, 0, 0, held - part.shape[0]))
 
 
@@ -386,6 +410,7 @@ def check_checkpoint(checkpoint_dir: Path, draft_layers: int = 0) -> CheckedChec
     config = read_hf_config(checkpoint_dir)
     family = family_of_config(config)
     args = family.args_from_hf_config(config)
+    family.check_loadable(args)
     if draft_layers:  # the served MTP layer's tensors are expected, not skipped
         args = dataclasses.replace(args, draft_layers=draft_layers)
     files = _tensor_files(checkpoint_dir)

@@ -86,7 +86,8 @@ class Family:
     fp8_quantised: re.Pattern = re.compile(r"(?!)")
     """The stored weights its FP8 releases quantise (what `make-tiny --fp8-block` quantises)."""
     fp4_quantised: re.Pattern = re.compile(r"(?!)")
-    """Of those, the ones its releases store as FP4 instead (`models/fp4.py`: V4.1's routed experts)."""
+    """Of those, the ones stored as FP4 instead (`models/fp4.py`: the routed experts) where config.json
+    says `expert_dtype: fp4` (`fp4_experts`: DeepSeek-V4-Flash and V4.1-Flash; V4-Flash-Base keeps them FP8)."""
 
     # Tensor parallelism: none where the family is served with tp = 1 only.
     tensor_parallel_dims: tuple[tuple[re.Pattern, int], ...] = ()
@@ -106,6 +107,9 @@ class Family:
     """Where it drafts: its MTP layer as the args of a one-layer model, whose collectives
     (`attention_collectives`, ...) are the layer's (`graphc plan`)."""
     check_exchange: Callable[["ModelArgs", str], None] = _accepts
+    check_loadable: Callable[["ModelArgs"], None] = _accepts
+    """Raises CheckpointError where graphc takes the config (plan, shapes-only compiles) but cannot
+    load its weights yet."""
     """Raises `GraphcError` for an MoE exchange its layers cannot take."""
     probe_refusal: str | None = None
     """Why `graphc probe` does not take its layers, or None."""

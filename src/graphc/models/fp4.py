@@ -87,3 +87,10 @@ def quantize(weight: Tensor) -> tuple[Tensor, Tensor]:
     codes = (magnitude | ((scaled < 0).to(torch.int64) << 3)).to(torch.uint8)
     pairs = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return pairs.view(torch.float4_e2m1fn_x2), scale.to(torch.float8_e8m0fnu)
+
+
+def experts_in_fp4(config: dict) -> bool:
+    """Whether config.json says the release stores its routed experts as FP4: `expert_dtype: fp4`,
+    top level (DeepSeek-V4-Flash) or in `quantization_config` (V4.1-Flash)."""
+    quantization = config.get("quantization_config") or {}
+    return "fp4" in (config.get("expert_dtype"), quantization.get("expert_dtype"))

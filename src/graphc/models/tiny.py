@@ -120,15 +120,16 @@ def byte_level_tokenizer():
     return tokenizer
 
 
-def quantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int], family: Family) -> dict[str, torch.Tensor]:
+def quantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int], family: Family,
+                 experts_fp4: bool = False) -> dict[str, torch.Tensor]:
     """The family's FP8 release layout: the weights it quantises (`Family.fp8_quantised`: the decoder
     layers' projections) as float8_e4m3fn with block scales (V4.1's power-of-two ones, and its
-    tables' per row: `Family.ue8m0_scales`, `row_sharded_tables`), or as FP4 (`fp4_quantised`: V4.1's
-    routed experts); embeddings, norms, the router and the head stay as they are."""
+    tables' per row: `Family.ue8m0_scales`, `row_sharded_tables`), or, with `experts_fp4`, as FP4
+    (`fp4_quantised`: the routed experts); embeddings, norms, the router and the head stay as they are."""
     out = {}
     quantizer = quantize_ue8m0 if family.ue8m0_scales else quantize
     for name, tensor in tensors.items():
-        if family.fp4_quantised.match(name):
+        if experts_fp4 and family.fp4_quantised.match(name):
             out[name], out[scale_name(name, family.ue8m0_scales)] = fp4.quantize(tensor)
         elif family.fp8_quantised.match(name):
             per_row = name.endswith(family.row_sharded_tables)
@@ -183,7 +184,8 @@ def write_checkpoint(out: Path, config: dict[str, Any], tensors: dict[str, torch
     """`write_random_checkpoint` of the given fp32 `tensors` (every tensor the layout stores)."""
     family = family_of_config(config)
     if "quantization_config" in config:
-        tensors = quantize_fp8(tensors, tuple(config["quantization_config"]["weight_block_size"]), family)
+        tensors = quantize_fp8(tensors, tuple(config["quantization_config"]["weight_block_size"]), family,
+                               fp4.experts_in_fp4(config))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from graphc.errors import CheckpointError
 from graphc.models.deepseek_v41 import reference
 from graphc.models.registry import model_args_from_hf_config
-from graphc.models.checkpoint import load_model, load_reference
+from graphc.models.checkpoint import check_checkpoint, load_model, load_reference
 from graphc.models.tiny import PRESETS
 
 PROMPT = torch.tensor([[(37 * i + 11) % 250 + 3 for i in range(45)]])
@@ -46,7 +46,7 @@ def test_layer_roles_of_the_tiny_config():
     ({"kv_source_layer_ids": [1]}, "kv_source_layer_ids [1] are not compressed layers"),
     ({"candidate_source_layer_id": 5}, "candidate_source_layer_id 5 must be -1 or a KV source layer"),
     ({"engram_num_embeddings": [6126, 6000]}, "engram_num_embeddings [6126, 6000] are not the hash tables' sizes"),
-    ({"engram_compressed_vocab_size": 200}, "graphc supports the identity token map only"),
+    ({"engram_compressed_vocab_size": 300}, "engram_compressed_vocab_size 300 is not in 1..vocab_size 256"),
     ({"engram_head_dim": None}, "engram_layer_ids is set but text_config lacks engram_head_dim"),
     # what a hand-edited config gets wrong: one-line errors, never an IndexError or TypeError
     ({"compress_ratios": [0, 0, 2]}, "config.json: compress_ratios has 3 entries for 6 layers"),
@@ -63,6 +63,18 @@ def test_layer_roles_of_the_tiny_config():
 def test_config_errors_name_the_field(changes, message):
     with pytest.raises(CheckpointError, match=re.escape(message)):
         args_with(**changes)
+
+
+def test_a_folded_vocabulary_is_planned_but_not_loaded(tmp_path):
+    """The release folds token ids into a compressed vocabulary before hashing (a tokenizer-derived
+    map graphc does not build): the config parses (plan, shapes-only), a checkpoint is refused."""
+    config = copy.deepcopy(PRESETS["v41"])
+    config["text_config"]["engram_compressed_vocab_size"] = 200
+    assert model_args_from_hf_config(config).engram.compressed_vocab == 200
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=re.escape("engram_compressed_vocab_size 200 differs from vocab_size 256: "
+                                                        "Engram hashes token ids folded")):
+        check_checkpoint(tmp_path)
 
 
 def test_a_flat_config_is_refused():

@@ -29,6 +29,7 @@ FAMILY = Family(
     keeps_fp32=layout.keeps_fp32,
     index_tensors=layout.INDEX_TENSORS,
     fp8_quantised=layout.FP8_RELEASED,
+    fp4_quantised=layout.FP4_RELEASED,
     data_parallel=False,
     check_exchange=_check_exchange,
     attention_collectives=predictions.attention_collectives,

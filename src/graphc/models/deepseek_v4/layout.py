@@ -134,6 +134,9 @@ _RENAMES = [  # released_name's: the forward renames' inverse, applied in order 
 FP8_RELEASED = re.compile(r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|"
                           r"ffn\.(experts\.\d+|shared_experts)\.w[123]|e_proj|h_proj)\.weight$")
 """The released weights DeepSeek's FP8 checkpoints quantise."""
+FP4_RELEASED = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+"""Of those, the routed experts' weights, which DeepSeek-V4-Flash stores as FP4 (its config.json's
+`expert_dtype: fp4`; V4-Flash-Base keeps them FP8)."""
 
 
 def released_name(name: str) -> str:

@@ -3,7 +3,7 @@ single-pass mHC, n-gram memory tables): args, released layout, paged model, eage
 Engram, preset and `graphc plan`'s predictions, and the family record that names them."""
 
 from graphc.models.deepseek_v41 import layout, predictions, presets
-from graphc.models.deepseek_v41.args import V41_ARCHITECTURE, is_v41_config, v41_args_from_hf_config
+from graphc.models.deepseek_v41.args import V41_ARCHITECTURE, check_loadable, is_v41_config, v41_args_from_hf_config
 from graphc.models.deepseek_v41.model import DeepseekV41, tensor_parallel_widths
 from graphc.models.deepseek_v41.reference import DeepseekV41Reference
 from graphc.models.family import Family
@@ -22,6 +22,7 @@ FAMILY = Family(
     fp8_quantised=layout.FP8_RELEASED,
     fp4_quantised=layout.FP4_RELEASED,
     data_parallel=False,
+    check_loadable=check_loadable,
     # A V4.1 layer also takes the previous sublayer's pre-mix and the selections earlier layers
     # published: a layer alone is not a step.
     probe_refusal="graphc probe does not take DeepSeek-V4.1 layers yet (each depends on state earlier layers "
@@ -35,5 +36,5 @@ FAMILY = Family(
     expert_group_collectives=predictions.engram_collectives,
     presets=presets.PRESETS,
     draft_and_extra_shapes=layout.draft_and_vision_shapes,
-    quantization_config={"scale_fmt": "ue8m0"},
+    quantization_config={"scale_fmt": "ue8m0", "expert_dtype": "fp4"},
 )

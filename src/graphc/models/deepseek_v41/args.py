@@ -210,6 +210,19 @@ def v41_args_from_hf_config(config: dict[str, Any]) -> V41Args:
     )
 
 
+def check_loadable(args: V41Args) -> None:
+    """Engram hashes token ids folded into the compressed vocabulary (`engram.py`), a map the
+    release builds from its tokenizer's normalised token texts, which graphc does not build yet:
+    its hash takes the ids as they are, the fold of a compressed vocabulary the size of the
+    vocabulary (graphc's tiny models). A released config is planned and compiled shapes-only (the
+    programs' shapes do not depend on the map); its weights are not loaded."""
+    if args.engram is not None and args.engram.compressed_vocab != args.vocab_size:
+        raise CheckpointError(f"config.json: engram_compressed_vocab_size {args.engram.compressed_vocab} differs "
+                              f"from vocab_size {args.vocab_size}: Engram hashes token ids folded by the tokenizer's "
+                              "normalised texts, which graphc does not build yet; plan this config or compile it "
+                              "shapes-only (graphc loads the identity fold only, equal sizes)")
+
+
 def _engram_args(text: dict[str, Any]) -> EngramArgs | None:
     layer_ids = tuple(text.get("engram_layer_ids") or ())
     if not layer_ids:
@@ -218,10 +231,9 @@ def _engram_args(text: dict[str, Any]) -> EngramArgs | None:
     if missing:
         raise CheckpointError(f"config.json: engram_layer_ids is set but text_config lacks {', '.join(missing)}")
     compressed = text.get("engram_compressed_vocab_size") or text["vocab_size"]
-    if compressed != text["vocab_size"]:
-        # The compressed vocabulary folds tokens by their normalised text: it needs the tokenizer.
-        raise CheckpointError(f"config.json: engram_compressed_vocab_size {compressed} differs from vocab_size "
-                              f"{text['vocab_size']}; graphc supports the identity token map only (equal sizes)")
+    if not 0 < compressed <= text["vocab_size"]:
+        raise CheckpointError(f"config.json: engram_compressed_vocab_size {compressed} is not in 1..vocab_size "
+                              f"{text['vocab_size']}")
     if text["engram_max_ngram_size"] < 2:
         raise CheckpointError(f"config.json: engram_max_ngram_size is {text['engram_max_ngram_size']}; Engram hashes "
                               "n-grams of orders 2..N, so N must be at least 2")

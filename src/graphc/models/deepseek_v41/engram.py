@@ -42,7 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from graphc.models.fp8 import FP8, SCALE_SUFFIX
 from graphc.ops import collectives
+from graphc.ops.dequantize import dequantize
 from graphc.ops.engram import ngram_hash
 
 INT64_MAX = 2**63 - 1
@@ -145,8 +147,20 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(streams, hidden))
         self.k_weight = nn.Parameter(torch.ones(streams, hidden))
 
-    def lookup(self, rows: Tensor, shard: Tensor | int = 0, group_size: int = 1, exchange: str = "local") -> Tensor:
-        """Table rows [T, K] (absolute) -> their vectors [T, K d] from the group's shards.
+    def read(self, local: Tensor, dtype: torch.dtype) -> Tensor:
+        """The rows [..., d] of this rank's table at `local` in `dtype`: the table's own, or, kept
+        as stored (FP8 with a scale per row and block in `embed.weight_scale_inv`: `load_model`'s
+        `as_stored`), the rows it gathers dequantised, not the whole table (values equal
+        dequantising on load: each value times its scale in fp32, one rounding)."""
+        rows = self.embed(local)
+        if rows.dtype != FP8:
+            return rows
+        scales = F.embedding(local, self.embed.get_buffer("weight" + SCALE_SUFFIX))  # [..., d / bc]
+        return dequantize(rows, scales, 1, rows.shape[-1] // scales.shape[-1], dtype)
+
+    def lookup(self, rows: Tensor, dtype: torch.dtype, shard: Tensor | int = 0, group_size: int = 1,
+               exchange: str = "local") -> Tensor:
+        """Table rows [T, K] (absolute) -> their vectors [T, K d] in `dtype` from the group's shards.
 
         Args:
             shard: this rank's place in the expert-parallel group (it holds rows
@@ -162,7 +176,7 @@ class Engram(nn.Module):
         held = self.embed.num_embeddings
         local = rows - torch.as_tensor(shard) * held
         here = (local >= 0) & (local < held)
-        vectors = torch.where(here[..., None], self.embed(torch.where(here, local, 0)), 0).flatten(1)  # [T', K d]
+        vectors = torch.where(here[..., None], self.read(torch.where(here, local, 0), dtype), 0).flatten(1)  # [T', K d]
         if gathers:
             return collectives.moe_combine(vectors, "ep", group_size)
         if exchange == "static":
@@ -174,7 +188,7 @@ class Engram(nn.Module):
         """streams [B, Q, n, D], n-gram contexts [B, Q, N] (int64), valid [B, Q] (gate 0 where
         false) -> the streams with the gated memory added (added in fp32, rounded once)."""
         rows, width = streams.shape[:2]
-        vectors = self.lookup(self.hash(context).flatten(0, 1), shard, group_size, exchange)  # [B Q, K d]
+        vectors = self.lookup(self.hash(context).flatten(0, 1), streams.dtype, shard, group_size, exchange)  # [B Q, K d]
         keys, value = self.wkv(vectors.to(self.wkv.weight.dtype)).view(rows, width, -1).split(
             [self.streams * self.hidden, self.hidden], dim=-1)
         keys = keys.float().view(rows, width, self.streams, self.hidden)  # [B, Q, n, D]
