@@ -59,6 +59,7 @@ def fp8_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fp8")
     made = {name: make_tiny_checkpoint(root / name, preset=name, seed=0, fp8_block=FP8_BLOCK) for name in FP8_PRESETS}
     flash = {**json.loads((made["v4"] / "config.json").read_text()), "expert_dtype": "fp4"}
+    flash["quantization_config"]["scale_fmt"] = "ue8m0"
     made[V4_FP4_EXPERTS] = write_random_checkpoint(root / V4_FP4_EXPERTS, flash, seed=0)
     return made
 

@@ -60,7 +60,8 @@ def one_line_refusal(result) -> str:
 FP8_PRESETS = ("lora-groups", "v32", "v4", "v41")
 """A preset of each family (and V3.2's indexer) in its FP8 release layout (`fp8_checkpoints`)."""
 V4_FP4_EXPERTS = "v4-fp4-experts"
-"""`fp8_checkpoints`' V4 with its routed experts FP4 (`expert_dtype: fp4`), as DeepSeek-V4-Flash ships them."""
+"""`fp8_checkpoints`' V4 laid out as DeepSeek-V4-Flash ships: routed experts FP4 (`expert_dtype: fp4`,
+int8 bytes), the FP8 weights' scales power-of-two `X.scale` (`scale_fmt: ue8m0`)."""
 FP8_BLOCK = 32
 """Scale blocks that tile the tiny matrices raggedly (48 rows of 64 columns: one and a half blocks)."""
 

@@ -71,9 +71,11 @@ def v41_checkpoint(tmp_path_factory):
 
 
 def test_make_tiny_stores_v41s_routed_experts_as_fp4_and_the_rest_fp8(v41_checkpoint):
+    """As the releases store them: FP4 bytes as I8 [R, C / 2] (config.json's `expert_dtype: fp4`
+    says what they hold), e8m0 scales."""
     stored = load_file(v41_checkpoint / "model.safetensors")
     experts = [n for n in stored if n.startswith("layers.") and ".ffn.experts." in n and n.endswith(".weight")]
-    assert experts and all(stored[n].dtype == torch.float4_e2m1fn_x2 for n in experts)
+    assert experts and all(stored[n].dtype == torch.int8 for n in experts)
     assert all(stored[n.removesuffix(".weight") + ".scale"].dtype == torch.float8_e8m0fnu for n in experts)
     assert tuple(stored[EXPERT].shape) == (64, 16) and tuple(stored[EXPERT.replace("weight", "scale")].shape) == (64, 1)
     assert stored["layers.2.ffn.shared_experts.w2.weight"].dtype == torch.float8_e4m3fn
@@ -86,10 +88,23 @@ def test_both_models_read_the_fp4_experts_exactly(v41_checkpoint):
     from graphc.models.checkpoint import load_reference
 
     stored = load_file(v41_checkpoint / "model.safetensors")
-    expected = fp4.dequantize(stored[EXPERT].view(torch.int8), stored[EXPERT.replace("weight", "scale")])
+    expected = fp4.dequantize(stored[EXPERT], stored[EXPERT.replace("weight", "scale")])
     paged = dict(load_model(v41_checkpoint).named_parameters())["model.layers.2.mlp.experts.down_proj"][5]
     assert torch.equal(paged, expected)
     assert torch.equal(load_reference(v41_checkpoint).layers[2].ffn.experts[5].w2.weight, expected)
+
+
+def test_experts_stored_as_f4_load_as_the_i8_bytes_do(v41_checkpoint, tmp_path):
+    """safetensors' F4 dtype (float4_e2m1fn_x2) holds the same bytes: the same model loads."""
+    retyped = shutil.copytree(v41_checkpoint, tmp_path / "f4")
+    tensors = load_file(retyped / "model.safetensors")
+    experts = [n for n in tensors if ".ffn.experts." in n and n.endswith(".weight")]  # the draft layer's too
+    save_file({n: t.view(torch.float4_e2m1fn_x2) if n in experts else t for n, t in tensors.items()},
+              retyped / "model.safetensors")
+    assert set(check_checkpoint(retyped).fp4_bytes) == {n for n in experts if n.startswith("layers.")}
+    for (name, a), (_, b) in zip(load_model(v41_checkpoint, as_stored=True).state_dict().items(),
+                                 load_model(retyped, as_stored=True).state_dict().items()):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("break_it, says", [
@@ -102,6 +117,8 @@ def test_both_models_read_the_fp4_experts_exactly(v41_checkpoint):
     (lambda t: t.__setitem__(EXPERT.replace("weight", "scale"), torch.ones(64, 1)),
      r"layers\.2\.ffn\.experts\.5\.w2\.scale scales the FP4 tensor layers\.2\.ffn\.experts\.5\.w2\.weight as "
      r"torch\.float32; FP4 scales are float8_e8m0fnu"),
+    (lambda t: t.__setitem__(EXPERT, torch.zeros(64, 33, dtype=torch.int8)),
+     r"tensor layers\.2\.ffn\.experts\.5\.w2\.weight has shape \[64, 66\], expected \[64, 32\]"),
     (lambda t: t.__setitem__(EXPERT, torch.zeros(64, 33, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)),
      r"tensor layers\.2\.ffn\.experts\.5\.w2\.weight has shape \[64, 66\], expected \[64, 32\]"),
 ])

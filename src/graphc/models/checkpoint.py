@@ -376,11 +376,8 @@ class CheckedCheckpoint:
     """The stored tensors of each graphc parameter."""
     fp4_bytes: dict[str, tuple[Path, int, int]] = dataclasses.field(default_factory=dict)
     """Each FP4 tensor's file and byte range (`_fp4_pairs`)."""
-
-    @property
-    def ue8m0(self) -> bool:
-        """FP8 scales named and stored as DeepSeek-V4.1's (`fp8.UE8M0_SUFFIX`)."""
-        return self.family.ue8m0_scales
+    ue8m0: bool = False
+    """FP8 scales named and stored as DeepSeek-V4's releases do (`fp8.UE8M0_SUFFIX`: `_ue8m0_names`)."""
 
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -392,8 +389,8 @@ WEIGHT_DTYPES = ("F32", "BF16", "F16", "F8_E4M3", "F4")
 """What a weight may be stored as (FP8 and FP4 with their block scales)."""
 QUANTIZED = {"F8_E4M3": "float8_e4m3fn", "F4": "float4_e2m1 (F4)"}
 """The block-scaled dtypes: their scale tensor is required."""
-SUPPORTED_WEIGHTS = ("float32, bfloat16, float16, and float8_e4m3fn (or float4_e2m1, F4: two values a byte) "
-                     "with block scales")
+SUPPORTED_WEIGHTS = ("float32, bfloat16, float16, and float8_e4m3fn (or float4_e2m1, two values a byte: F4, or "
+                     "I8 where config.json says expert_dtype fp4) with block scales")
 INDEX_DTYPES = ("I64", "I32")
 """What an index table (V4's `tid2eid`) may be stored as."""
 
@@ -414,7 +411,8 @@ def check_checkpoint(checkpoint_dir: Path, draft_layers: int = 0) -> CheckedChec
     if draft_layers:  # the served MTP layer's tensors are expected, not skipped
         args = dataclasses.replace(args, draft_layers=draft_layers)
     files = _tensor_files(checkpoint_dir)
-    ue8m0 = family.ue8m0_scales
+    ue8m0 = family.ue8m0_scales or _ue8m0_names(files)
+    packs_fp4 = fp4.experts_in_fp4(config)
     block = _fp8_block(checkpoint_dir, config, files, ue8m0)
     stored = {n for n in files if not family.skips(n, args)}
     scales = {n for n in stored if scaled_weight(n, ue8m0) is not None}
@@ -438,8 +436,13 @@ def check_checkpoint(checkpoint_dir: Path, draft_layers: int = 0) -> CheckedChec
         raise CheckpointError(f"{checkpoint_dir}: unexpected tensor(s) {_summarise(unexpected)}")
     expected = _expected_shapes(args, sources)
     headers = {path: _header(path) for path in sorted(set(files.values()))}
+    fp4_names = set()
     for name, shape in expected.items():
         dtype, stored_shape, _ = headers[files[name]][name]
+        if dtype == "I8" and packs_fp4 and family.fp4_quantised.match(name):  # FP4 values, two a byte
+            dtype, stored_shape = "F4", [*stored_shape[:-1], 2 * stored_shape[-1]]
+        if dtype == "F4":
+            fp4_names.add(name)
         if name.endswith(family.index_tensors):
             if dtype not in INDEX_DTYPES:
                 raise CheckpointError(f"{files[name].name}: tensor {name} has dtype {SAFETENSORS_DTYPES[dtype]}; "
@@ -450,18 +453,23 @@ def check_checkpoint(checkpoint_dir: Path, draft_layers: int = 0) -> CheckedChec
         if tuple(stored_shape) != shape:
             raise CheckpointError(f"{files[name].name}: tensor {name} has shape {stored_shape}, expected {list(shape)} "
                                   "from config.json")
-        _check_scale(name, shape, dtype, files, headers, block, family)
-    fp4_bytes = {name: (files[name], *headers[files[name]][name][2]) for name in expected
-                 if headers[files[name]][name][0] == "F4"}
-    checked = CheckedCheckpoint(args, family, files, block, expected, sources, fp4_bytes)
+        _check_scale(name, shape, dtype, files, headers, block, family, ue8m0)
+    fp4_bytes = {name: (files[name], *headers[files[name]][name][2]) for name in sorted(fp4_names)}
+    checked = CheckedCheckpoint(args, family, files, block, expected, sources, fp4_bytes, ue8m0)
     _check_index_tables(checked)
     return checked
 
 
+def _ue8m0_names(files: dict[str, Path]) -> bool:
+    """Whether the checkpoint names its scales `X.scale` (DeepSeek-V4-Flash's FP8 as released), not
+    `X.weight_scale_inv`: a `.scale` tensor beside its `.weight`."""
+    return any(n.endswith(UE8M0_SUFFIX) and scaled_weight(n, True) in files for n in files)
+
+
 def _check_scale(name: str, shape: tuple[int, ...], dtype: str, files: dict[str, Path], headers: dict,
-                 block: tuple[int, int] | None, family: Family) -> None:
+                 block: tuple[int, int] | None, family: Family, ue8m0: bool) -> None:
     """An FP8 (FP4) weight's scale is present and tiles it; a weight of another dtype has none."""
-    scale = scale_name(name, family.ue8m0_scales)
+    scale = scale_name(name, ue8m0)
     if dtype not in QUANTIZED:
         if scale in files:
             raise CheckpointError(f"{files[scale].name}: {scale} scales {name}, which is stored as "

@@ -121,19 +121,22 @@ def byte_level_tokenizer():
 
 
 def quantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int], family: Family,
-                 experts_fp4: bool = False) -> dict[str, torch.Tensor]:
+                 experts_fp4: bool = False, ue8m0: bool = False) -> dict[str, torch.Tensor]:
     """The family's FP8 release layout: the weights it quantises (`Family.fp8_quantised`: the decoder
-    layers' projections) as float8_e4m3fn with block scales (V4.1's power-of-two ones, and its
-    tables' per row: `Family.ue8m0_scales`, `row_sharded_tables`), or, with `experts_fp4`, as FP4
-    (`fp4_quantised`: the routed experts); embeddings, norms, the router and the head stay as they are."""
+    layers' projections) as float8_e4m3fn with block scales (power-of-two `X.scale` ones with
+    `ue8m0` or `Family.ue8m0_scales`, as DeepSeek-V4's releases store them; a row-sharded table's
+    per row), or, with `experts_fp4`, as FP4 (`fp4_quantised`: the routed experts, their bytes as
+    int8, as the releases store them); embeddings, norms, the router and the head stay as they are."""
     out = {}
-    quantizer = quantize_ue8m0 if family.ue8m0_scales else quantize
+    ue8m0 = ue8m0 or family.ue8m0_scales
+    quantizer = quantize_ue8m0 if ue8m0 else quantize
     for name, tensor in tensors.items():
         if experts_fp4 and family.fp4_quantised.match(name):
-            out[name], out[scale_name(name, family.ue8m0_scales)] = fp4.quantize(tensor)
+            pairs, out[scale_name(name, ue8m0)] = fp4.quantize(tensor)
+            out[name] = pairs.view(torch.int8)
         elif family.fp8_quantised.match(name):
             per_row = name.endswith(family.row_sharded_tables)
-            out[name], out[scale_name(name, family.ue8m0_scales)] = quantizer(tensor, (1, block[1]) if per_row else block)
+            out[name], out[scale_name(name, ue8m0)] = quantizer(tensor, (1, block[1]) if per_row else block)
         else:
             out[name] = tensor
     return out
@@ -184,8 +187,9 @@ def write_checkpoint(out: Path, config: dict[str, Any], tensors: dict[str, torch
     """`write_random_checkpoint` of the given fp32 `tensors` (every tensor the layout stores)."""
     family = family_of_config(config)
     if "quantization_config" in config:
-        tensors = quantize_fp8(tensors, tuple(config["quantization_config"]["weight_block_size"]), family,
-                               fp4.experts_in_fp4(config))
+        quantization = config["quantization_config"]
+        tensors = quantize_fp8(tensors, tuple(quantization["weight_block_size"]), family, fp4.experts_in_fp4(config),
+                               quantization.get("scale_fmt") == "ue8m0")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
