@@ -11,9 +11,10 @@ from graphc.models.family import Collective
 def attention_collectives(args: V3Args, tokens: int, context_slots: int | None, width: int,
                           tp: int = 1) -> list[Collective]:
     """One `attention_combine` per layer, of the fp32 partial output [T, H, R] and its log-sum-exp
-    [T, H] of the rank's H = heads / tp (all-reduced: the maximum of the one, then both summed). Sparse attention (V3.2) adds one `index_topk_combine` per layer,
-    all-gathering each token's k candidate positions (int64) and scores (fp32), k =
-    min(index_topk, context_slots), context_slots being the block table's token capacity."""
+    [T, H] of the rank's H = heads / tp (all-reduced: the maximum of the one, then both summed).
+    Sparse attention (V3.2) adds one `index_topk_combine` per layer, all-gathering each token's k
+    candidate positions (int64) and scores (fp32), k = min(index_topk, context_slots),
+    context_slots being the block table's token capacity."""
     out = []
     if args.sparse_attention:
         selected = min(args.index_topk, context_slots or args.index_topk)

@@ -188,7 +188,8 @@ class Engram(nn.Module):
         """streams [B, Q, n, D], n-gram contexts [B, Q, N] (int64), valid [B, Q] (gate 0 where
         false) -> the streams with the gated memory added (added in fp32, rounded once)."""
         rows, width = streams.shape[:2]
-        vectors = self.lookup(self.hash(context).flatten(0, 1), streams.dtype, shard, group_size, exchange)  # [B Q, K d]
+        table_rows = self.hash(context).flatten(0, 1)  # [B Q, K]
+        vectors = self.lookup(table_rows, streams.dtype, shard, group_size, exchange)  # [B Q, K d]
         keys, value = self.wkv(vectors.to(self.wkv.weight.dtype)).view(rows, width, -1).split(
             [self.streams * self.hidden, self.hidden], dim=-1)
         keys = keys.float().view(rows, width, self.streams, self.hidden)  # [B, Q, n, D]
