@@ -1,9 +1,11 @@
-"""DeepSeek-V4.1's FP4 weight format: its routed experts as float4_e2m1 values, two to a byte, with
-one power-of-two scale per 32 columns of a row.
+"""DeepSeek-V4-Flash's and V4.1-Flash's FP4 weight format: their routed experts as float4_e2m1
+values, two to a byte, with one power-of-two scale per 32 columns of a row (config.json's
+`expert_dtype: fp4`, `experts_in_fp4`).
 
-A weight W [R, C] is stored as `X.weight` of safetensors dtype F4 (torch.float4_e2m1fn_x2: R x C / 2
-bytes, column 2j in a byte's low nibble and 2j + 1 in its high one) and `X.scale` [R, ceil(C / 32)]
-(float8_e8m0fnu), as DeepSeek's V4 inference code reads them (`fp4_gemm`: the codes unpacked low
+A weight W [R, C] is stored as `X.weight`, R x C / 2 bytes of safetensors dtype I8 (the releases'
+shard headers) or F4 (torch.float4_e2m1fn_x2, whose shape counts values), column 2j in a byte's low
+nibble and 2j + 1 in its high one, and `X.scale` [R, ceil(C / 32)] (float8_e8m0fnu), as DeepSeek's
+V4 inference code reads them (`fp4_gemm`: the codes unpacked low
 nibble first, each times its block's scale). A code is a sign bit (bit 3), two exponent bits of bias
 1 and one mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. Dequantisation is exact in
 fp32 (a value of 2 significant bits times a power of two).
