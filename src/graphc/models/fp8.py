@@ -70,7 +70,7 @@ class QuantizedWeight:
     """What the model computes with: the model dtype, or fp32 for what the family keeps fp32."""
     by_row: bool = False
     """Read a few rows a step (V4.1's Engram tables, scaled per row): the module dequantises the
-    rows it gathers (`deepseek_v41/engram.Engram.lookup`), not the graph the whole table."""
+    rows it gathers (`deepseek_v41/engram.Engram.read`), not the graph the whole table."""
 
 
 UE8M0_SUFFIX = ".scale"
