@@ -111,11 +111,13 @@ def compiled(tmp_path_factory, tiny_checkpoints):
     """compiled(preset, backend, buckets="standard", cp=1, ep=1, static_moe=True, dp=1,
     moe_lowering="auto", tp=1, dtype="float32", speculative=0) -> artifacts dir, compiled once
     per session (static_moe=False disables the static-MoE rewrite; speculative=k drafts k tokens
-    with the MTP layer)."""
+    with the family's draft layers: MTP, or V4.1's DSpark stages)."""
     import yaml
 
     from graphc.config import load_config
     from graphc.compiler.pipeline import CompileOptions, compile
+    from graphc.models.hf_config import read_hf_config
+    from graphc.models.registry import family_of_config
 
     made: dict[tuple, Path] = {}
 
@@ -130,8 +132,9 @@ def compiled(tmp_path_factory, tiny_checkpoints):
             config = {**model_yaml(tiny_checkpoints[preset], TEST_BUCKETS[buckets], backend, dtype),
                       "topology": {"dp": dp, "cp": cp, "tp": tp, "ep": ep}}
             config["model"]["moe_lowering"] = moe_lowering
-            if speculative:
-                config["model"]["speculative"] = {"method": "mtp", "tokens": speculative}
+            if speculative:  # the family's own drafter
+                method = family_of_config(read_hf_config(tiny_checkpoints[preset])).draft_method
+                config["model"]["speculative"] = {"method": method, "tokens": speculative}
             (root / "model.yaml").write_text(yaml.safe_dump(config))
             options = CompileOptions(verify_passes=True, show_progress=False, workers=2,
                                      disabled_passes=frozenset() if static_moe else frozenset({"static_moe"}))

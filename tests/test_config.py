@@ -503,14 +503,21 @@ def test_speculative_decoding_refusals_name_the_field(data, changes, match):
         parse(override(data, **changes))
 
 
-def test_speculative_decoding_needs_the_checkpoints_mtp_layer(tmp_path, ckpt, tiny_checkpoints):
+def test_speculative_decoding_needs_the_checkpoints_draft_layers(tmp_path, ckpt, tiny_checkpoints):
     without = shutil.copytree(ckpt, tmp_path / "no-mtp")
     rewrite_config(without, num_nextn_predict_layers=0)
-    with pytest.raises(ConfigError, match=r"^model\.speculative: method 'mtp' needs the checkpoint's multi-token-"
-                                          r"prediction layer, and .*no-mtp has none \(config\.json "
+    with pytest.raises(ConfigError, match=r"^model\.speculative: method 'mtp' needs the checkpoint's draft layers "
+                                          r"\(multi-token prediction\), and .*no-mtp has none \(config\.json "
                                           r"num_nextn_predict_layers is 0\)$"):
         parse(override(valid_data(without), **{"model.speculative": {"method": "mtp", "tokens": 2}}))
-    v41 = override(valid_data(tiny_checkpoints["v41"]), **{"model.speculative": {"method": "mtp", "tokens": 2}})
-    with pytest.raises(ConfigError, match=r"^model\.speculative: DeepseekV41ForCausalLM has no MTP drafting in graphc "
-                                          r"yet; the DeepSeek-V3 / V3.2 and V4 families have$"):
-        parse(v41)
+    v41 = valid_data(tiny_checkpoints["v41"])
+    with pytest.raises(ConfigError, match=r"^model\.speculative\.method: DeepseekV41ForCausalLM drafts with 'dspark', "
+                                          r"not 'mtp'$"):
+        parse(override(v41, **{"model.speculative": {"method": "mtp", "tokens": 2}}))
+    with pytest.raises(ConfigError, match=r"^model\.speculative\.method: DeepseekV3ForCausalLM drafts with 'mtp', "
+                                          r"not 'dspark'$"):
+        parse(override(valid_data(ckpt), **{"model.speculative": {"method": "dspark", "tokens": 2}}))
+    with pytest.raises(ConfigError, match=r"^model\.speculative\.tokens: 5 exceeds the DSpark block \(config\.json "
+                                          r"dspark_block_size 4\), the tokens one pass drafts$"):
+        parse(override(v41, **{"model.speculative": {"method": "dspark", "tokens": 5}}))
+    assert parse(override(v41, **{"model.speculative": {"method": "dspark", "tokens": 4}})).model_args.draft_layers == 3

@@ -54,8 +54,10 @@ class SpeculativeSection:
     (`graphc.models.speculation`), lossless: the tokens are those of decoding without drafts
     (greedy) or distributed as them (sampling)."""
 
-    method: Literal["mtp"]
-    """Who drafts: 'mtp', the checkpoint's own multi-token-prediction layer (DeepSeek-V3 / V3.2 / V4)."""
+    method: Literal["mtp", "dspark"]
+    """Who drafts: 'mtp', the checkpoint's own multi-token-prediction layer, a token at a time
+    (DeepSeek-V3 / V3.2 / V4); 'dspark', DeepSeek-V4.1's DSpark stages (its `mtp.` modules), a
+    block of tokens at a time."""
     tokens: int
     """k, tokens drafted per decoding row and step: decode buckets become [B, 1 + k] verify
     graphs (and prompt-as-decode ones at least that wide)."""
@@ -312,23 +314,35 @@ def validate(config: GraphcConfig) -> ModelArgs:
 
 
 def _speculative_args(config: GraphcConfig, args: ModelArgs) -> ModelArgs:
-    """The args serving the checkpoint's MTP layer as the draft, or the refusal naming the field."""
+    """The args serving the checkpoint's draft layers, or the refusal naming the field."""
     speculative, b = config.model.speculative, config.buckets
     family = family_of(args)
-    if not family.drafts_with_mtp:
-        raise ConfigError(f"model.speculative: {args.architecture} has no MTP drafting in graphc yet; "
-                          "the DeepSeek-V3 / V3.2 and V4 families have")
+    if family.draft_method is None:
+        raise ConfigError(f"model.speculative: {args.architecture} has no drafting in graphc yet; the DeepSeek-V3 / "
+                          "V3.2 and V4 families draft with 'mtp', DeepSeek-V4.1 with 'dspark'")
+    if speculative.method != family.draft_method:
+        raise ConfigError(f"model.speculative.method: {args.architecture} drafts with '{family.draft_method}', not "
+                          f"'{speculative.method}'")
     if args.num_nextn_predict_layers < 1:
-        raise ConfigError(f"model.speculative: method 'mtp' needs the checkpoint's multi-token-prediction layer, "
-                          f"and {config.model.checkpoint} has none (config.json num_nextn_predict_layers is "
-                          f"{args.num_nextn_predict_layers})")
+        raise ConfigError(f"model.speculative: method '{speculative.method}' needs the checkpoint's draft layers "
+                          f"(multi-token prediction), and {config.model.checkpoint} has none (config.json "
+                          f"num_nextn_predict_layers is {args.num_nextn_predict_layers})")
+    if speculative.method == "dspark" and args.dspark is None:
+        raise ConfigError(f"model.speculative: method 'dspark' needs DSpark stages, and {config.model.checkpoint}'s "
+                          "config.json has no dspark_block_size")
+    if speculative.method == "dspark" and args.dspark.n_routed_experts % config.topology.ep:
+        raise ConfigError(f"topology.ep: {config.topology.ep} must divide the DSpark stages' experts too "
+                          f"(config.json dspark_n_routed_experts {args.dspark.n_routed_experts})")
     if not 1 <= speculative.tokens < b.context_limit - 1:
         raise ConfigError(f"model.speculative.tokens: {speculative.tokens} must be in 1..{b.context_limit - 2} "
                           f"(a verify row of 1 + tokens must fit under buckets.context_limit {b.context_limit})")
+    if speculative.method == "dspark" and speculative.tokens > args.dspark.block_size:
+        raise ConfigError(f"model.speculative.tokens: {speculative.tokens} exceeds the DSpark block "
+                          f"(config.json dspark_block_size {args.dspark.block_size}), the tokens one pass drafts")
     if max_prefill_chunk(sorted(b.prefill), config.runtime.max_num_prefilling_tokens) < 2:
         raise ConfigError("buckets.prefill: speculative decoding runs each prompt chunk's last token again with the "
                           "next chunk, so chunks need at least 2 tokens; add a prefill bucket of 2 or more")
-    return dataclasses.replace(args, draft_layers=1)
+    return dataclasses.replace(args, draft_layers=args.dspark.stages if speculative.method == "dspark" else 1)
 
 
 def _positive(key: str, value: int) -> None:

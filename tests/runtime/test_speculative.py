@@ -91,6 +91,40 @@ def test_v4_gives_the_tokens_without_drafts(compiled):
     assert tokens == [r.output_ids for r in plain] and drafts.proposed[0] > drafts.proposed[1] > 0
 
 
+V41_REQUESTS = [Request([(13 * i + n) % 240 + 3 for i in range(n)], 24, stop_at_eos=False) for n in (5, 19, 40)]
+"""Past V4.1's sliding window (8), its compressors' windows and Engram's n-grams, chunked by prefill-8."""
+
+
+def test_v41_drafting_with_dspark_gives_the_tokens_without_drafts(compiled):
+    """DeepSeek-V4.1's DSpark stages draft a block a step (their context keys in their own pool
+    layers, the block non-causal, the Markov head's bias token by token): random weights, so
+    mostly the rejection path, held to the plain tokens; every draft position is verified."""
+    plain = Engine(compiled("v41", "export", "small")).generate(V41_REQUESTS)
+    artifacts = compiled("v41", "export", "small", speculative=3)
+    assert read_manifest(artifacts).model.cache_layers == 2 * 6 + 1 + 3  # layers, Engram's ids, 3 stages
+    tokens, drafts = _generate(artifacts, V41_REQUESTS)
+    assert tokens == [r.output_ids for r in plain] and drafts.proposed[2] > 0
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("cp, ep, tp", [(2, 2, 1), (1, 2, 2)])
+def test_v41_drafting_over_ranks_gives_the_one_rank_tokens_without_drafts(compiled, cp, ep, tp):
+    """The stages' context keys sharded over cp (the block's own keys counted once), their
+    experts over ep, their heads and shared expert over tp."""
+    plain = Engine(compiled("v41", "export", "small")).generate(V41_REQUESTS)
+    outcome = serve(compiled("v41", "export", "small", cp=cp, ep=ep, tp=tp, speculative=3), [V41_REQUESTS])[0]
+    assert [r.output_ids for r in outcome.results] == [r.output_ids for r in plain]
+
+
+@pytest.mark.slow
+def test_v41_on_inductor_and_neuron_gives_the_tokens_without_drafts(compiled):
+    plain = Engine(compiled("v41", "export", "small")).generate(V41_REQUESTS)
+    for backend in ("inductor", "neuron"):
+        tokens, _ = _generate(compiled("v41", backend, "small", speculative=2), V41_REQUESTS)
+        assert tokens == [r.output_ids for r in plain], backend
+
+
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_v4_at_two_by_two_ranks_gives_the_one_rank_tokens_without_drafts(compiled):

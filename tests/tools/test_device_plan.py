@@ -117,6 +117,28 @@ def test_a_speculative_step_reads_the_mtp_layer_and_the_head_again_for_each_draf
         assert step.tokens_per_second_accepted == pytest.approx((1 + k) * step.tokens_per_second)
 
 
+def test_the_released_v41_flash_drafting_with_dspark_fits_and_reads_its_stages_once_a_step():
+    """DeepSeek-V4.1-Flash with its three DSpark stages drafting 5 tokens (cp = ep = 64): a rank
+    holds 128 / 64 of each stage's experts, FP4 like the main layers'; a verify step reads the
+    main weights once for B x 6 tokens, then the stages' other weights and the LM head once for
+    the block of 5 a row (and the block's embedding rows)."""
+    speculative = load_config(RELEASED / "v41-flash-dspark.yaml")
+    plain = plan_device(load_config(RELEASED / "v41-flash-trn2.yaml"), DEVICES["trn2"])
+    plan = plan_device(speculative, DEVICES["trn2"])
+    assert plan.fits, plan.reason
+    stage_experts = 3 * 128 // 64 * 3 * 5120 * 2304 * (1 / 2 + 1 / 32)
+    assert plan.weights_bytes["float4_e2m1"] == plain.weights_bytes["float4_e2m1"] + stage_experts
+    tensors = {t.name: t.nbytes for t in rank_tensors(speculative)}
+    stages = sum(n for name, n in tensors.items() if name.startswith("model.mtp.") and ".experts." not in name)
+    embedding_row = tensors["model.embed_tokens.weight"] // 129280
+    for step, without in zip(plan.decode, plain.decode, strict=True):
+        rows = step.rows
+        assert step.bucket == f"decode-{rows}x6"
+        assert step.weights_read == (without.weights_read + stages + tensors["lm_head.weight"]
+                                     + embedding_row * (rows * 6 - rows + rows * 5))
+        assert without.step_ms < step.step_ms < 6 * without.step_ms
+
+
 def test_the_cli_prints_json_and_exits_2_when_a_rank_does_not_fit(tmp_path):
     result = CliRunner().invoke(cli, ["plan", str(RELEASED / "v3-trn2.yaml"), "--device", "trn2", "--json"])
     assert result.exit_code == 2

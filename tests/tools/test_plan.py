@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import yaml
@@ -11,6 +10,7 @@ from click.testing import CliRunner
 from graphc.artifacts.directory import read_manifest
 from graphc.buckets.selection import Bucket
 from graphc.cli import EXIT_BAD_INPUT, cli
+from graphc.config import load_config
 from graphc.models.registry import load_model_args
 from graphc.tools.plan import step_collectives
 from graphc.topology import Topology
@@ -44,19 +44,21 @@ def test_collectives_per_step_are_those_of_the_compiled_graphs(preset, dp, cp, e
 @pytest.mark.parametrize("preset, buckets, dp, cp, tp, exchange", [
     ("trained", "prompt_as_decode_small", 1, 2, 1, "static"), ("trained", "dp", 2, 1, 1, "a2a_even"),
     pytest.param("v4", "small", 1, 2, 2, "static", marks=pytest.mark.slow),  # the MTP module's tp collectives
+    pytest.param("v41", "small", 1, 2, 1, "static", marks=pytest.mark.slow),  # DSpark's stages over a block
 ])
 def test_a_speculative_steps_collectives_are_those_of_the_compiled_graphs(preset, buckets, dp, cp, tp, exchange,
-                                                                         compiled, tiny_checkpoints):
-    """With MTP drafts (k = 2): the verify positions' head, then the MTP layer over the step's
-    tokens and once more over a token a row (the serving tests' artifacts, runtime/test_speculative.py)."""
+                                                                         compiled):
+    """With drafts (k = 2): the verify positions' head, then the MTP layer over the step's tokens
+    and once more over a token a row, or DSpark's stages over a block a row (the serving tests'
+    artifacts, runtime/test_speculative.py)."""
     artifacts = compiled(preset, "export", buckets, cp=cp, ep=2, dp=dp, tp=tp, speculative=2)
-    _assert_planned_as_compiled(artifacts, load_model_args(tiny_checkpoints[preset]), exchange, draft_tokens=2)
+    args = load_config(artifacts.parent / "model.yaml").model_args  # with the draft layers it serves
+    _assert_planned_as_compiled(artifacts, args, exchange, draft_tokens=2)
 
 
 def _assert_planned_as_compiled(artifacts, args, exchange: str, draft_tokens: int = 0) -> None:
     manifest = read_manifest(artifacts)
     topology = manifest.topology.topology()
-    args = dataclasses.replace(args, draft_layers=1) if draft_tokens else args
     slots = manifest.kv_cache.blocks_per_row * manifest.kv_cache.block_size
     for rank in manifest.ranks:
         for graph in rank.graphs:

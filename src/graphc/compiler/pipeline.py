@@ -76,7 +76,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
     dtype = getattr(torch, config.model.dtype)
     as_stored = config.model.weights == "as-stored"
     draft_tokens = config.draft_tokens
-    draft_layers = 1 if draft_tokens else 0  # the MTP layer that drafts
+    draft_layers = config.model_args.draft_layers  # the draft layers it serves (`config.model.speculative`)
     shapes_only = options.shapes_only or not holds_weights(config.model.checkpoint)
     with atomic_directory(out, options.force) as staging:
         # 1. Model: rank 0's module (its routed experts and tensor-parallel slice; every rank's

@@ -209,7 +209,8 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
                                                                                                    dtype=dtype)
 
             groups = sources[name] if name != "lm_head.weight" or not tied_split else sources["model.embed_tokens.weight"]
-            kept = _kept_as_stored(handles, checked, name, groups, experts, shard) if as_stored else None
+            held = _expert_share(args, experts, len(groups)) if _stored_per_expert(family, name, groups) else experts
+            kept = _kept_as_stored(handles, checked, name, groups, held, shard) if as_stored else None
             if kept is not None:
                 weight, scale, block = kept
                 state[name] = weight.to(device)
@@ -218,7 +219,7 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
             elif name.endswith(family.row_sharded_tables) and len(experts) < args.n_routed_experts:
                 state[name] = _table_rows(handles, checked, groups[0][0], experts).to(device=device, dtype=target)
             elif _stored_per_expert(family, name, groups):
-                state[name] = torch.stack([torch.cat([read(n) for n in groups[e]]) for e in experts])
+                state[name] = torch.stack([torch.cat([read(n) for n in groups[e]]) for e in held])
             elif STACKED_EXPERT.match(name):  # stored stacked: this rank's rows
                 state[name] = read(groups[0][0])[experts.start:experts.stop]
             else:
@@ -235,6 +236,15 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
     model.to(device)  # the buffers built from the config on the CPU (RoPE's, hashes'), not in the state dict
     _check_device(model, torch.device(device))
     return model.requires_grad_(False).eval()  # inference only: no autograd bookkeeping
+
+
+def _expert_share(args: ModelArgs, experts: range, total: int) -> range:
+    """The experts of a stacked parameter of `total` experts that the rank holding `experts` of
+    the main layers' holds: the same share (V4.1's DSpark stages route over fewer experts)."""
+    if total == args.n_routed_experts:
+        return experts
+    start, held = experts.start * total // args.n_routed_experts, len(experts) * total // args.n_routed_experts
+    return range(start, start + held)
 
 
 def hold_as_stored(model: nn.Module, name: str, stored: Tensor) -> None:
@@ -327,10 +337,10 @@ def _table_rows(handles: dict, checked: "CheckedCheckpoint", name: str, experts:
     return torch.nn.functional.pad(part, (0, 0, 0, held - part.shape[0]))
 
 
-def load_reference(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_reference(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, draft_layers: int = 0) -> nn.Module:
     """The family's eager graphc reference (`Family.reference_model`, read by the released names)
-    from a checkpoint, on the CPU, checked as `load_model` checks it."""
-    checked = check_checkpoint(Path(checkpoint_dir))
+    from a checkpoint, on the CPU, checked as `load_model` checks it; with the draft layers it serves."""
+    checked = check_checkpoint(Path(checkpoint_dir), draft_layers)
     if checked.family.reference_model is None:
         raise CheckpointError(f"{checkpoint_dir}: {checked.args.architecture} has no graphc reference model; "
                               "transformers implements it")

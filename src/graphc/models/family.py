@@ -100,17 +100,19 @@ class Family:
     backends: tuple[str, ...] = ("export", "inductor", "neuron")
     data_parallel: bool = True
     """Whether data-parallel attention (dp > 1) is built for it."""
-    drafts_with_mtp: bool = False
-    """Whether its MTP layer serves as speculative decoding's draft (its args' `draft_layers`, its
-    model's `final_hidden`, `logits`, `draft_hidden` and `draft_logits`)."""
+    draft_method: str | None = None
+    """How its draft layers draft in speculative decoding (model.yaml's `speculative.method`):
+    'mtp', its MTP layer one token at a time (its args' `draft_layers`, its model's `final_hidden`,
+    `logits`, `draft_hidden` and `draft_logits`), or 'dspark', DSpark's stages a block at a time
+    (its model's `draft_block`); None: it has none."""
     draft_layer: Callable[["ModelArgs"], "ModelArgs"] | None = None
-    """Where it drafts: its MTP layer as the args of a one-layer model, whose collectives
-    (`attention_collectives`, ...) are the layer's (`graphc plan`)."""
+    """Where it drafts: its draft layers as the args of a model of their own, whose collectives
+    (`attention_collectives`, ...) are theirs (`graphc plan`)."""
     check_exchange: Callable[["ModelArgs", str], None] = _accepts
+    """Raises `GraphcError` for an MoE exchange its layers cannot take."""
     check_loadable: Callable[["ModelArgs"], None] = _accepts
     """Raises CheckpointError where graphc takes the config (plan, shapes-only compiles) but cannot
     load its weights yet."""
-    """Raises `GraphcError` for an MoE exchange its layers cannot take."""
     probe_refusal: str | None = None
     """Why `graphc probe` does not take its layers, or None."""
 

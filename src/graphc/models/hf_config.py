@@ -78,9 +78,12 @@ FIELD_TYPES: dict[str, tuple[type, float]] = {
         # DeepSeek-V4's and V4.1's
         "head_dim", "o_groups", "o_lora_rank", "hc_mult", "hc_sinkhorn_iters", "sliding_window",
         "candidate_topk_blocks", "candidate_block_size", "engram_max_ngram_size", "engram_n_heads", "engram_head_dim",
-        "engram_vocab_size", "compress_rate_csa", "compress_rate_hca")},
+        "engram_vocab_size", "compress_rate_csa", "compress_rate_hca",
+        # V4.1's DSpark drafter
+        "dspark_block_size", "dspark_markov_rank", "dspark_n_routed_experts", "dspark_num_experts_per_tok")},
     **{name: (int, COUNT) for name in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers",
-                                       "num_hash_layers", "engram_pad_token_id")},
+                                       "num_hash_layers", "engram_pad_token_id",
+                                       "dspark_noise_token_id")},
     **{name: (float, 0.0) for name in ("routed_scaling_factor", "rms_norm_eps", "rope_theta", "compress_rope_theta",
                                        "hc_eps", "swiglu_limit", "gate_temp")},
     **{name: (bool, 0) for name in ("norm_topk_prob", "tie_word_embeddings", "attention_bias", "rope_interleave")},

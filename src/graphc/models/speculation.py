@@ -1,5 +1,8 @@
-"""Speculative decoding with the model's own MTP layer: one step verifies the drafts of the last
-one and drafts the next, inside the step graph.
+"""Speculative decoding with the model's own draft layers: one step verifies the drafts of the
+last one and drafts the next, inside the step graph. The drafter is the MTP layer (DeepSeek-V3 /
+V3.2 / V4, steps 3 and 4 below) or, for DeepSeek-V4.1, its DSpark stages, which draft a block of
+tokens in one pass after the last accepted position (`DeepseekV41Drafting.draft_block`,
+`deepseek_v41/dspark.py`) in place of steps 3 and 4.
 
 Each row of a step holds its tokens as usual, and a row that decodes holds after its last token
 the k (or fewer) tokens the MTP layer drafted in the row's previous step: [t, d_0 .. d_{m-1}],
@@ -67,6 +70,18 @@ def speculative_step(model: StepModel, k: int, input_ids: Tensor, step: StepInpu
     picked = verdict[:, 1:].gather(1, accepted)  # [B, 1]: the token after the last accepted one
 
     kept_until = logits_index[:, None] + accepted  # [B, 1]: the last accepted position's index
+    if hasattr(model, "draft_block"):  # DSpark
+        new_drafts = model.draft_block(hidden, picked, kept_until, step, k)
+    else:
+        new_drafts = _mtp_drafts(model, k, hidden, input_ids, step, kept_until, picked)
+    return torch.cat([verdict, new_drafts], dim=1), logits[:, 0]
+
+
+def _mtp_drafts(model: StepModel, k: int, hidden: Tensor, input_ids: Tensor, step: StepInputs, kept_until: Tensor,
+                picked: Tensor) -> Tensor:
+    """Steps 3 and 4 of the module docstring: the MTP layer's k drafts [B, k] after each row's
+    last accepted position `kept_until` [B, 1], whose next token is `picked` [B, 1]."""
+    width = input_ids.shape[1]
     following = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)  # token i + 1 at i
     index = torch.arange(width, device=input_ids.device)[None, :]
     next_ids = torch.where(index < kept_until, following, picked)  # [B, W]
@@ -82,7 +97,7 @@ def speculative_step(model: StepModel, k: int, input_ids: Tensor, step: StepInpu
         drafted = model.draft_hidden(drafted, draft, ahead)
         draft = model.draft_logits(drafted).argmax(dim=-1)
         new_drafts.append(draft)
-    return torch.cat([verdict, *new_drafts], dim=1), logits[:, 0]
+    return torch.cat(new_drafts, dim=1)
 
 
 def _take(values: Tensor, index: Tensor) -> Tensor:

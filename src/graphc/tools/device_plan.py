@@ -53,7 +53,7 @@ from graphc.models.layers import STACKED_EXPERT
 from graphc.models.registry import family_of
 from graphc.models.step_model import ModelArgs
 from graphc.step import blocks_per_row, kv_pool_shape
-from graphc.tools.plan import format_bytes as size, step_collectives
+from graphc.tools.plan import draft_passes, format_bytes as size, step_collectives
 
 GiB = 2**30
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -263,7 +263,7 @@ def plan_device(config: GraphcConfig, target: Device, measured: MeasuredActivati
 
 
 def _draft_tensors(config: GraphcConfig) -> set[str]:
-    """The names of the tensors of the MTP layer served as the draft (none without speculation)."""
+    """The names of the tensors of the draft layers served (none without speculation)."""
     if not config.draft_tokens:
         return set()
     topology = config.topology.topology()
@@ -286,24 +286,26 @@ def _decode_step(config, args, topology, tensors, target: Device, rows: int, per
     tables = sum(t.nbytes for t in tensors if t.name.endswith(family.row_sharded_tables))
     draft_others = sum(t.nbytes for t in tensors if t.name in draft) - draft_experts
     others = sum(t.nbytes for t in tensors) - expert_bytes - draft_experts - embedding - tables - draft_others
-    moe_layers = args.num_hidden_layers - args.first_k_dense_replace
-    local = args.n_routed_experts // topology.ep
     replicas = 1 if topology.tokens_replicated else max(1, topology.ep // topology.replica)
 
-    def routed(tokens: int, layers: int, layer_bytes: float) -> tuple[float, float]:
-        """(expected, worst) bytes of the local experts `tokens`' routes reach in `layers` layers."""
-        per_expert = layer_bytes / (layers * local) if layers and local else 0
-        routes = tokens * args.num_experts_per_tok * replicas
+    def routed(tokens: int, layers: ModelArgs, layer_bytes: float) -> tuple[float, float]:
+        """(expected, worst) bytes of the local experts `tokens`' routes reach in the MoE layers
+        of `layers` (the main model's, or its draft layers' as a model)."""
+        moe_layers = layers.num_hidden_layers - layers.first_k_dense_replace
+        local = layers.n_routed_experts // topology.ep
+        per_expert = layer_bytes / (moe_layers * local) if moe_layers and local else 0
+        routes = tokens * layers.num_experts_per_tok * replicas
         # Uniform routing: each local expert is missed by all `routes` with probability (1 - 1/E)^routes.
-        return (local * (1 - (1 - 1 / args.n_routed_experts) ** routes) * per_expert * layers,
-                min(local, routes) * per_expert * layers)
+        return (local * (1 - (1 - 1 / layers.n_routed_experts) ** routes) * per_expert * moe_layers,
+                min(local, routes) * per_expert * moe_layers)
 
     tokens = rows * (1 + k)
     read = others + embedding // args.vocab_size * tokens
-    expected, worst = routed(tokens, moe_layers, expert_bytes)
-    for passed in ([tokens] + [rows] * (k - 1)) if k else []:  # the MTP layer's passes
+    expected, worst = routed(tokens, args, expert_bytes)
+    for passed, _ in draft_passes(args, tokens, rows, k) if k else []:  # the draft layers' passes, each with the head
         read += draft_others + head + embedding // args.vocab_size * passed
-        expected, worst = (a + b for a, b in zip((expected, worst), routed(passed, 1, draft_experts)))
+        expected, worst = (a + b for a, b in zip((expected, worst), routed(passed, family.draft_layer(args),
+                                                                           draft_experts)))
     context = blocks_per_row(config.buckets.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
     kv_read = rows * math.ceil(context / topology.cp) * per_token
     exchange, _ = backend(config.backend).exchange(config.model.moe_lowering, topology)
@@ -329,7 +331,7 @@ def describe(plan: DevicePlan) -> list[str]:
              f"  total       {size(plan.total_bytes)} of {size(plan.device_bytes)}: "
              + ("fits" if plan.fits else "does not fit") + f" ({plan.reason})",
              "decode steps on the busiest rank (HBM roofline; collectives over links, not included)"
-             + (": verify steps of the MTP drafts, tok/s with none accepted and with all" if speculative else ":"),
+             + (": verify steps of the drafts, tok/s with none accepted and with all" if speculative else ":"),
              f"  {'bucket':10s} {'weights':>10s} {'experts':>10s} {'(worst)':>10s} {'KV':>10s} {'step':>10s} "
              f"{'ms':>8s} {'tok/s':>9s}" + (f" {'(all)':>9s}" if speculative else "") + f" {'collectives':>11s}"]
     for d in plan.decode:

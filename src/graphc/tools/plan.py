@@ -45,21 +45,31 @@ def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype:
     (the pass lowers it away).
 
     A speculative step (`draft_tokens` k > 0, `models/speculation.py`) takes the LM head at 1 + k
-    positions a row, then runs the MTP layer (`Family.draft_layer`) over every token of the
-    step and k - 1 times more over one token a row, each followed by the head over one row each.
+    positions a row, then runs its draft layers (`Family.draft_layer`) as `draft_passes` says.
     Collectives of the same op, group and payload are counted together.
     """
     tokens, rows = bucket.rows * bucket.width, bucket.rows
     passes = [(args, tokens, rows * (1 + draft_tokens))]
     if draft_tokens:
         draft = family_of(args).draft_layer(args)
-        passes += [(draft, tokens, rows)] + [(draft, rows, rows)] * (draft_tokens - 1)
+        passes += [(draft, *counts) for counts in draft_passes(args, tokens, rows, draft_tokens)]
     counted: dict[tuple[str, str, int], int] = {}
     for layers, layer_tokens, head_rows in passes:
         for c in _model_collectives(layers, topology, layer_tokens, head_rows, dtype, exchange, context_slots,
                                     block_size):
             counted[c.op, c.group, c.bytes_in] = counted.get((c.op, c.group, c.bytes_in), 0) + c.count
     return [Collective(op, group, count, payload) for (op, group, payload), count in counted.items()]
+
+
+def draft_passes(args: ModelArgs, tokens: int, rows: int, draft_tokens: int) -> list[tuple[int, int]]:
+    """The draft layers' passes in a speculative step of `rows` rows and `tokens` tokens, as (tokens
+    through the draft layers, rows through the LM head): the MTP layer over every token, then
+    k - 1 times more over one token a row; DSpark's stages once over a block a row (and the
+    Markov head, which is no collective)."""
+    if family_of(args).draft_method == "dspark":
+        block = rows * args.dspark.block_size
+        return [(block, block)]
+    return [(tokens, rows)] + [(rows, rows)] * (draft_tokens - 1)
 
 
 def _model_collectives(args: ModelArgs, topology: Topology, tokens: int, rows: int, dtype: str, exchange: str,
@@ -113,8 +123,8 @@ def describe(config: GraphcConfig, workload: Histogram | None) -> list[str]:
                                                               "  (plain decode rows)" if b.prompt_as_decode == 1 else
                                                               f"  ([B, {b.prompt_as_decode}] graphs per decode batch)")]
     if config.draft_tokens:
-        lines.append(f"  speculative k       {config.draft_tokens}  (MTP drafts; decode rows are [B, {1 + config.draft_tokens}] "
-                     "verify graphs)")
+        lines.append(f"  speculative k       {config.draft_tokens}  ({config.model.speculative.method} drafts; decode rows "
+                     f"are [B, {1 + config.draft_tokens}] verify graphs)")
     if workload:
         lines += _waste_lines(config, workload)
     topology = t.topology()

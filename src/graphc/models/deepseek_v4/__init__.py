@@ -38,6 +38,6 @@ FAMILY = Family(
     tensor_parallel_collectives=predictions.tensor_parallel_collectives,
     presets=presets.PRESETS,
     draft_and_extra_shapes=layout.draft_shapes,
-    drafts_with_mtp=True,
+    draft_method="mtp",
     draft_layer=predictions.draft_layer,
 )

@@ -1,9 +1,10 @@
 """DeepSeek-V4.1 with Engram (V4's attention with shared KV and index sources, two-level top-k,
-single-pass mHC, n-gram memory tables): args, released layout, paged model, eager reference,
-Engram, preset and `graphc plan`'s predictions, and the family record that names them."""
+single-pass mHC, n-gram memory tables, the DSpark drafter): args, released layout, paged model,
+eager reference, Engram, DSpark, preset and `graphc plan`'s predictions, and the family record that names them."""
 
 from graphc.models.deepseek_v41 import layout, predictions, presets
 from graphc.models.deepseek_v41.args import V41_ARCHITECTURE, check_loadable, is_v41_config, v41_args_from_hf_config
+from graphc.models.deepseek_v41.dspark import DeepseekV41Drafting, stage_args
 from graphc.models.deepseek_v41.model import DeepseekV41, tensor_parallel_widths
 from graphc.models.deepseek_v41.reference import DeepseekV41Reference
 from graphc.models.family import Family
@@ -13,7 +14,8 @@ FAMILY = Family(
     architectures=(V41_ARCHITECTURE,),
     recognises=is_v41_config,
     args_from_hf_config=v41_args_from_hf_config,
-    build_model=lambda args, local_experts, sparse_probabilities, tp=1: DeepseekV41(args, local_experts, tp),
+    build_model=lambda args, local_experts, sparse_probabilities, tp=1:
+        (DeepseekV41Drafting if args.draft_layers else DeepseekV41)(args, local_experts, tp),
     released_sources=layout.released_sources,
     skips=layout.skips,
     keeps_fp32=layout.keeps_fp32,
@@ -36,5 +38,7 @@ FAMILY = Family(
     expert_group_collectives=predictions.engram_collectives,
     presets=presets.PRESETS,
     draft_and_extra_shapes=layout.draft_and_vision_shapes,
+    draft_method="dspark",
+    draft_layer=stage_args,
     quantization_config={"scale_fmt": "ue8m0", "expert_dtype": "fp4"},
 )

@@ -32,9 +32,29 @@ REQUIRED = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_la
 TOKEN_ID_DIGITS = 3
 """A token id is cached as 3 base-256 digits (exact in bf16, ids below 2^24) for Engram's hash."""
 ID_LISTS = ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids",
-            "engram_num_embeddings")
+            "engram_num_embeddings", "dspark_target_layer_ids")
 """text_config fields that are lists of integers >= 0."""
 ENGRAM_FIELDS = ("engram_max_ngram_size", "engram_n_heads", "engram_head_dim", "engram_vocab_size")
+DSPARK_FIELDS = ("dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank", "dspark_n_routed_experts",
+                 "dspark_num_experts_per_tok")
+
+
+@dataclass(frozen=True)
+class DSparkArgs:
+    """V4.1's DSpark drafter (`dspark_*` config fields; its stages are the checkpoint's
+    `num_nextn_predict_layers` MTP modules, `deepseek_v41/dspark.py`)."""
+
+    block_size: int
+    """Tokens one pass drafts: the block [anchor, noise x (block_size - 1)]."""
+    noise_token_id: int
+    """The id the block's positions after the anchor are embedded as."""
+    target_layer_ids: tuple[int, ...]
+    """The main layers whose entering residual streams (their mean) the drafter reads."""
+    markov_rank: int
+    """Width of the Markov head's low-rank bias from the previous token to the next's logits."""
+    n_routed_experts: int
+    num_experts_per_tok: int
+    stages: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +71,11 @@ class V41Args(V4FamilyArgs):
     candidate_block_size: int
     gate_temp: float
     engram: EngramArgs | None
+    dspark: DSparkArgs | None = None
+    """The DSpark drafter, where config.json has one (`dspark_block_size`)."""
+    draft_layers: int = 0
+    """The DSpark stages the model serves as speculative decoding's draft (model.yaml's
+    `model.speculative`, not config.json): 0, or all of them. Loaders skip them otherwise."""
 
     n_shared_experts = 1
     first_k_dense_replace = 0
@@ -88,6 +113,30 @@ class V41Args(V4FamilyArgs):
         if self.engram is not None and not set(self.engram.layer_ids) <= set(range(layers)):
             raise CheckpointError(f"config.json: engram_layer_ids {list(self.engram.layer_ids)} are not all layers "
                                   f"of 0..{layers - 1}")
+        if self.dspark is not None:
+            self._check_dspark(self.dspark)
+        if self.draft_layers not in (0, self.dspark.stages if self.dspark else 0):
+            raise CheckpointError(f"model.speculative serves {self.draft_layers} draft layer(s); DeepSeek-V4.1 drafts "
+                                  "with all of its DSpark stages or none")
+
+    def _check_dspark(self, dspark: DSparkArgs) -> None:
+        layers = self.num_hidden_layers
+        checks = [
+            (dspark.stages >= 1, "dspark_block_size is set but num_nextn_predict_layers (the DSpark stages) is 0"),
+            (set(dspark.target_layer_ids) <= set(range(layers)) and dspark.target_layer_ids,
+             f"dspark_target_layer_ids {list(dspark.target_layer_ids)} must be layers of 0..{layers - 1}"),
+            (dspark.noise_token_id < self.vocab_size,
+             f"dspark_noise_token_id {dspark.noise_token_id} is not a token id of 0..{self.vocab_size - 1}"),
+            (dspark.num_experts_per_tok <= dspark.n_routed_experts,
+             f"dspark_num_experts_per_tok ({dspark.num_experts_per_tok}) must be <= dspark_n_routed_experts "
+             f"({dspark.n_routed_experts})"),
+            (self.n_routed_experts % dspark.n_routed_experts == 0,
+             f"dspark_n_routed_experts ({dspark.n_routed_experts}) must divide n_routed_experts "
+             f"({self.n_routed_experts}): expert parallelism deals both out over the same ranks"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise CheckpointError(f"config.json: {message}")
 
     @property
     def architecture(self) -> str:
@@ -130,8 +179,12 @@ class V41Args(V4FamilyArgs):
     @property
     def cache_layers(self) -> int:
         """Pool layers: each model layer's token cache (2i) and entry cache (2i + 1), then with
-        Engram the token ids (2L)."""
-        return 2 * self.num_hidden_layers + (self.engram is not None)
+        Engram the token ids (2L), then the served DSpark stages' context keys (`draft_cache_layer`)."""
+        return 2 * self.num_hidden_layers + (self.engram is not None) + self.draft_layers
+
+    def draft_cache_layer(self, stage: int) -> int:
+        """The pool layer of DSpark stage `stage`'s context keys (one [head_dim] vector a position)."""
+        return 2 * self.num_hidden_layers + (self.engram is not None) + stage
 
     def uses_candidates(self, layer: int) -> bool:
         """Whether index layer `layer` chooses only among the candidate layer's blocks."""
@@ -204,6 +257,7 @@ def v41_args_from_hf_config(config: dict[str, Any]) -> V41Args:
         compress_rope=compress_rope,
         gate_temp=float(text.get("gate_temp", 1.0)),
         engram=_engram_args(text),
+        dspark=_dspark_args(text),
         num_nextn_predict_layers=text.get("num_nextn_predict_layers") or 0,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         eos_token_id=eos_token_ids(eos),
@@ -221,6 +275,19 @@ def check_loadable(args: V41Args) -> None:
                               f"from vocab_size {args.vocab_size}: Engram hashes token ids folded by the tokenizer's "
                               "normalised texts, which graphc does not build yet; plan this config or compile it "
                               "shapes-only (graphc loads the identity fold only, equal sizes)")
+
+
+def _dspark_args(text: dict[str, Any]) -> DSparkArgs | None:
+    if text.get("dspark_block_size") is None:
+        return None
+    missing = [k for k in DSPARK_FIELDS if text.get(k) is None]
+    if missing:
+        raise CheckpointError(f"config.json: dspark_block_size is set but text_config lacks {', '.join(missing)}")
+    return DSparkArgs(block_size=text["dspark_block_size"], noise_token_id=text["dspark_noise_token_id"],
+                      target_layer_ids=tuple(text["dspark_target_layer_ids"]), markov_rank=text["dspark_markov_rank"],
+                      n_routed_experts=text["dspark_n_routed_experts"],
+                      num_experts_per_tok=text["dspark_num_experts_per_tok"],
+                      stages=text.get("num_nextn_predict_layers") or 0)
 
 
 def _engram_args(text: dict[str, Any]) -> EngramArgs | None:

@@ -10,18 +10,19 @@ rows, then its `w3` rows) and `mlp.experts.down_proj` [E, D, I] (`w2`), the shar
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from graphc.models.deepseek_v41.args import V41Args
 from graphc.models.deepseek_v4.layout import MULTI_TOKEN_PREDICTION
 from graphc.models.family import Sources
 
-PAGED_TO_RELEASED = [
-    (r"^model\.layers\.(\d+)\.mlp\.shared_experts\.gate_proj\.", r"layers.\1.ffn.shared_experts.w1."),
-    (r"^model\.layers\.(\d+)\.mlp\.shared_experts\.up_proj\.", r"layers.\1.ffn.shared_experts.w3."),
-    (r"^model\.layers\.(\d+)\.mlp\.shared_experts\.down_proj\.", r"layers.\1.ffn.shared_experts.w2."),
-    (r"^model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias$", r"layers.\1.ffn.gate.bias"),
-    (r"^model\.layers\.(\d+)\.mlp\.", r"layers.\1.ffn."),
+PAGED_TO_RELEASED = [  # a main layer's (`layers.i`) and a DSpark stage's (`mtp.s`) alike
+    (r"^model\.(layers|mtp)\.(\d+)\.mlp\.shared_experts\.gate_proj\.", r"\1.\2.ffn.shared_experts.w1."),
+    (r"^model\.(layers|mtp)\.(\d+)\.mlp\.shared_experts\.up_proj\.", r"\1.\2.ffn.shared_experts.w3."),
+    (r"^model\.(layers|mtp)\.(\d+)\.mlp\.shared_experts\.down_proj\.", r"\1.\2.ffn.shared_experts.w2."),
+    (r"^model\.(layers|mtp)\.(\d+)\.mlp\.gate\.e_score_correction_bias$", r"\1.\2.ffn.gate.bias"),
+    (r"^model\.(layers|mtp)\.(\d+)\.mlp\.", r"\1.\2.ffn."),
     (r"^lm_head\.weight$", "head.weight"),
     (r"^model\.embed_tokens\.weight$", "embed.weight"),
     (r"^model\.", ""),
@@ -35,11 +36,11 @@ ENGRAM_TABLE = "engram.embed.weight"
 OUTSIDE_TEXT_MODEL = re.compile(r"^(vision|aligner)\.|^image_(start|end|newline)$|\.ffn\.gate\.bias_vl$")
 """DeepSeek-V4.1's vision path (its tower, image markers, the routers' image-token biases): a
 text-only loader skips them."""
-FP8_RELEASED = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.(experts\.\d+|shared_experts)"
+FP8_RELEASED = re.compile(r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.(experts\.\d+|shared_experts)"
                           r"\.w[123]|engram\.(wkv|embed))\.weight$")
 """The weights DeepSeek-V4.1's release quantises: FP8, the Engram tables with a scale per row and
 32 columns, except the routed experts (`FP4_RELEASED`)."""
-FP4_RELEASED = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+FP4_RELEASED = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 """The routed experts' weights, which DeepSeek-V4.1's release stores as FP4 (`models/fp4.py`)."""
 TENSOR_PARALLEL_DIMS = (
     (re.compile(r"\.attn\.(wq_b\.weight|attn_sink|wo_a\.weight|indexer\.wq_b\.weight|indexer\.weights_proj\.weight)$"), 0),
@@ -53,7 +54,9 @@ TENSOR_PARALLEL_DIMS = (
 wq_b rows and sinks, the output groups' wo_a rows and wo_b columns, the index layers' indexer
 heads, the shared expert), the embedding's columns and the LM head's rows; the shared K = V head,
 compressors, index keys, mHC mixes, Engram and the router whole."""
-STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+STACKED = re.compile(r"^model\.(layers|mtp)\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+CONFIDENCE_HEAD = re.compile(r"^mtp\.\d+\.confidence_head\.")
+"""DSpark's acceptance estimate, which graphc does not serve (`dspark.py`)."""
 PROJECTIONS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
 """Each stacked expert parameter's released projections, concatenated along rows in this order."""
 
@@ -74,13 +77,13 @@ def released_name(paged: str) -> str:
 def released_sources(args: V41Args, paged_names: list[str]) -> Sources:
     """Per paged parameter, its released tensors: one list per routed expert for a stacked one,
     else one list of one tensor."""
-    experts = args.n_routed_experts
     out = {}
     for name in paged_names:
         stacked = STACKED.match(name)
         if stacked:
-            layer, fused = stacked.groups()
-            out[name] = [[f"layers.{layer}.ffn.experts.{e}.{w}.weight" for w in PROJECTIONS[fused]]
+            kind, layer, fused = stacked.groups()
+            experts = args.dspark.n_routed_experts if kind == "mtp" else args.n_routed_experts
+            out[name] = [[f"{kind}.{layer}.ffn.experts.{e}.{w}.weight" for w in PROJECTIONS[fused]]
                          for e in range(experts)]
         else:
             out[name] = [[released_name(name)]]
@@ -88,8 +91,11 @@ def released_sources(args: V41Args, paged_names: list[str]) -> Sources:
 
 
 def skips(name: str, args: V41Args) -> bool:
-    """The MTP module (`mtp.`) and the vision path."""
-    return bool(MULTI_TOKEN_PREDICTION.search(name) or OUTSIDE_TEXT_MODEL.search(name))
+    """The MTP modules (`mtp.`) unless the model serves them (DSpark's stages; never their
+    confidence head) and the vision path."""
+    drafter = MULTI_TOKEN_PREDICTION.search(name)
+    return bool(OUTSIDE_TEXT_MODEL.search(name)) or bool(drafter) and (not args.draft_layers or
+                                                                       bool(CONFIDENCE_HEAD.search(name)))
 
 
 def keeps_fp32(name: str, args: V41Args) -> bool:
@@ -101,9 +107,17 @@ def keeps_fp32(name: str, args: V41Args) -> bool:
 
 
 def draft_and_vision_shapes(args: V41Args, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """The MTP module (one more decoder layer's tensors under `mtp.`) and the image tokens' router
-    bias, which text-only loaders skip."""
-    out = {f"mtp.{mtp}." + n.removeprefix("layers.0."): shape for mtp in range(args.num_nextn_predict_layers)
-           for n, shape in shapes.items() if n.startswith("layers.0.")}
+    """The MTP modules: DSpark's stages where the config has DSpark (with their confidence head),
+    else each one more decoder layer's tensors under `mtp.`; and the image tokens' router bias,
+    which text-only loaders skip."""
+    if args.dspark is None:
+        out = {f"mtp.{mtp}." + n.removeprefix("layers.0."): shape for mtp in range(args.num_nextn_predict_layers)
+               for n, shape in shapes.items() if n.startswith("layers.0.")}
+    else:
+        from graphc.models.checkpoint import expected_tensors  # the loader's mapping (which imports the families)
+
+        served = expected_tensors(dataclasses.replace(args, draft_layers=args.dspark.stages))
+        out = {n: shape for n, shape in served.items() if MULTI_TOKEN_PREDICTION.search(n)}
+        out[f"mtp.{args.dspark.stages - 1}.confidence_head.proj.weight"] = (1, args.hidden_size + args.dspark.markov_rank)
     out.update({f"layers.{i}.ffn.gate.bias_vl": (args.n_routed_experts,) for i in range(args.num_hidden_layers)})
     return out

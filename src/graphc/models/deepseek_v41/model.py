@@ -107,13 +107,19 @@ class Attention(reference.Attention):
             chosen = published.selection[self.ratio]  # [B, Q, k] closing positions
             entries, here = cache.read(entry_layer, chosen, slice(0, self.head_dim))  # [B, Q, k, d]
             key_sets.append((entries, here & (chosen != sparse.NO_KEY)))
-        out, lse = partial_attention(q, key_sets, self.attn_sink, cache.shard)  # [B, Q, H, d], [B, Q, H]
+        return self.output(*partial_attention(q, key_sets, self.attn_sink, cache.shard), cos, sin, x.dtype)
+
+    def output(self, out: Tensor, lse: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype) -> Tensor:
+        """This shard's share of the heads' outputs [B, Q, H, d] and its lse [B, Q, H] (fp32) ->
+        the layer's output [B, Q, D]: the CP group's shares combined, the values' rotation undone,
+        the grouped low-rank projection (row-parallel over the tp group)."""
+        rows, width = out.shape[:2]
         out = collectives.attention_combine(out, lse, "cp")
-        out = rotate_trailing(cast(out, x.dtype), cos[:, :, None], -sin[:, :, None])  # undo the values' rotation
+        out = rotate_trailing(cast(out, dtype), cos[:, :, None], -sin[:, :, None])
         grouped = out.reshape(rows, width, self.groups, -1)  # [B, Q, g, H d / g]
         weight = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, H d / g]
         out = F.linear(torch.einsum("bqgi,goi->bqgo", grouped, weight).flatten(2), self.wo_b.weight)
-        return collectives.all_reduce(out, "tp") if self.tp > 1 else out  # row-parallel over the tp group
+        return collectives.all_reduce(out, "tp") if self.tp > 1 else out
 
     def _entries(self, x: Tensor, cache: CacheView, positions: Tensor) -> Tensor:
         """[B, Q, d + J] the entry each token closes and its index key, roped at the entry's first
@@ -243,25 +249,59 @@ class DeepseekV41(DeepseekV4):
         if moe_form is not None and moe_form not in MOE_FORMS:
             raise ValueError(f"moe_form {moe_form!r}; expected one of {MOE_FORMS}")
         step = StepInputs(positions, block_table, slot_mapping, kv_pool, parallel, moe_form, input_ids)
+        streams, pre, _ = self.run_layers(step)
+        if logits_index is not None:  # each row's one token: [B, 1, n, D] and [B, 1, n]
+            index = logits_index.view(-1, 1)
+            streams = streams.gather(1, index[..., None, None].expand(-1, 1, *streams.shape[2:]))
+            pre = pre.gather(1, index[..., None].expand(-1, 1, pre.shape[-1]))
+        logits = self._head(streams, pre)
+        return logits[:, 0] if logits_index is not None else logits
+
+    def run_layers(self, step: StepInputs) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """The step's tokens (`step.input_ids`) -> the streams after the last layer [B, Q, n, D],
+        the last FFN's pre-mix [B, Q, n] and, for DSpark (`dspark.py`), the fp32 stream means
+        entering each of its target layers [B, Q, D]."""
+        input_ids = step.input_ids
         streams = self.embed(input_ids)  # [B, Q, n, D]
         # Layer 0 reads stream 0 (a constant: F.one_hot would put run-time range checks in the graph).
         first_stream = torch.arange(self.args.hc_mult, device=input_ids.device) == 0
         pre = first_stream.float().expand(*input_ids.shape, -1)
         context = self._ngram_context(step) if self.args.engram is not None else None
-        ropes = {kind: rotary(positions, torch.float32) for kind, rotary in self.model.rotary.items()}
-        published = Published()
-        for layer in self.model.layers:
+        ropes = {kind: rotary(step.positions, torch.float32) for kind, rotary in self.model.rotary.items()}
+        targets = self.args.dspark.target_layer_ids if self.args.draft_layers else ()
+        published, captured = Published(), []
+        for i, layer in enumerate(self.model.layers):
             if hasattr(layer, "engram"):
-                streams = layer.engram(streams, context, None, parallel.expert_shard(), parallel.ep,
-                                       parallel.moe_exchange)
+                streams = layer.engram(streams, context, None, step.parallel.expert_shard(), step.parallel.ep,
+                                       step.parallel.moe_exchange)
+            if i in targets:
+                captured.append(fp32(streams).mean(dim=2))
             streams, pre = layer(streams, pre, *ropes[layer.rotary_kind], step, published)
-        if logits_index is not None:  # each row's one token: [B, 1, n, D] and [B, 1, n]
-            index = logits_index.view(-1, 1)
-            streams = streams.gather(1, index[..., None, None].expand(-1, 1, *streams.shape[2:]))
-            pre = pre.gather(1, index[..., None].expand(-1, 1, pre.shape[-1]))
-        logits = gather_over_tp(F.linear(fp32(self.model.norm(collapse(streams, pre))), fp32(self.lm_head.weight)),
-                                self.tp)
-        return logits[:, 0] if logits_index is not None else logits
+        return streams, pre, captured
+
+    def _head(self, streams: Tensor, pre: Tensor) -> Tensor:
+        return gather_over_tp(F.linear(fp32(self.model.norm(collapse(streams, pre))), fp32(self.lm_head.weight)),
+                              self.tp)
+
+    # Speculative decoding (`graphc.models.speculation`) sees a position's hidden state as one fp32
+    # vector: its streams flattened [n D], the last FFN's pre-mix [n] (what the head collapses
+    # them with) and, where DSpark drafts, the stream means entering its target layers [t D].
+
+    def final_hidden(self, input_ids: Tensor, step: StepInputs) -> Tensor:
+        """[B, Q] tokens -> their hidden states [B, Q, n D + n (+ t D)] (fp32)."""
+        streams, pre, captured = self.run_layers(step.with_input_ids(input_ids))
+        return torch.cat([fp32(streams).flatten(-2), pre, *captured], dim=-1)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Hidden states [..., n D + n (+ t D)] -> the main model's logits [..., V]."""
+        n, width = self.args.hc_mult, self.args.hc_mult * self.args.hidden_size
+        streams = hidden[..., :width].unflatten(-1, (n, -1)).to(self.dtype)
+        return self._head(streams, hidden[..., width:width + n])
+
+    def captured(self, hidden: Tensor) -> Tensor:
+        """Hidden states -> the DSpark target layers' entering stream means, concatenated [..., t D]."""
+        start = self.args.hc_mult * (self.args.hidden_size + 1)
+        return hidden[..., start:].to(self.dtype)
 
     def _ngram_context(self, step: StepInputs) -> Tensor:
         """[B, Q, N] each token's n-gram context (the token, then the N - 1 before it; the pad id

@@ -3,7 +3,7 @@
 Every layer role (sliding, a KV + index source at rate 2 and one at rate 1, a layer reusing
 entries and selection, a re-indexing layer choosing among the candidate layer's blocks), Engram
 at two layers (4-grams, 2 hash heads, tables of ~6 k rows), rms_norm_eps 1e-20 as released, and
-an MTP layer.
+DSpark's draft stages.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ PRESETS["v41"] = {
         "sliding_window": 8,
         # Layer roles: 0 sliding; 1 sliding + Engram; 2 KV and index source (rate 2); 3 reuses
         # layer 2's entries and selection; 4 KV and index source (rate 1), the candidate layer,
-        # + Engram; 5 re-indexes layer 4's keys among its candidate blocks. The last entry is the
-        # draft layer's (the release lists its draft layers' ratios too).
-        "compress_ratios": [0, 0, 2, 2, 1, 1, 0],
+        # + Engram; 5 re-indexes layer 4's keys among its candidate blocks. The last entries are
+        # the DSpark stages' (the release lists its draft layers' ratios too).
+        "compress_ratios": [0, 0, 2, 2, 1, 1, 0, 0, 0],
         "kv_source_layer_ids": [2, 4],
         "index_source_layer_ids": [2, 4, 5],
         "candidate_source_layer_id": 4,
@@ -68,7 +68,15 @@ PRESETS["v41"] = {
         "engram_num_embeddings": [6126, 6332],
         "engram_pad_token_id": 2,
         "engram_compressed_vocab_size": 256,
-        "num_nextn_predict_layers": 1,
+        # DSpark as the release has it (3 stages over the last 3 layers' residuals), smaller: a
+        # block of 4, half the experts.
+        "num_nextn_predict_layers": 3,
+        "dspark_block_size": 4,
+        "dspark_noise_token_id": 250,
+        "dspark_target_layer_ids": [3, 4, 5],
+        "dspark_markov_rank": 8,
+        "dspark_n_routed_experts": 4,
+        "dspark_num_experts_per_tok": 2,
         "bos_token_id": 0,
         "eos_token_id": 1,
     },

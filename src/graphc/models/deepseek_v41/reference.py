@@ -33,6 +33,7 @@ heads, J index_head_dim.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -139,16 +140,8 @@ class Attention(nn.Module):
     def __init__(self, args: V41Args, layer: int, tp: int = 1):
         """`tp`: as `Indexer`'s; a rank holds heads / tp heads and o_groups / tp output groups."""
         super().__init__()
-        self.args, self.layer, self.ratio, self.tp = args, layer, args.compress_ratios[layer], tp
-        self.heads, self.head_dim, self.groups = args.num_attention_heads // tp, args.head_dim, args.o_groups // tp
-        self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
-        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
-        self.wq_b = nn.Linear(args.q_lora_rank, self.heads * self.head_dim, bias=False)
-        self.wkv = nn.Linear(args.hidden_size, self.head_dim, bias=False)
-        self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        self.wo_a = nn.Linear(self.heads * self.head_dim // self.groups, self.groups * args.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(self.groups * args.o_lora_rank, args.hidden_size, bias=False)
-        self.attn_sink = nn.Parameter(torch.empty(self.heads))
+        self.layer, self.ratio = layer, args.compress_ratios[layer]
+        add_attention_parameters(self, args, tp)
         if layer in args.kv_source_layer_ids:
             self.compressor = self.compressor_type(args, self.ratio)
         if layer in args.index_source_layer_ids:
@@ -168,6 +161,13 @@ class Attention(nn.Module):
         key_sets = [(kv, ((key <= query) & (key > query - self.args.sliding_window))[None].expand(rows, -1, -1))]
         if self.ratio:
             key_sets.append(self._selected_entries(x, q_latent, published))
+        return self.attend(q, key_sets, cos, sin, x.dtype)
+
+    def attend(self, q: Tensor, key_sets: list[tuple[Tensor, Tensor]], cos: Tensor, sin: Tensor,
+               dtype: torch.dtype) -> Tensor:
+        """Roped queries [B, T, H, d] over key sets (keys [B, S, d], which each query sees
+        [B, T, S]) and the sinks -> the output projection [B, T, D]."""
+        rows, tokens = q.shape[:2]
         scores = [torch.einsum("bthd,bsd->bhts", q.float(), keys.float()) * self.head_dim**-0.5
                   for keys, _ in key_sets]
         scores = [s.masked_fill(~seen[:, None], float("-inf")) for s, (_, seen) in zip(scores, key_sets)]
@@ -177,10 +177,10 @@ class Attention(nn.Module):
         for keys, _ in key_sets:
             share, start = probabilities[..., start:start + keys.shape[1]], start + keys.shape[1]
             out = out + torch.einsum("bhts,bsd->bthd", share, keys.float())
-        out = rotate_trailing(out.to(x.dtype), cos[:, :, None], -sin[:, :, None])  # [B, T, H, d]
+        out = rotate_trailing(out.to(dtype), cos[:, :, None], -sin[:, :, None])  # [B, T, H, d]
         grouped = out.reshape(rows, tokens, self.groups, -1)
         weight = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
-        return linear(torch.einsum("btgi,goi->btgo", grouped, weight.to(x.dtype)).flatten(2), self.wo_b.weight)
+        return linear(torch.einsum("btgi,goi->btgo", grouped, weight.to(dtype)).flatten(2), self.wo_b.weight)
 
     def _selected_entries(self, x: Tensor, q_latent: Tensor, published: Published) -> tuple[Tensor, Tensor]:
         """This layer's compressed keys [B, E, d] and which each query attends to [B, T, E]."""
@@ -207,6 +207,22 @@ class Attention(nn.Module):
         chosen, kept = published.selection[ratio]
         attended = torch.zeros(*chosen.shape[:2], entries.shape[1], dtype=torch.bool).scatter(-1, chosen, kept)
         return entries, attended
+
+
+def add_attention_parameters(attention: nn.Module, args: V41Args, tp: int) -> None:
+    """Every V4.1 attention's projections, norms and sinks (a DSpark stage's too), one of `tp`
+    ranks' (heads / tp heads, o_groups / tp output groups)."""
+    attention.args, attention.tp = args, tp
+    heads, head_dim, groups = args.num_attention_heads // tp, args.head_dim, args.o_groups // tp
+    attention.heads, attention.head_dim, attention.groups = heads, head_dim, groups
+    attention.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
+    attention.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+    attention.wq_b = nn.Linear(args.q_lora_rank, heads * head_dim, bias=False)
+    attention.wkv = nn.Linear(args.hidden_size, head_dim, bias=False)
+    attention.kv_norm = RMSNorm(head_dim, args.rms_norm_eps)
+    attention.wo_a = nn.Linear(heads * head_dim // groups, groups * args.o_lora_rank, bias=False)
+    attention.wo_b = nn.Linear(groups * args.o_lora_rank, args.hidden_size, bias=False)
+    attention.attn_sink = nn.Parameter(torch.empty(heads))
 
 
 class Gate(nn.Module):
@@ -321,7 +337,8 @@ def expand(out: Tensor, streams: Tensor, post: Tensor, comb: Tensor) -> Tensor:
 
 
 class DeepseekV41Reference(nn.Module):
-    """Whole sequences [B, T] from position 0 -> fp32 logits [B, T, V]."""
+    """Whole sequences [B, T] from position 0 -> fp32 logits [B, T, V]; with `args.draft_layers`,
+    also DSpark's stages (`mtp`, `draft`)."""
 
     def __init__(self, args: V41Args):
         super().__init__()
@@ -330,16 +347,103 @@ class DeepseekV41Reference(nn.Module):
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.draft_layers:
+            self.mtp = nn.ModuleList(DSparkStage(args, s) for s in range(args.dspark.stages))
 
     def forward(self, input_ids: Tensor) -> Tensor:
+        streams, pre, _ = self.hidden(input_ids)
+        return F.linear(self.norm(collapse(streams, pre)).float(), self.head.weight.float())
+
+    def hidden(self, input_ids: Tensor) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """The streams after the last layer [B, T, n, D], the last FFN's pre [B, T, n], and the
+        streams entering each layer (after its Engram) [B, T, n, D]."""
         n = self.args.hc_mult
         streams = self.embed(input_ids)[:, :, None].expand(-1, -1, n, -1)
         pre = F.one_hot(torch.zeros_like(input_ids), n).float()  # layer 0's attention reads stream 0
         context = None if self.args.engram is None else ngram_context(input_ids, self.args.engram.max_ngram,
                                                                       self.args.engram.pad_id)
-        published = Published()
+        published, entering = Published(), []
         for block in self.layers:
             if hasattr(block, "engram"):
                 streams = block.engram(streams, context)
+            entering.append(streams)
             streams, pre = block(streams, pre, published)
-        return F.linear(self.norm(collapse(streams, pre)).float(), self.head.weight.float())
+        return streams, pre, entering
+
+    def draft(self, input_ids: Tensor, anchor: int, k: int) -> list[int]:
+        """DSpark's first k drafts after a sequence [1, T] and its next token `anchor` (see
+        `deepseek_v41/dspark.py` for the drafter): the block [anchor, noise...] at T .., its
+        queries over each stage's context keys of the last `sliding_window` positions and the
+        block's own keys, then the Markov head's bias token by token, greedily."""
+        args, dspark = self.args, self.args.dspark
+        _, _, entering = self.hidden(input_ids)
+        means = torch.cat([entering[layer].float().mean(dim=2) for layer in dspark.target_layer_ids], dim=-1)
+        main_x = self.mtp[0].main_norm(linear(means.to(self.embed.weight.dtype), self.mtp[0].main_proj.weight))
+        ids = torch.tensor([[anchor] + [dspark.noise_token_id] * (dspark.block_size - 1)])
+        streams = self.embed(ids)[:, :, None].expand(-1, -1, args.hc_mult, -1)
+        pre = F.one_hot(torch.zeros_like(ids), args.hc_mult).float()
+        for stage in self.mtp:
+            streams, pre = stage(streams, pre, main_x)
+        last = self.mtp[-1]
+        logits = F.linear(last.norm(collapse(streams, pre)).float(), self.head.weight.float())[0]  # [K, V]
+        drafts = [anchor]
+        for i in range(k):
+            bias = linear(last.markov_head.embed.weight[drafts[-1]], last.markov_head.head.weight).float()
+            drafts.append(int((logits[i] + bias).argmax()))
+        return drafts[1:]
+
+
+class DSparkAttention(Attention):
+    """A DSpark stage's attention: the block's queries over the context keys of the last
+    `sliding_window` positions (from main_x) and the block's own keys, unmasked."""
+
+    def __init__(self, args: V41Args):
+        nn.Module.__init__(self)
+        add_attention_parameters(self, args, 1)
+        self.rotary = RotaryEmbedding(args.main_rope, args.rope_head_dim)
+
+    def forward(self, x: Tensor, main_x: Tensor) -> Tensor:
+        (rows, block), context = x.shape[:2], main_x.shape[1]
+        context_cos, context_sin = self.rotary(torch.arange(context)[None], torch.float32)
+        keys = rotate_trailing(self.kv_norm(linear(main_x, self.wkv.weight)), context_cos, context_sin)
+        keys = keys[:, max(0, context - self.args.sliding_window):]
+        cos, sin = self.rotary(context + torch.arange(block)[None], torch.float32)
+        q = linear(self.q_norm(linear(x, self.wq_a.weight)), self.wq_b.weight).view(rows, block, self.heads,
+                                                                                      self.head_dim)
+        q = rotate_trailing(q, cos[:, :, None], sin[:, :, None])
+        own = rotate_trailing(self.kv_norm(linear(x, self.wkv.weight)), cos, sin)
+        key_sets = [(keys, torch.ones(rows, block, keys.shape[1], dtype=torch.bool)),
+                    (own, torch.ones(rows, block, block, dtype=torch.bool))]
+        return self.attend(q, key_sets, cos, sin, x.dtype)
+
+
+class DSparkStage(nn.Module):
+    """DSpark stage `stage` (the checkpoint's `mtp.{stage}`): a block over the draft block whose
+    attention is `DSparkAttention`, its MoE over the drafter's experts."""
+
+    def __init__(self, args: V41Args, stage: int):
+        super().__init__()
+        dspark = args.dspark
+        self.args = args
+        if stage == 0:
+            self.main_proj = nn.Linear(len(dspark.target_layer_ids) * args.hidden_size, args.hidden_size, bias=False)
+            self.main_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attn = DSparkAttention(args)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.ffn = MoE(dataclasses.replace(args, n_routed_experts=dspark.n_routed_experts,
+                                           num_experts_per_tok=dspark.num_experts_per_tok))
+        add_stream_mix_parameters(self, args)
+        if stage == dspark.stages - 1:
+            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            self.markov_head = nn.Module()
+            self.markov_head.embed = nn.Embedding(args.vocab_size, dspark.markov_rank)
+            self.markov_head.head = nn.Linear(dspark.markov_rank, args.vocab_size, bias=False)
+
+    mixes = Block.mixes
+
+    def forward(self, streams: Tensor, pre: Tensor, main_x: Tensor) -> tuple[Tensor, Tensor]:
+        attn_pre, post, comb = self.mixes(streams, "attn")
+        streams = expand(self.attn(self.attn_norm(collapse(streams, pre)), main_x), streams, post, comb)
+        ffn_pre, post, comb = self.mixes(streams, "ffn")
+        return expand(self.ffn(self.ffn_norm(collapse(streams, attn_pre))), streams, post, comb), ffn_pre
