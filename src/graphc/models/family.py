@@ -141,6 +141,10 @@ class Family:
         lambda args, shapes: {}
     """Tensors a released checkpoint stores beside the main layers' (MTP, vision), that loaders skip:
     `make-tiny` writes them too."""
+    serving_every_draft_layer: Callable[["ModelArgs"], "ModelArgs"] = lambda args: args
+    """The args of a model that serves every draft layer its checkpoint stores, where the family's
+    model can (V4.1: all DSpark stages): `make-tiny` writes their tensors through the model's own
+    layout; others' draft layers are `draft_and_extra_shapes`'."""
     quantization_config: dict[str, Any] = field(default_factory=dict)
     """Extra `quantization_config` fields of its FP8 releases."""
 

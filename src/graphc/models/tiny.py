@@ -84,7 +84,7 @@ def tiny_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     skip) included."""
     family = family_of_config(config)
     args = family.args_from_hf_config(config)
-    shapes = expected_tensors(args)
+    shapes = expected_tensors(family.serving_every_draft_layer(args))
     shapes.update(family.draft_and_extra_shapes(args, shapes))
     generator = torch.Generator().manual_seed(seed)
     return {name: _token_experts(shapes[name], args.n_routed_experts, generator) if name.endswith("tid2eid")

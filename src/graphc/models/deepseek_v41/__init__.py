@@ -38,6 +38,7 @@ FAMILY = Family(
     expert_group_collectives=predictions.engram_collectives,
     presets=presets.PRESETS,
     draft_and_extra_shapes=layout.draft_and_vision_shapes,
+    serving_every_draft_layer=layout.serving_every_draft_stage,
     draft_method="dspark",
     draft_layer=stage_args,
     quantization_config={"scale_fmt": "ue8m0", "expert_dtype": "fp4"},

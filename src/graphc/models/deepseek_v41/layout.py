@@ -107,17 +107,19 @@ def keeps_fp32(name: str, args: V41Args) -> bool:
 
 
 def draft_and_vision_shapes(args: V41Args, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """The MTP modules: DSpark's stages where the config has DSpark (with their confidence head),
-    else each one more decoder layer's tensors under `mtp.`; and the image tokens' router bias,
-    which text-only loaders skip."""
+    """What a V4.1 release stores that the model does not load: DSpark's confidence head (its
+    stages are the served model's, `serving_every_draft_stage`), or where the config has no DSpark
+    each MTP module as one more decoder layer's tensors under `mtp.`; the image tokens' router bias."""
     if args.dspark is None:
         out = {f"mtp.{mtp}." + n.removeprefix("layers.0."): shape for mtp in range(args.num_nextn_predict_layers)
                for n, shape in shapes.items() if n.startswith("layers.0.")}
     else:
-        from graphc.models.checkpoint import expected_tensors  # the loader's mapping (which imports the families)
-
-        served = expected_tensors(dataclasses.replace(args, draft_layers=args.dspark.stages))
-        out = {n: shape for n, shape in served.items() if MULTI_TOKEN_PREDICTION.search(n)}
-        out[f"mtp.{args.dspark.stages - 1}.confidence_head.proj.weight"] = (1, args.hidden_size + args.dspark.markov_rank)
+        out = {f"mtp.{args.dspark.stages - 1}.confidence_head.proj.weight": (1, args.hidden_size
+                                                                              + args.dspark.markov_rank)}
     out.update({f"layers.{i}.ffn.gate.bias_vl": (args.n_routed_experts,) for i in range(args.num_hidden_layers)})
     return out
+
+
+def serving_every_draft_stage(args: V41Args) -> V41Args:
+    """The args of a model serving all of DSpark's stages (those without DSpark: as they are)."""
+    return args if args.dspark is None else dataclasses.replace(args, draft_layers=args.dspark.stages)

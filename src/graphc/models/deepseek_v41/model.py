@@ -115,11 +115,11 @@ class Attention(reference.Attention):
         the grouped low-rank projection (row-parallel over the tp group)."""
         rows, width = out.shape[:2]
         out = collectives.attention_combine(out, lse, "cp")
-        out = rotate_trailing(cast(out, dtype), cos[:, :, None], -sin[:, :, None])
+        out = rotate_trailing(cast(out, dtype), cos[:, :, None], -sin[:, :, None])  # undo the values' rotation
         grouped = out.reshape(rows, width, self.groups, -1)  # [B, Q, g, H d / g]
         weight = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, H d / g]
         out = F.linear(torch.einsum("bqgi,goi->bqgo", grouped, weight).flatten(2), self.wo_b.weight)
-        return collectives.all_reduce(out, "tp") if self.tp > 1 else out
+        return collectives.all_reduce(out, "tp") if self.tp > 1 else out  # row-parallel over the tp group
 
     def _entries(self, x: Tensor, cache: CacheView, positions: Tensor) -> Tensor:
         """[B, Q, d + J] the entry each token closes and its index key, roped at the entry's first
@@ -269,15 +269,15 @@ class DeepseekV41(DeepseekV4):
         context = self._ngram_context(step) if self.args.engram is not None else None
         ropes = {kind: rotary(step.positions, torch.float32) for kind, rotary in self.model.rotary.items()}
         targets = self.args.dspark.target_layer_ids if self.args.draft_layers else ()
-        published, captured = Published(), []
+        published, captured = Published(), {}
         for i, layer in enumerate(self.model.layers):
             if hasattr(layer, "engram"):
                 streams = layer.engram(streams, context, None, step.parallel.expert_shard(), step.parallel.ep,
                                        step.parallel.moe_exchange)
             if i in targets:
-                captured.append(fp32(streams).mean(dim=2))
+                captured[i] = fp32(streams).mean(dim=2)
             streams, pre = layer(streams, pre, *ropes[layer.rotary_kind], step, published)
-        return streams, pre, captured
+        return streams, pre, [captured[i] for i in targets]  # in the config's order
 
     def _head(self, streams: Tensor, pre: Tensor) -> Tensor:
         return gather_over_tp(F.linear(fp32(self.model.norm(collapse(streams, pre))), fp32(self.lm_head.weight)),
