@@ -57,7 +57,8 @@ def _run_on_hosts(tmp_path, artifacts, nnodes):
 
 @pytest.mark.parametrize("preset, buckets, dp, cp, ep, nnodes", [
     ("lora-groups", "small", 1, 2, 2, 2),  # cp x ep, one rank a host
-    ("v41", "small", 1, 2, 2, 2),  # Engram's tables and token-id digits over ep, the cp halo
+    # Engram's tables and token-id digits over ep, the cp halo (one host: test_v41_serve.py per commit)
+    pytest.param("v41", "small", 1, 2, 2, 2, marks=pytest.mark.slow),
     ("lora-groups", "dp", 2, 2, 4, 2),  # two replicas, one a host: replica 1's leader returns tokens across
     pytest.param("lora-groups", "dp", 2, 2, 4, 4, marks=pytest.mark.slow),  # followers and a replica leader alone
     pytest.param("v41", "small", 1, 4, 4, 2, marks=pytest.mark.slow),

@@ -31,9 +31,11 @@ INDUCTOR_CASE = ("lora-groups", "small", PROMPTS)
 
 
 def _check_tokens(compiled, backend, case, cp, ep, static, new_tokens=NEW_TOKENS, tp=1):
+    """The tokens of `backend`'s artifacts at the topology are those of one rank's export artifacts
+    (fp32: every backend serves export's tokens, tested one rank at a time)."""
     preset, buckets, prompts = case
     requests = [Request(p, new_tokens, stop_at_eos=False) for p in prompts]
-    expected = Engine(compiled(preset, backend, buckets)).generate(requests)
+    expected = Engine(compiled(preset, "export", buckets)).generate(requests)
     [outcome] = serve(compiled(preset, backend, buckets, cp, ep, static, tp=tp), [requests])
     results = outcome.results
     assert [r.output_ids for r in results] == [r.output_ids for r in expected]

@@ -516,7 +516,8 @@ def test_first_argmax_is_torch_argmax(name, x):
 
 
 @pytest.mark.parametrize("preset, as_stored", [("lora-groups", False), (SPARSE_V32, False), ("v4", False),
-                                               ("v41", False), ("v41", True)])
+                                               pytest.param("v41", False, marks=pytest.mark.slow),  # as stored: a superset
+                                               ("v41", True)])
 def test_rules_cover_every_op_of_a_step_program(preset, as_stored, tiny_checkpoints, fp8_checkpoints):
     """Every op of a decode step program as captured, after the neuron passes, has a rule of its own
     (or is ignored, or a graphc op): none is left to the node-by-node decomposition, which costs a
