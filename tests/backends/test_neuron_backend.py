@@ -57,13 +57,14 @@ def _requests() -> list[Request]:
             for p in PROMPTS for sampling in (Sampling(), SAMPLED)]
 
 
-# Per commit: V4 and V4.1 at one rank (every bucket kind; V4's compressor, Sinkhorn
-# hyper-connections and hash routing; V4.1's index sources and Engram) and wide-16e at (2, 2) (the
-# collectives); the rest is the slow tier's (the nightly full suite; the sparse model's ops have
-# their rules checked per commit, test_aten_rules.py).
+# Per commit: V4.1 at one rank (every bucket kind; the V4 family's compressors and Sinkhorn
+# hyper-connections, V4.1's index sources and Engram) and wide-16e at (2, 2) (the collectives);
+# the rest is the slow tier's (the nightly full suite; the sparse model's and V4's ops have their
+# rules checked per commit, test_aten_rules.py).
 @pytest.mark.parametrize("preset, cp, ep, tp", [
     pytest.param(*case, marks=([pytest.mark.multirank] if case[1] * case[3] > 1 else [])
-                 + ([pytest.mark.slow] if case in ((SPARSE_V32, 1, 1, 1), ("lora-groups", 1, 1, 1), ("wide-16e", 4, 4, 1),
+                 + ([pytest.mark.slow] if case in ((SPARSE_V32, 1, 1, 1), ("v4", 1, 1, 1), ("lora-groups", 1, 1, 1),
+                                                   ("wide-16e", 4, 4, 1),
                                                    (SPARSE_V32, 2, 2, 1), (SPARSE_V32, 1, 2, 2),
                                                    ("v4", 2, 2, 1), ("v41", 2, 2, 1)) else []))
     for case in CASES])

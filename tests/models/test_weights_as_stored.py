@@ -67,7 +67,7 @@ def test_a_step_dequantising_in_the_graph_equals_dequantising_on_load(fp8_checkp
 @pytest.mark.compiles
 @pytest.mark.parametrize("preset, backend", [
     ("lora-groups", "export"), ("lora-groups", "neuron"), (V4_FP4_EXPERTS, "export"),
-    pytest.param("lora-groups", "inductor", marks=pytest.mark.inductor),
+    pytest.param("lora-groups", "inductor", marks=[pytest.mark.slow, pytest.mark.inductor]),
     pytest.param("v41", "neuron", marks=pytest.mark.slow),  # FP4 experts too
     pytest.param("v41", "inductor", marks=[pytest.mark.slow, pytest.mark.inductor]),
 ])

@@ -18,8 +18,8 @@ LENGTHS = [1, 8, 20, 32, 75]
 NEW_TOKENS = 24
 # Every preset on export; inductor lowers the same ops, so one preset there, in the slow tier with
 # the V3.2 sparse ops' (test_v32.py) and V4's (test_parallel_serve.py): its compiles cost ~20 s a
-# graph, and the per-commit tier serves inductor artifacts at 2 x 2 ranks (test_parallel_serve.py),
-# as stored (test_weights_as_stored.py) and with drafts (test_speculative.py).
+# graph, and the per-commit tier serves inductor artifacts at 2 x 2 ranks (test_parallel_serve.py);
+# as stored (test_weights_as_stored.py) and with drafts (test_speculative.py) in the slow tier.
 # The first case is the fast tier's one end-to-end compile and serve; the others carry `compiles`.
 INDUCTOR = pytest.mark.slow
 BACKEND_PRESETS = [("export", "lora-groups")] + [

@@ -69,6 +69,7 @@ def test_greedy_tokens_are_the_tokens_without_drafts_and_most_drafts_are_accepte
     assert drafts.accepted[0] > 0.7 * drafts.proposed[0] and 0 < drafts.accepted[1] < drafts.accepted[0]
 
 
+@pytest.mark.slow
 def test_v32_sparse_attention_gives_the_tokens_without_drafts(compiled):
     """DeepSeek-V3.2 under sparse attention (index_topk 16 below the context): its MTP layer has an
     indexer too, whose keys share the MTP layer's pool slots. Random weights: few drafts are
@@ -108,12 +109,12 @@ def test_v41_drafting_with_dspark_gives_the_tokens_without_drafts(compiled):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.parametrize("cp, ep, tp", [(2, 2, 1), (1, 2, 2)])
-def test_v41_drafting_over_ranks_gives_the_one_rank_tokens_without_drafts(compiled, cp, ep, tp):
+@pytest.mark.parametrize("backend, cp, ep, tp", [("export", 2, 2, 1), ("export", 1, 2, 2), ("neuron", 2, 2, 1)])
+def test_v41_drafting_over_ranks_gives_the_one_rank_tokens_without_drafts(compiled, backend, cp, ep, tp):
     """The stages' context keys sharded over cp (the block's own keys counted once), their
     experts over ep, their heads and shared expert over tp."""
     plain = Engine(compiled("v41", "export", "small")).generate(V41_REQUESTS)
-    outcome = serve(compiled("v41", "export", "small", cp=cp, ep=ep, tp=tp, speculative=3), [V41_REQUESTS])[0]
+    outcome = serve(compiled("v41", backend, "small", cp=cp, ep=ep, tp=tp, speculative=3), [V41_REQUESTS])[0]
     assert [r.output_ids for r in outcome.results] == [r.output_ids for r in plain]
 
 
@@ -198,6 +199,7 @@ def test_neuron_at_two_by_two_ranks_gives_the_tokens_without_drafts(compiled, pr
 
 
 @pytest.mark.inductor
+@pytest.mark.slow
 def test_inductor_gives_the_tokens_without_drafts(compiled, prompts, without_drafts):
     """k = 1, in the fewest graphs (context 64: the first 20 tokens of the three shorter prompts)."""
     tokens, drafts = _generate(compiled(PRESET, "inductor", "small", speculative=1), _requests(prompts[:3], 20))

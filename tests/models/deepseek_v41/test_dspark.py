@@ -1,18 +1,22 @@
 """DeepSeek-V4.1's DSpark drafter (`models/deepseek_v41/dspark.py`) in graphc's speculative step
 against the eager reference's (`reference.DeepseekV41Reference.draft`): the same drafts after a
 prompt and after a verify step (the stages' context keys read past the sliding window from the
-pool), its config's errors, its released layout and an expert shard's share of its experts."""
+pool), as stored (FP8, FP4 experts) as dequantised, its config's errors, its released layout and
+an expert shard's share of its experts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from graphc.buckets.selection import Bucket
+from graphc.compiler.capture import StepGraph
 from graphc.errors import CheckpointError
 from graphc.models.checkpoint import check_checkpoint, load_model, load_reference
 from graphc.models.speculation import SpeculativeStep
 from graphc.models.step_model import Parallelism, StepInputs
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
+from support import run_step
 from test_deepseek_v41 import args_with
 
 STAGES, DRAFTS, BLOCK_SIZE = 3, 4, 4
@@ -71,6 +75,21 @@ def test_the_stages_are_served_with_the_released_names_and_an_expert_shard_holds
     half = load_model(path, experts=range(4, 8), checked=check_checkpoint(path, STAGES))  # ep = 2, shard 1
     assert torch.equal(half.model.mtp[1].mlp.experts.down_proj, stages[1].mlp.experts.down_proj[2:])
     assert torch.equal(half.model.layers[0].mlp.experts.down_proj, paged.model.layers[0].mlp.experts.down_proj[4:])
+
+
+def test_a_speculative_step_with_the_stages_as_stored_equals_dequantising_on_load(fp8_checkpoints):
+    """The release's layout: the stages' projections FP8 (32 x 32 e8m0 blocks), their experts FP4,
+    kept so in the step graph and dequantised next to their use: the same verdict, drafts, logits
+    and pool as with every weight dequantised on load."""
+    path = fp8_checkpoints["v41"]
+    as_stored = load_model(path, as_stored=True, checked=check_checkpoint(path, STAGES))
+    plain = load_model(path, checked=check_checkpoint(path, STAGES))
+    kept = as_stored.quantized_weights
+    assert kept["model.mtp.0.attn.wq_a.weight"].block == (32, 32) and "model.mtp.2.mlp.experts.down_proj" in kept
+    for bucket in (Bucket("prefill", 8), Bucket("decode", 2, 1 + DRAFTS)):
+        (out, logits), pool = run_step(StepGraph(as_stored, draft_tokens=DRAFTS), as_stored, bucket, seed=3)
+        (out_plain, logits_plain), pool_plain = run_step(StepGraph(plain, draft_tokens=DRAFTS), plain, bucket, seed=3)
+        assert torch.equal(out, out_plain) and torch.equal(logits, logits_plain) and torch.equal(pool, pool_plain)
 
 
 @pytest.mark.parametrize("changes, message", [
