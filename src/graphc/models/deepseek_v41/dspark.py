@@ -26,7 +26,8 @@ and its ports):
 Not served: the confidence head (`mtp.{S-1}.confidence_head`: an acceptance estimate per
 position, which the release's own generation never reads); the loader skips it. The sources
 differ on whether the target layers' residuals are taken entering or leaving them; graphc follows
-the V4.1 inference code's reading (entering) and documents it here, its one place.
+the V4.1 inference code's reading (entering; after a layer's Engram), in one place
+(`DeepseekV41.run_layers`).
 
 Shape letters: B rows, W the step's tokens a row, K block, n streams, D hidden, V vocabulary.
 """

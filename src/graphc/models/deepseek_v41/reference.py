@@ -23,6 +23,8 @@ The layer (see `args.py` for the configuration's roles):
 - MoE: sqrt(softplus(logits / gate_temp)) scores, the bias steering the top-k only, weights
   renormalised and scaled; clamped SwiGLU experts with the routing weight applied before the
   down projection; one shared expert.
+- DSpark (with `draft_layers`): the stages under `mtp.` and `DeepseekV41Reference.draft`, a block
+  of drafts after a whole sequence (`dspark.py` describes the drafter).
 Norms are fp32 RMSNorms (eps `rms_norm_eps`, 1e-20 in the release) cast back once; the head
 computes fp32 logits. The release's fp8 / fp4 activation rounding inside its kernels is not
 modelled: this reference computes in the model dtype with fp32 islands, as transformers' V4 does.
