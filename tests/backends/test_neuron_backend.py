@@ -94,7 +94,7 @@ def test_neuron_artifacts_serve_the_export_tokens(preset, cp, ep, tp, compiled):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("preset, dp, cp, ep, lowering", [
-    ("lora-groups", 2, 1, 2, "a2a_v"),  # compiled as a2a_even, saying so
+    pytest.param("lora-groups", 2, 1, 2, "a2a_v", marks=pytest.mark.slow),  # compiled as a2a_even, saying so
     pytest.param("lora-groups", 2, 1, 2, "ag_rs", marks=pytest.mark.slow),  # all-gather, route, reduce-scatter
     pytest.param("wide-16e", 2, 2, 4, "auto", marks=pytest.mark.slow),  # `auto` pads the group of 4
 ])
