@@ -109,7 +109,8 @@ def test_v41_drafting_with_dspark_gives_the_tokens_without_drafts(compiled):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, cp, ep, tp", [("export", 2, 2, 1), ("export", 1, 2, 2), ("neuron", 2, 2, 1)])
+@pytest.mark.parametrize("backend, cp, ep, tp", [("export", 2, 2, 1), ("export", 1, 2, 2), ("neuron", 2, 2, 1),
+                                                  pytest.param("inductor", 2, 2, 1, marks=pytest.mark.inductor)])
 def test_v41_drafting_over_ranks_gives_the_one_rank_tokens_without_drafts(compiled, backend, cp, ep, tp):
     """The stages' context keys sharded over cp (the block's own keys counted once), their
     experts over ep, their heads and shared expert over tp."""
