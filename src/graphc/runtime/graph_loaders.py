@@ -1,8 +1,9 @@
 """How each backend's graph files load, named by its record (`Backend.loader`): one function per
 backend, `load_<backend>(path, collectives, context)`, returning a callable of (weights, inputs in
 `STEP_INPUTS` order). Only a neuron archive declares a signature of its own to check against the
-manifest's `GraphContext`; a `.pt2` file is checked by what loading it would unpickle. Runtime-side:
-it imports no compiler.
+manifest's `GraphContext`; a `.pt2` file is checked by what loading it would unpickle. Checks run
+at load; the program itself opens at its first step, shared by the engines of a process
+(`opened_programs`). Runtime-side: it imports no compiler.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import torch
 from graphc.backends import GraphContext
 from graphc.program_io import load_exported_program
 from graphc.runtime.archive_check import check_export_archive
+from graphc.runtime.opened_programs import opened_once
 from graphc.step import STEP_INPUTS
 
 
 def load_export(path: Path, collectives: bool, context: GraphContext) -> Callable:
     check_export_archive(path)  # torch.export.load would unpickle what an archive asks it to
-    module = load_exported_program(path).module()
-    return lambda weights, inputs: module(weights, *inputs)
+    module = opened_once(("export", context.graph.sha256), lambda: load_exported_program(path).module())
+    return lambda weights, inputs: module()(weights, *inputs)
 
 
 def load_inductor(path: Path, collectives: bool, context: GraphContext) -> Callable:
@@ -31,13 +33,15 @@ def load_inductor(path: Path, collectives: bool, context: GraphContext) -> Calla
     # most of a cold start); and the package's __call__ re-parses its pytree specs and
     # re-flattens ~60 inputs on every step, while the step's inputs are already flat. Packages
     # with collectives run with the GIL released (see gil_free_runner.py).
-    if collectives:
-        from graphc.runtime.gil_free_runner import gil_free_runner
+    def open_package() -> Callable:
+        if collectives:
+            from graphc.runtime.gil_free_runner import gil_free_runner
 
-        run = gil_free_runner(str(path))
-    else:
-        run = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1).boxed_run
-    return lambda weights, inputs: tuple(run([*weights, *inputs]))
+            return gil_free_runner(str(path))
+        return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1).boxed_run
+
+    run = opened_once(("inductor", context.graph.sha256, collectives), open_package)
+    return lambda weights, inputs: tuple(run()([*weights, *inputs]))
 
 
 def load_neuron(path: Path, collectives: bool, context: GraphContext) -> Callable:

@@ -25,6 +25,7 @@ from graphc.backends import GraphContext
 from graphc.backends.neuron_archive import CPU_HLO, NOISE, native_log_held, read_archive
 from graphc.errors import GraphcError
 from graphc.ops.sampler import step_noise
+from graphc.runtime.opened_programs import opened_once
 
 _NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int32": np.int32, "bool": np.bool_,
                  "uint8": np.uint8, "int8": np.int8}
@@ -80,8 +81,9 @@ def _to_torch(array, like: torch.dtype) -> torch.Tensor:
 
 
 def load_xla(path: Path, collectives: bool, context: GraphContext) -> Callable:
-    """The runner of one program archive (checked against `context` first): `(weights, inputs) ->
-    (tokens, logits)`, writing the program's KV pool result back into `inputs["kv_pool"]`."""
+    """The runner of one program archive (checked against `context` first, compiled at its first
+    step): `(weights, inputs) -> (tokens, logits)`, writing the program's KV pool result back into
+    `inputs["kv_pool"]`."""
     jax = _jax()
     from jax._src.lib import xla_client
 
@@ -92,10 +94,14 @@ def load_xla(path: Path, collectives: bool, context: GraphContext) -> Callable:
     devices = sorted(jax.devices(), key=lambda d: d.process_index)
     if len(devices) != world:
         raise GraphcError(f"{path.name}: compiled for {world} ranks, but jax sees {len(devices)} devices")
-    try:
-        executable = compile_on_cpu(files[CPU_HLO], devices)
-    except xla_client.XlaRuntimeError as e:
-        raise ArtifactError(f"{path}: {CPU_HLO}: XLA:CPU cannot compile it ({str(e).splitlines()[0]})") from None
+
+    def compile_program():
+        try:
+            return compile_on_cpu(files[CPU_HLO], devices)
+        except xla_client.XlaRuntimeError as e:
+            raise ArtifactError(f"{path}: {CPU_HLO}: XLA:CPU cannot compile it ({str(e).splitlines()[0]})") from None
+
+    executable = opened_once(("neuron", context.graph.sha256, collectives), compile_program)
     device = jax.local_devices()[0]
     names, dtypes = signature.parameters, signature.dtypes
     weight_count = sum(name.startswith("weight.") for name in names)
@@ -112,7 +118,7 @@ def load_xla(path: Path, collectives: bool, context: GraphContext) -> Callable:
         arguments = placed[:weight_count] + [_to_device(values[name], dtype, device)
                                              for name, dtype in zip(names[weight_count:], dtypes[weight_count:])]
         pool, tokens, logits = (shards[0] for shards in
-                                executable.execute_sharded(arguments).disassemble_into_single_device_arrays())
+                                executable().execute_sharded(arguments).disassemble_into_single_device_arrays())
         inputs["kv_pool"].copy_(_to_torch(pool, inputs["kv_pool"].dtype))
         return _to_torch(tokens, torch.int64), _to_torch(logits, torch.float32)
 
