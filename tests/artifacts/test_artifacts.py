@@ -25,6 +25,7 @@ import graphc.artifacts.writer
 from graphc.buckets.selection import Bucket
 import graphc.compiler.emit
 import graphc.compiler.pipeline
+import graphc.compiler.rewrite_cache
 from graphc.compiler.pipeline import CompileOptions, compile
 from graphc.config import load_config
 from graphc.errors import GraphcError
@@ -384,6 +385,62 @@ def test_a_cache_entry_that_lost_its_recorded_hash_is_compiled_again(cold_compil
     assert len(calls) == 1  # only the tampered entry
     assert second.ranks == first.ranks  # the same content, hashes included
     read_manifest(tmp_path / "second")
+
+
+def _recompile(cold_compiled, tmp_path, monkeypatch, tamper=lambda cache: None):
+    """Compile `cold_compiled`'s config again over a copy of its cache (`tamper`ed with); returns
+    (manifest, buckets captured, programs compiled)."""
+    root, _ = cold_compiled
+    shutil.copytree(root / "cache", tmp_path / "cache")
+    tamper(tmp_path / "cache")
+    monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path / "cache"))
+    captured, compiled_programs = [], []
+    capture, real = graphc.compiler.pipeline.capture_bucket, graphc.compiler.emit.compile_program
+    monkeypatch.setattr(graphc.compiler.pipeline, "capture_bucket",
+                        lambda model, bucket, *a: (captured.append(bucket.name), capture(model, bucket, *a))[1])
+    monkeypatch.setattr(graphc.compiler.emit, "compile_program",
+                        lambda *a: (compiled_programs.append(a[0]), real(*a)))
+    manifest = compile(load_config(root / "cfg" / "model.yaml"), tmp_path / "again", QUIET)
+    return manifest, captured, compiled_programs
+
+
+def test_a_recompile_captures_rewrites_and_compiles_nothing_the_cache_holds(cold_compiled, tmp_path, monkeypatch):
+    def refuse(*args):
+        raise AssertionError("ran the passes on a program the cache held")
+
+    monkeypatch.setattr(graphc.compiler.pipeline.PassManager, "run", refuse)
+    manifest, captured, compiled_programs = _recompile(cold_compiled, tmp_path, monkeypatch)
+    assert captured == [] and compiled_programs == []
+    first = cold_compiled[1]
+    assert manifest.ranks == first.ranks and manifest.extra == first.extra  # pass logs and op counts too
+
+
+def test_an_edited_lowering_compiles_again_from_the_cached_rewrites(cold_compiled, tmp_path, monkeypatch):
+    monkeypatch.setattr(graphc.compiler.emit, "emit_sources_digest", lambda module: "edited")
+    manifest, captured, compiled_programs = _recompile(cold_compiled, tmp_path, monkeypatch)
+    assert captured == [] and len(compiled_programs) == 4
+    first = cold_compiled[1]
+    for old, new in zip(first.ranks[0].graphs, manifest.ranks[0].graphs):
+        assert old.file != new.file  # another key, the same program (export files are the program)
+        assert filecmp.cmp(cold_compiled[0] / "first" / old.file, tmp_path / "again" / new.file, shallow=False)
+
+
+def test_an_edit_before_emit_captures_again_and_reuses_what_compiles_the_same(cold_compiled, tmp_path, monkeypatch):
+    monkeypatch.setattr(graphc.compiler.rewrite_cache, "frontend_sources_digest", lambda: "edited")
+    manifest, captured, compiled_programs = _recompile(cold_compiled, tmp_path, monkeypatch)
+    assert sorted(captured) == ["decode-1", "decode-4", "prefill-32", "prefill-8"]
+    assert compiled_programs == [] and manifest.ranks == cold_compiled[1].ranks  # the same programs came out
+
+
+def test_a_corrupted_rewritten_program_is_captured_again(cold_compiled, tmp_path, monkeypatch):
+    def corrupt(cache):
+        rewritten = next((cache / "rewritten").glob("*.pt2"))
+        data = bytearray(rewritten.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        rewritten.write_bytes(bytes(data))
+
+    manifest, captured, compiled_programs = _recompile(cold_compiled, tmp_path, monkeypatch, corrupt)
+    assert len(captured) == 1 and compiled_programs == [] and manifest.ranks == cold_compiled[1].ranks
 
 
 def test_a_cache_on_another_filesystem_than_tmpdir_works(tiny_checkpoints, tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import torch
 
 from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import capture_bucket, weight_names
-from graphc.compiler.emit import program_key
+from graphc.compiler.emit import program_digest
 from graphc.models.checkpoint import load_rank_shard, load_model
 from graphc.models.step_model import Parallelism
 from graphc.topology import Topology
@@ -41,12 +41,12 @@ def _capture(model, form: str | None = None, topology: Topology = TOPOLOGY):
 @pytest.mark.parametrize("form", ["dense", "gather", "grouped"])
 def test_one_program_serves_every_rank_with_its_coordinates(tiny_checkpoints, form):
     """The programs captured from different ranks' expert shards are the same program (same
-    compile key); each, fed rank r's coordinates, equals the eager model given rank r's numbers,
-    and differs from it fed another rank's."""
+    content digest, so one compiled file); each, fed rank r's coordinates, equals the eager model
+    given rank r's numbers, and differs from it fed another rank's."""
     checkpoint = tiny_checkpoints["lora-groups"]
     shards = {rank: load_rank_shard(checkpoint, TOPOLOGY, rank, torch.float32) for rank in (0, 1)}
     programs = {rank: _capture(model, form) for rank, model in shards.items()}
-    assert program_key(programs[0], "export", TOPOLOGY) == program_key(programs[1], "export", TOPOLOGY)
+    assert program_digest(programs[0]) == program_digest(programs[1])
     model, program = shards[1], programs[1]
     coordinates = tuple(TOPOLOGY.coordinates(1))
     eager = EagerModel(model, Parallelism(*coordinates[:1], TOPOLOGY.cp, coordinates[1], TOPOLOGY.ep,

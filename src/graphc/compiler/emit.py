@@ -1,13 +1,15 @@
-"""Emit: content-hash rewritten programs, compile each distinct one once, cache the results.
+"""Emit: compile each distinct rewritten program once, cache the results.
 
-A graph's key is the sha256 of what determines its compiled form: the backend, the graphc and
-torch versions and graphc's own source files (a lowering changed without a version bump, as in a
-checkout, compiles again), the topology (a backend may name its groups' ranks in the program: neuron's
-replica groups), the backend's toolchain (neuron's: whether programs get NEFFs), the graph code,
-its signature, its constants and the shapes and dtypes of every node. Weights are graph inputs,
-so they are not part of the key. Compiled files live in a content-addressed cache
-(`GRAPHC_CACHE_DIR`, default `~/.cache/graphc`), so an unchanged graph is never compiled twice,
-across buckets, ranks and runs. Misses compile in parallel worker processes.
+A compiled file's key is the sha256 of what determines it: the backend, the graphc and torch
+versions and the sources its compiler runs (`sources.emit_sources_digest`: a lowering changed
+without a version bump, as in a checkout, compiles again; an edit elsewhere does not), the topology
+(a backend may name its groups' ranks in the program: neuron's replica groups), the backend's
+toolchain (neuron's: whether programs get NEFFs) and the program's content (`program_digest`: its
+code, signature, constants and the shapes and dtypes of every node). Weights are graph inputs, so
+they are not part of the key. Compiled files live in a content-addressed cache (`GRAPHC_CACHE_DIR`,
+default `~/.cache/graphc`), beside the rewritten programs they are compiled from
+(`rewrite_cache`), so an unchanged graph is never compiled twice, across buckets, ranks and runs.
+Misses compile in parallel worker processes.
 
 The cache is written atomically inside itself (temporary files in the cache directory, then a
 rename: never across filesystems) and each entry's sha256 is recorded beside it when written; an
@@ -19,7 +21,6 @@ the cache directory must be writable only by those trusted to compile (README, t
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import hashlib
 import multiprocessing
 import os
@@ -35,8 +36,8 @@ from torch.export import ExportedProgram
 from graphc import __version__
 from graphc.artifacts.directory import sha256_file
 from graphc.backends import backend as backend_named, compile_program
+from graphc.compiler.sources import emit_sources_digest
 from graphc.errors import GraphcError
-from graphc.program_io import save_exported_program
 from graphc.topology import Topology
 
 
@@ -45,8 +46,9 @@ class CompileJob:
     label: str
     """What the progress bar shows, e.g. `decode-4 rank 0`."""
     key: str
-    """Content hash of the program (see `program_key`)."""
-    program: ExportedProgram
+    """The compiled file's key (`program_key`)."""
+    program: Path
+    """The rewritten program, saved (`rewrite_cache`)."""
 
 
 def cache_dir() -> Path:
@@ -57,46 +59,31 @@ def cache_dir() -> Path:
     return folder
 
 
-def _record(entry: Path) -> Path:
+def record_of(entry: Path) -> Path:
     return entry.with_name(entry.name + ".sha256")
 
 
-def _is_intact(entry: Path) -> bool:
+def is_intact(entry: Path) -> bool:
     """Whether a cache entry exists and still has the hash recorded when it was written."""
-    record = _record(entry)
+    record = record_of(entry)
     return entry.is_file() and record.is_file() and record.read_text().strip() == sha256_file(entry)
 
 
-def _store(partial: Path, entry: Path) -> None:
+def store_entry(partial: Path, entry: Path) -> None:
     """Move a compiled file (written inside the cache directory) into place, then record its hash:
     an entry whose record is missing or stale counts as absent."""
     digest = sha256_file(partial)
     os.replace(partial, entry)  # atomic: an entry is whole or absent
     with tempfile.NamedTemporaryFile("w", dir=entry.parent, prefix=".record-", delete=False) as record:
         record.write(digest + "\n")
-    os.replace(record.name, _record(entry))
+    os.replace(record.name, record_of(entry))
 
 
-def sources_digest(package: Path) -> str:
-    """The sha256 of the Python sources under `package` (their names and contents)."""
+def program_digest(program: ExportedProgram) -> str:
+    """The sha256 of a program's content: its code, signature, constants and every node's shape
+    and dtype (programs that compute the same get the same digest, whatever rank they came from)."""
     digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
-@functools.cache
-def source_digest() -> str:
-    """graphc's own `sources_digest`, once a process."""
-    return sources_digest(Path(__file__).resolve().parents[1])
-
-
-def program_key(program: ExportedProgram, backend: str, topology: Topology) -> str:
-    digest = hashlib.sha256()
-    toolchain = backend_named(backend).cache_toolchain()  # neuron's: with or without NEFFs
-    for part in (backend, __version__, source_digest(), torch.__version__, repr(topology), toolchain,
-                 program.graph_module.code,
-                 str(program.graph_signature), str(program.range_constraints)):
+    for part in (program.graph_module.code, str(program.graph_signature), str(program.range_constraints)):
         digest.update(part.encode())
         digest.update(b"\0")
     for name, constant in sorted(program.constants.items()):
@@ -109,6 +96,14 @@ def program_key(program: ExportedProgram, backend: str, topology: Topology) -> s
     return digest.hexdigest()
 
 
+def program_key(digest: str, backend: str, topology: Topology) -> str:
+    """The compiled file's key of the program whose `program_digest` is `digest`."""
+    record = backend_named(backend)
+    parts = (backend, __version__, emit_sources_digest(record.compiler.partition(":")[0]), torch.__version__,
+             repr(topology), record.cache_toolchain(), digest)  # toolchain: neuron's, with or without NEFFs
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
 def compile_all(jobs: list[CompileJob], backend: str, topology: Topology, workers: int,
                 show_progress: bool = True) -> dict[str, Path]:
     """Compile every distinct job (by key) not already cached; return key -> cached file."""
@@ -119,7 +114,7 @@ def compile_all(jobs: list[CompileJob], backend: str, topology: Topology, worker
     labels: dict[str, list[str]] = {}
     for job in jobs:
         labels.setdefault(job.key, []).append(job.label)
-    todo = {job.key: job for job in jobs if not _is_intact(results[job.key])}
+    todo = {job.key: job for job in jobs if not is_intact(results[job.key])}
     if not todo:
         return results
     # Scratch space inside the cache directory: compiled files move into place by rename.
@@ -129,26 +124,23 @@ def compile_all(jobs: list[CompileJob], backend: str, topology: Topology, worker
     ) as progress:
         task = progress.add_task(backend, total=len(todo))
         # Same extension as the cache entry: AOTInductor insists on package paths ending in .pt2.
-        programs = {key: Path(scratch) / f"{key}.pt2" for key in todo}
         partials = {key: Path(scratch) / f"{key}.partial.{extension}" for key in todo}
 
         def compiled(key: str, partial: Path) -> None:
-            _store(partial, results[key])
+            store_entry(partial, results[key])
             progress.advance(task)
 
         if not backend_named(backend).parallel_compile or workers <= 1 or len(todo) == 1:
             for key, job in todo.items():
                 progress.update(task, description=f"{backend}: {', '.join(labels[key])}")
-                save_exported_program(job.program, programs[key])
-                compile_program(backend, programs[key], partials[key], topology)
+                compile_program(backend, job.program, partials[key], topology)
                 compiled(key, partials[key])
             return results
         context = multiprocessing.get_context("spawn")  # fork would inherit the parent's threads and locks
         with concurrent.futures.ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=context) as pool:
             futures = {}
-            for key, job in todo.items():  # each program compiles while the next is saved
-                save_exported_program(job.program, programs[key])
-                futures[pool.submit(compile_program, backend, programs[key], partials[key], topology)] = key
+            for key, job in todo.items():
+                futures[pool.submit(compile_program, backend, job.program, partials[key], topology)] = key
             running = set(futures.values())
             progress.update(task, description=f"{backend}: {len(running)} graphs")
             for future in concurrent.futures.as_completed(futures):

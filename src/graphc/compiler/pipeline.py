@@ -18,10 +18,12 @@ from graphc.artifacts.writer import CompiledGraph, write_manifest, write_weight_
 from graphc.backends import backend as backend_named
 from graphc.buckets.selection import all_buckets
 from graphc.compiler.capture import capture_bucket, model_weights
+from graphc.compiler import rewrite_cache
 from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
+from graphc.compiler.rewrite_cache import rewrite_key, weight_specs
 from graphc.config import GraphcConfig
 from graphc.models.abstract import abstract_shard
-from graphc.models.checkpoint import default_sparse_probabilities, holds_weights, load_rank_shard
+from graphc.models.checkpoint import QUANTIZED_WEIGHTS, default_sparse_probabilities, holds_weights, load_rank_shard
 from graphc.models.moe_forms import step_moe_form
 from graphc.models.step_model import Parallelism
 from graphc.passes.collective_schedule import check_collective_schedule, program_collectives
@@ -92,42 +94,52 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
             weights = model_weights(model)
         args = model.args
         sparse_probabilities = model.sparse_probabilities if args.sparse_attention else None
-        # 2. Capture: one rank-agnostic program per bucket, with what changes shapes fixed.
+        # 2-3. Capture one rank-agnostic program per bucket, with what changes shapes fixed, and
+        # rewrite it (passes/registry.py): one whatever the world, the rank's coordinates being an
+        # input (`graphc.backends`); then check that no rank's collectives can wait forever on
+        # another's. Both skipped for a program the cache holds (`rewrite_cache`), unless the
+        # passes' graphs are to be dumped.
         parallel = Parallelism(cp=topology.cp, ep=topology.ep, moe_exchange=exchange)
         buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode, draft_tokens)
         moe_forms = {bucket: step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
                                            args.n_routed_experts, topology.ep, exchange)
                      for bucket in buckets}
-        programs = {bucket: capture_bucket(model, bucket, table_width, kv.num_blocks, kv.block_size, parallel,
-                                           moe_forms[bucket], weights, draft_tokens)
-                    for bucket in buckets}
-        # 3. Rewrite each bucket's program (passes/registry.py): one whatever the world, the rank's
-        # coordinates being an input (`graphc.backends`). Then check that no rank's collectives can
-        # wait forever on another's.
         passes = backend_passes(backend)
         manager = PassManager(passes, verify, verify=options.verify_passes,
                               disabled=options.disabled_passes & {name for name, _ in passes},
                               dump_dir=options.dump_graphs)
-        pass_logs = {}  # each program is rewritten in place
-        for bucket, program in programs.items():
-            pass_logs[bucket.name] = manager.run(program.graph_module,
-                                                 PassContext(topology, bucket, table_width)).changes()
-            _sync_output_signature(program)
-            issued = program_collectives(program.graph_module)
-            check_collective_schedule(topology, bucket.name, dict.fromkeys(range(topology.world), issued))
+        model_key = {"args": args, "dtype": dtype, "weights": weight_specs(weights),
+                     "kept_as_stored": getattr(model, QUANTIZED_WEIGHTS, {}),
+                     "sparse_probabilities": getattr(model, "sparse_probabilities", None), "draft_tokens": draft_tokens}
+        rewritten = {}
+        for bucket in buckets:
+            key = rewrite_key(**model_key, bucket=bucket, table_width=table_width, kv_cache=kv, parallel=parallel,
+                              moe_form=moe_forms[bucket], topology=topology, backend=backend,
+                              passes=[name for name, _ in passes if name not in manager.disabled])
+            entry = None if options.dump_graphs else rewrite_cache.cached(key)
+            if entry is None:
+                program = capture_bucket(model, bucket, table_width, kv.num_blocks, kv.block_size, parallel,
+                                         moe_forms[bucket], weights, draft_tokens)
+                log = manager.run(program.graph_module, PassContext(topology, bucket, table_width)).changes()
+                _sync_output_signature(program)
+                issued = program_collectives(program.graph_module)
+                check_collective_schedule(topology, bucket.name, dict.fromkeys(range(topology.world), issued))
+                entry = rewrite_cache.store(key, program, log, op_counts(program.graph_module), _step_specs(program))
+                del program
+            rewritten[bucket] = entry
         # 4. Emit: compile each distinct program once (cached); every rank's entry points at its
         # bucket's file.
-        keys = {bucket: program_key(program, backend, topology) for bucket, program in programs.items()}
-        compiled = compile_all([CompileJob(bucket.name, keys[bucket], program) for bucket, program in programs.items()],
+        keys = {bucket: program_key(entry.digest, backend, topology) for bucket, entry in rewritten.items()}
+        compiled = compile_all([CompileJob(bucket.name, keys[bucket], entry.program) for bucket, entry in rewritten.items()],
                                backend, topology, options.workers, options.show_progress)
-        graphs = {rank: [CompiledGraph(bucket, compiled[keys[bucket]], _step_specs(programs[bucket]),
+        graphs = {rank: [CompiledGraph(bucket, compiled[keys[bucket]], rewritten[bucket].inputs,
                                        moe_forms[bucket], exchange)
                          for bucket in buckets]
                   for rank in range(topology.world)}
-        extra = {"op_counts": {bucket.name: op_counts(program.graph_module) for bucket, program in programs.items()},
-                 "passes": pass_logs, **backend_named(backend).extras(),
+        extra = {"op_counts": {bucket.name: entry.op_counts for bucket, entry in rewritten.items()},
+                 "passes": {bucket.name: entry.passes for bucket, entry in rewritten.items()},
+                 **backend_named(backend).extras(),
                  **({"notes": [stand_in_note]} if stand_in_note else {})}
-        del programs
         # 5. Weights, one shard (`Topology.weight_shard`: routed experts, tensor-parallel slice) in
         # memory at a time: rank 0's, then each other's, loaded, written and dropped (the captured
         # programs hold no weights). Shapes-only: their shapes, which every shard shares.
