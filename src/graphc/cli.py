@@ -22,7 +22,7 @@ import click  # noqa: E402
 from graphc.backends import BACKENDS, backend  # noqa: E402
 from graphc.errors import GraphcError, Interrupted
 from graphc.models.moe_forms import MOE_LOWERING_CHOICES
-from graphc.server.limits import BODY_SECONDS, MAX_BODY_BYTES, TEMPLATE_SECONDS, RequestLimits
+from graphc.server.limits import BODY_BYTES_PER_TOKEN, BODY_BASE_BYTES, BODY_SECONDS, TEMPLATE_SECONDS, RequestLimits
 
 EXIT_BAD_INPUT = 2
 
@@ -369,10 +369,12 @@ def _named(result, where: str):
 @click.option("--api-key", envvar="GRAPHC_API_KEY", default=None,
               help="Every route but /health needs Authorization: Bearer KEY, 401 otherwise "
                    "(prefer GRAPHC_API_KEY: a command line is visible to every user of the host).")
-@click.option("--max-body-bytes", type=click.IntRange(min=1), default=MAX_BODY_BYTES, show_default=True,
-              help="The largest request body; past it, HTTP 413 before the body is read.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=None,
+              help=f"The largest request body; past it, HTTP 413 before the body is read. Default: "
+                   f"{BODY_BYTES_PER_TOKEN} bytes per token of the context limit, plus {BODY_BASE_BYTES >> 10} KiB.")
 @click.option("--template-timeout", type=click.FloatRange(min=0, min_open=True), default=TEMPLATE_SECONDS,
-              show_default=True, help="Seconds a chat template may take to render a request; past it, HTTP 400.")
+              show_default=True, help="Seconds a chat template may take to render a request; past it, HTTP 400. "
+                                        "A chat that waits this long for a free template worker: HTTP 429.")
 @click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=BODY_SECONDS, show_default=True,
               help="Seconds a client has to send a request's body once its headers are in; past it, HTTP 408.")
 @_host_options

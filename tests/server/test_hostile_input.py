@@ -1,15 +1,18 @@
 """`graphc serve` against hostile clients: every bad request a 4xx with OpenAI's error body, an
-API key, bodies and prompts bounded before they cost anything, chat templates that raise, recurse,
-blow up or never end, and streams cut when the grace period ends.
+API key, bodies, prompts and chats bounded before they cost anything, chat templates that raise,
+recurse, blow up or never end (and chats queued behind them), and streams cut when the grace
+period ends.
 
 One server process serves every case: an API key, a 1 MB body bound, a 2 s body time limit, a
 1 s template limit, a
 template that misbehaves on cue (the last message names how), a pool that holds one long request
-at a time, and a grace period of 1 s, which the last test ends.
+at a time, and a grace period of 1 s, which the last test ends. A few tests drive the app in
+the tests' process instead, where the threads its work runs on can be seen.
 """
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import shutil
@@ -17,14 +20,23 @@ import signal
 import socket
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx2
 import openai
 import pytest
 import yaml
 
+from graphc.artifacts.directory import read_manifest
 from graphc.artifacts.manifest import MANIFEST
+from graphc.server import templates
+from graphc.server.body import parse_body
+from graphc.server.limits import RequestLimits
+from graphc.server.routes import create_app
+from graphc.server.schemas import ChatCompletionRequest, ChatMessage
+from graphc.server.translate import BadRequest
 from servers import Server
 
 pytestmark = pytest.mark.compiles
@@ -258,6 +270,90 @@ def test_a_50mb_prompt_and_a_template_that_never_ends_leave_streams_and_health_s
         assert big.result().status_code == 413 and loop.result().status_code == 400
         done.set()
         assert set(polls.result()) == {200}
+
+
+def test_a_chat_of_more_messages_than_the_context_holds_is_refused_by_their_count(hostile):
+    messages = [{"role": "user", "content": "a"}] * 128  # a prompt of at most 127 tokens
+    error = openai_error(post(hostile, "/v1/chat/completions", {"model": "tiny", "messages": messages}), 400)
+    assert (error["message"], error["param"]) == (
+        "messages: 128 messages cannot fit this model's context of 128 tokens: each takes at least one token of a "
+        "prompt of at most 127", "messages")
+
+
+def test_messages_are_counted_before_any_of_them_is_validated():
+    """Four messages that are not messages at all: refused by their count, so none was validated."""
+    with pytest.raises(BadRequest) as refused:
+        parse_body(json.dumps({"model": "tiny", "messages": [{}] * 4}).encode(), None, ChatCompletionRequest, 4)
+    assert (str(refused.value), refused.value.param) == (
+        "messages: 4 messages cannot fit this model's context of 4 tokens: each takes at least one token of a "
+        "prompt of at most 3", "messages")
+
+
+def in_process(compiled, limits: RequestLimits = RequestLimits()):
+    """The app over the module's artifacts in this process, its engine one that refuses every
+    request (a chat is parsed, rendered and tokenised, then refused)."""
+    from tokenizers import Tokenizer
+
+    artifacts = compiled(PRESET, "export", BUCKETS)
+    manifest = read_manifest(artifacts)
+    refusing = SimpleNamespace(refusal=lambda request: "refused by the test", state=SimpleNamespace(failure=None))
+    return create_app(refusing, manifest, Tokenizer.from_file(str(artifacts / manifest.tokenizer)), "tiny", limits)
+
+
+def posted_in_process(app, path: str, body: bytes) -> tuple[int, httpx2.Response]:
+    """The event loop's thread and the app's response to `body`."""
+    async def send():
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://graphc") as client:
+            response = await client.post(path, content=body, headers={"content-type": "application/json"})
+            return threading.get_ident(), response
+
+    return asyncio.run(send())
+
+
+def test_a_chat_is_validated_dumped_and_encoded_off_the_event_loop(compiled, monkeypatch):
+    """Each holds the GIL for a while on a chat of many messages: on a worker thread, the loop
+    gets its turns between them; on the loop, nothing else is served meanwhile."""
+    app = in_process(compiled)
+    threads = {"validate": set(), "dump": set(), "encode": set()}
+
+    def recorded(name: str, function):
+        def run(*args, **kwargs):
+            threads[name].add(threading.get_ident())
+            return function(*args, **kwargs)
+        return run
+
+    validate, dump = ChatCompletionRequest.model_validate.__func__, ChatMessage.model_dump
+    monkeypatch.setattr(ChatCompletionRequest, "model_validate", classmethod(recorded("validate", validate)))
+    monkeypatch.setattr(ChatMessage, "model_dump", recorded("dump", dump))
+    monkeypatch.setattr(templates, "json", SimpleNamespace(dumps=recorded("encode", json.dumps), loads=json.loads))
+    loop, response = posted_in_process(app, "/v1/chat/completions", json.dumps(chat("hi")).encode())
+    assert openai_error(response, 400)["message"] == "refused by the test"  # rendered and tokenised first
+    assert all(threads.values()) and loop not in set().union(*threads.values()), (loop, threads)
+
+
+def test_the_default_body_bound_is_what_the_context_can_hold(compiled):
+    """64 bytes a token and 64 KiB: 72 KiB for the 128 tokens here, not a fixed 8 MiB."""
+    body = json.dumps({"model": "tiny", "prompt": "x" * 80_000}).encode()
+    _, response = posted_in_process(in_process(compiled), "/v1/completions", body)
+    assert openai_error(response, 413)["message"] == (f"the request body is {len(body)} bytes; this server takes at "
+                                                      "most 73728 (--max-body-bytes)")
+
+
+def test_chats_waiting_for_a_template_worker_past_the_time_limit_get_429(hostile):
+    """Two workers, each held 1 s by a template that never ends: of six such chats at once, the
+    later ones wait past the 1 s limit for a worker and are told to retry."""
+    with ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(lambda _: post(hostile, "/v1/chat/completions", chat("loop")), range(6)))
+    statuses = Counter(r.status_code for r in responses)
+    assert set(statuses) <= {400, 429} and statuses[429] >= 2, statuses
+    busy = [r for r in responses if r.status_code == 429]
+    assert all(r.headers["retry-after"] == "1" for r in busy)
+    assert openai_error(busy[0], 429) == {
+        "message": "the server is at capacity: every chat template worker stayed busy for 1 s (--template-timeout); "
+                   "retry later", "type": "rate_limit_error", "param": None, "code": None}
+    served = hostile.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2)
+    assert served.usage.completion_tokens == 2
 
 
 def test_when_the_grace_period_ends_cut_streams_end_with_an_error_event_and_done(hostile):

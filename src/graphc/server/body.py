@@ -51,9 +51,9 @@ async def read_body(http: Request, limit: int, seconds: float) -> bytes:
     return b"".join(chunks)
 
 
-def parse_body(raw: bytes, content_type: str | None, schema: type[BaseModel]) -> BaseModel:
-    """`raw` as a `schema`, or BadRequest saying what is wrong with it (and naming the field where
-    one is to blame)."""
+def parse_body(raw: bytes, content_type: str | None, schema: type[BaseModel], context_limit: int) -> BaseModel:
+    """`raw` as a `schema` (whose validators may refuse what cannot fit `context_limit` tokens),
+    or BadRequest saying what is wrong with it (and naming the field where one is to blame)."""
     if content_type and not _is_json(content_type):
         raise BadRequest(f"the request body must be JSON (Content-Type: application/json), not {content_type}")
     try:
@@ -72,7 +72,7 @@ def parse_body(raw: bytes, content_type: str | None, schema: type[BaseModel]) ->
     if _SURROGATE_ESCAPE.search(text):  # a scan at C speed spares the walk over most bodies
         _refuse_lone_surrogates(value)
     try:
-        return schema.model_validate(value)
+        return schema.model_validate(value, context={"context_limit": context_limit})
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(part) for part in first["loc"])

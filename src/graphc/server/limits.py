@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_BODY_BYTES = 8 << 20
-"""The default bound on a request body: far above what a context of 128 k tokens takes as text or
-token ids, and a few tens of milliseconds of JSON parsing."""
+BODY_BYTES_PER_TOKEN = 64
+BODY_BASE_BYTES = 64 << 10
+"""The default bound on a request body: this many bytes per token of the context, plus the base
+(80 KiB for 256 tokens, 8 MiB and 64 KiB for 128 k). Parsing a body holds the GIL (and so the
+event loop) for one C call, so a body is bounded by what the context can hold: a token is a few
+bytes of JSON as text (about a dozen as escaped CJK) or as an id, a message at least one token
+and some 30 bytes."""
 BODY_SECONDS = 30.0
 """The default time a client has to send a request's body: a client that trickles it (a few bytes
 a second, as a slowloris attack does) holds a connection no longer than this."""
@@ -23,6 +27,11 @@ MAX_STOP_BYTES = 4096
 class RequestLimits:
     """The bounds `graphc serve`'s options set."""
 
-    max_body_bytes: int = MAX_BODY_BYTES
+    max_body_bytes: int | None = None
+    """None: derived from the context limit (`body_bytes`)."""
     template_seconds: float = TEMPLATE_SECONDS
     body_seconds: float = BODY_SECONDS
+
+    def body_bytes(self, context_limit: int) -> int:
+        """The bound on a request body for a context of `context_limit` tokens."""
+        return self.max_body_bytes or BODY_BYTES_PER_TOKEN * context_limit + BODY_BASE_BYTES

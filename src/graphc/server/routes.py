@@ -2,9 +2,10 @@
 
 Every bad request gets a 4xx with OpenAI's error body and changes nothing (400; 413 for a body
 over the bound; 408 for one not sent in time; 401 without the API key, where one is set); past
-the admission queue's bound, 429 with Retry-After. A client that disconnects cancels its request, whose KV blocks return to
-the pool before the next step. The event loop only routes: a request's CPU work (parsing its
-body, tokenising, checking its ids) runs in a few worker threads, a chat template in a worker
+the admission queue's bound, or a chat's wait for a template worker, 429 with Retry-After. A
+client that disconnects cancels its request, whose KV blocks return to the pool before the next
+step. The event loop only routes: a request's CPU work (parsing its body, dumping a chat for its
+template, tokenising, checking its ids) runs in a few worker threads, a chat template in a worker
 process (`templates`).
 """
 
@@ -29,7 +30,7 @@ from graphc.server.limits import RequestLimits
 from graphc.server.metrics import ServerMetrics
 from graphc.server.schemas import ChatCompletionRequest, CompletionRequest, error_response
 from graphc.server.streaming import CHAT, TEXT, Generation, GenerationStream, Shape, complete, stream
-from graphc.server.templates import TemplateRenderer
+from graphc.server.templates import TemplateRenderer, TemplatesBusy, chat_line
 from graphc.server.translate import (BadRequest, check_model, encode, generation_request, prompt_char_limit,
                                      prompt_ids, prompt_too_long)
 
@@ -47,18 +48,19 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         app.add_middleware(ApiKeyRequired, key=api_key)
     metrics = ServerMetrics(online)
     context_limit = manifest.buckets.context_limit
+    body_bytes = limits.body_bytes(context_limit)
     char_limit = prompt_char_limit(tokenizer, context_limit) if tokenizer is not None else None
-    renderer = _renderer(manifest, limits, char_limit)
+    renderer = _renderer(manifest, limits.template_seconds, body_bytes, char_limit)
     threads = anyio.CapacityLimiter(WORK_THREADS)
 
     async def off_loop(function, *args):
         # Tokenising releases the GIL (encode_batch), so the loop and the engine thread run on;
-        # JSON parsing and pydantic hold it for one C call each: --max-body-bytes bounds those.
+        # JSON parsing and pydantic hold it for one C call each: the body's bound bounds those.
         return await anyio.to_thread.run_sync(functools.partial(function, *args), limiter=threads)
 
     async def parsed(http: Request, schema):
-        raw = await read_body(http, limits.max_body_bytes, limits.body_seconds)
-        body = await off_loop(parse_body, raw, http.headers.get("content-type"), schema)
+        raw = await read_body(http, body_bytes, limits.body_seconds)
+        body = await off_loop(parse_body, raw, http.headers.get("content-type"), schema, context_limit)
         check_model(body.model, model_name)
         return body
 
@@ -83,7 +85,8 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         return error_response(503, str(error), kind="server_error")
 
     @app.exception_handler(QueueFull)
-    async def queue_full(request: Request, error: QueueFull):
+    @app.exception_handler(TemplatesBusy)
+    async def at_capacity(request: Request, error: QueueFull | TemplatesBusy):
         return error_response(429, f"the server is at capacity: {error}; retry later", kind="rate_limit_error",
                               headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
@@ -129,21 +132,21 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
                              "has none); use /v1/completions", param="messages", code="no_chat_template")
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
-        text = await renderer.render([m.model_dump(exclude_unset=True) for m in body.messages])
+        text = await renderer.render(await off_loop(chat_line, body.messages))
         ids = await off_loop(encode, text, tokenizer, char_limit, context_limit, "messages", False)
         return await respond(body, ids, CHAT, http)
 
     return app
 
 
-def _renderer(manifest: Manifest, limits: RequestLimits, char_limit: int | None) -> TemplateRenderer | None:
+def _renderer(manifest: Manifest, seconds: float, body_bytes: int, char_limit: int | None) -> TemplateRenderer | None:
     """The chat template's renderer, refusing a render longer than any prompt that fits (or,
     where the tokenizer gives no such bound, than the largest body)."""
     template, context_limit = manifest.model.chat_template, manifest.buckets.context_limit
     if template is None:
         return None
     if char_limit is None:
-        return TemplateRenderer(template, limits.template_seconds, limits.max_body_bytes, lambda chars: (
-            f"the chat template rendered {chars} characters, more than the {limits.max_body_bytes} this server takes"))
-    return TemplateRenderer(template, limits.template_seconds, char_limit,
+        return TemplateRenderer(template, seconds, body_bytes, lambda chars: (
+            f"the chat template rendered {chars} characters, more than the {body_bytes} this server takes"))
+    return TemplateRenderer(template, seconds, char_limit,
                             lambda chars: prompt_too_long(chars, char_limit, context_limit))

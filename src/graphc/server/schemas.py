@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from graphc.server.limits import MAX_STOP_BYTES, MAX_STOP_STRINGS
@@ -117,6 +117,19 @@ class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     """OpenAI's newer name for max_tokens in chat (used when max_tokens is absent)."""
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _fit_the_context(cls, messages, info: ValidationInfo):
+        # Counted before a message is validated: a body of many small messages costs its
+        # validation, dumping and rendering per message, and each message renders to at least one
+        # token of the prompt, which leaves room for one generated token.
+        limit = (info.context or {}).get("context_limit")
+        if limit is not None and isinstance(messages, list) and len(messages) > limit - 1:
+            raise PydanticCustomError("messages_count", f"{len(messages)} messages cannot fit this model's context of "
+                                                        f"{limit} tokens: each takes at least one token of a prompt "
+                                                        f"of at most {limit - 1}")
+        return messages
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

@@ -10,6 +10,7 @@ repetition). A process can be killed whatever it is doing. So each render runs i
 long-lived workers (`template_worker`); one that has not answered within the time limit is
 killed, the request answered 400, and a new worker started when one is next needed. A worker
 also bounds its own memory, and ends itself a second past the limit should the server be gone.
+A request waits for a free worker no longer than a render may take (`TemplatesBusy`, HTTP 429).
 """
 
 from __future__ import annotations
@@ -19,15 +20,28 @@ import json
 import sys
 from typing import Callable
 
+from pydantic import BaseModel
+
 from graphc.artifacts.manifest import ChatTemplate
+from graphc.errors import GraphcError
 from graphc.server.translate import BadRequest
 
 WORKERS = 2
-"""Renders at a time; a request waits for a free worker."""
+"""Renders at a time; a request waits for a free worker, as long as one render may take."""
 WORKER_MEMORY_BYTES = 1 << 30
 """A worker's address space (RLIMIT_AS): a render past it fails with MemoryError, a 400."""
 START_SECONDS = 60.0
 """How long a worker may take to start (the interpreter and jinja2), which no render waits on."""
+
+
+class TemplatesBusy(GraphcError):
+    """Every worker stayed busy for as long as a render may take (HTTP 429: retry later)."""
+
+
+def chat_line(messages: list[BaseModel]) -> bytes:
+    """What a worker is sent to render `messages`: work for a thread, not the event loop (dumping
+    and encoding a chat takes a while for one of many messages)."""
+    return (json.dumps({"messages": [m.model_dump(exclude_unset=True) for m in messages]}) + "\n").encode()
 
 
 class TemplateRenderer:
@@ -45,19 +59,33 @@ class TemplateRenderer:
         self._idle: list[asyncio.subprocess.Process] = []
         self._slots: asyncio.Semaphore | None = None  # made on the server's event loop, at the first render
 
-    async def render(self, messages: list[dict]) -> str:
-        """The prompt text of `messages`, or BadRequest: the template raised, overran its time or
-        memory, or rendered more than `max_chars` characters."""
+    async def render(self, line: bytes) -> str:
+        """The prompt text of the chat that `line` (`chat_line`) holds; TemplatesBusy where no
+        worker was free within the time a render may take; or BadRequest: the template raised,
+        overran its time or memory, or rendered more than `max_chars` characters."""
         self._slots = self._slots or asyncio.Semaphore(self._workers)
-        async with self._slots:
+        await self._free_worker()
+        try:
             worker = self._idle.pop() if self._idle else await self._start()
-            reply = await self._exchange(worker, messages)
+            reply = await self._exchange(worker, line)
             self._idle.append(worker)  # only a worker that answered goes back: its state is known
+        finally:
+            self._slots.release()
         if "chars" in reply:
             raise BadRequest(self.too_long(reply["chars"]), param="messages")
         if "error" in reply:
             raise BadRequest(f"the chat template cannot render these messages: {reply['error']}", param="messages")
         return reply["text"]
+
+    async def _free_worker(self) -> None:
+        # Unbounded, the wait behind renders that each take up to the time limit grows with the
+        # queue (a template that loops makes every render take it): past one render's time, 429.
+        try:
+            async with asyncio.timeout(self.seconds):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise TemplatesBusy(f"every chat template worker stayed busy for {self.seconds:g} s "
+                                "(--template-timeout)") from None
 
     async def _start(self) -> asyncio.subprocess.Process:
         # The reply holds at most max_chars characters, each at most 12 bytes as a JSON escape.
@@ -72,11 +100,11 @@ class TemplateRenderer:
             raise
         return worker
 
-    async def _exchange(self, worker: asyncio.subprocess.Process, messages: list[dict]) -> dict:
-        """The worker's reply to `messages`; a worker that overruns, dies or is abandoned (its
-        request cancelled) is killed."""
+    async def _exchange(self, worker: asyncio.subprocess.Process, line: bytes) -> dict:
+        """The worker's reply to `line`; a worker that overruns, dies or is abandoned (its request
+        cancelled) is killed."""
         try:
-            worker.stdin.write((json.dumps({"messages": messages}) + "\n").encode())
+            worker.stdin.write(line)
             line = await asyncio.wait_for(self._reply(worker), self.seconds)
         except TimeoutError:
             await _end(worker)
