@@ -186,3 +186,17 @@ class Manifest:
         data["model"] = {k: v for k, v in data["model"].items() if v is not None}
         return yaml.safe_dump(data, sort_keys=False)
 
+
+@dataclass(frozen=True)
+class GraphContext:
+    """One graph file as the verified manifest describes it: what a loader checks a file that
+    declares its own signature (a neuron archive) against, before running any of it."""
+
+    manifest: Manifest
+    rank: RankEntry
+    """A rank that runs the file."""
+    graph: GraphEntry
+    """That rank's entry naming the file."""
+    weights: list | None = None
+    """The rank's weight tensors the graph is called with; None where nothing runs (the lint,
+    neuron-finish)."""

@@ -19,30 +19,11 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import Callable, Literal
 
 from graphc.errors import GraphcError
 from graphc.models.moe_forms import MOE_LOWERINGS, moe_exchange
 from graphc.topology import Topology
-
-if TYPE_CHECKING:
-    from graphc.artifacts.manifest import GraphEntry, Manifest, RankEntry
-
-
-@dataclass(frozen=True)
-class GraphContext:
-    """One graph file as the verified manifest describes it: what a loader checks a file that
-    declares its own signature (a neuron archive) against, before running any of it."""
-
-    manifest: Manifest
-    rank: RankEntry
-    """A rank that runs the file."""
-    graph: GraphEntry
-    """That rank's entry naming the file."""
-    weights: list | None = None
-    """The rank's weight tensors the graph is called with; None where nothing runs (the lint,
-    neuron-finish)."""
-
 
 @dataclass(frozen=True)
 class Backend:
@@ -59,7 +40,7 @@ class Backend:
     """`module:function(program, out, topology)` compiling one saved program into `out`."""
     loader: str
     """`module:function(path, collectives, context)` loading one graph file as a callable of
-    (weights, inputs), the file checked against its `GraphContext` first: a runtime module, as the
+    (weights, inputs), the file checked against its `artifacts.manifest.GraphContext` first: a runtime module, as the
     runtime imports no compiler."""
     fixed_pool: bool = False
     """Whether the KV pool's block count is fixed when compiling (static shapes everywhere), its
@@ -108,8 +89,10 @@ class Backend:
     def compile(self, program: Path, out: Path, topology: Topology) -> None:
         _imported(self.compiler)(program, out, topology)
 
-    def load(self, path: Path, collectives: bool, context: GraphContext) -> Callable:
-        return _imported(self.loader)(path, collectives, context)
+    def graph_loader(self) -> Callable:
+        """`load_<backend>(path, collectives, context)` (`runtime.graph_loaders`): a graph file's
+        runner, checked against its `artifacts.manifest.GraphContext`."""
+        return _imported(self.loader)
 
     def cache_toolchain(self) -> str:
         return _imported(self.toolchain)() if self.toolchain else ""

@@ -45,16 +45,12 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Literal
+from typing import Iterator, Literal
 
-from graphc.artifacts.manifest import ArtifactError
-from graphc.backends import GraphContext
+from graphc.artifacts.manifest import ArtifactError, GraphContext, Manifest
 from graphc.errors import GraphcError
 from graphc.step import STEP_INPUTS
 from graphc.typed import build
-
-if TYPE_CHECKING:
-    from graphc.artifacts.manifest import Manifest
 
 NEURONX_CC = "neuronx-cc"
 NEURON_TARGET = "trn1"

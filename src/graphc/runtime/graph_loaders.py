@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from graphc.backends import GraphContext
+from graphc.artifacts.manifest import GraphContext
 from graphc.program_io import load_exported_program
 from graphc.runtime.archive_check import check_export_archive
 from graphc.runtime.opened_programs import opened_once

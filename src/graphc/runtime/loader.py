@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from graphc.artifacts.directory import read_manifest
-from graphc.artifacts.manifest import GraphEntry, Manifest, RankEntry
-from graphc.backends import BACKENDS, GraphContext, backend
+from graphc.artifacts.manifest import GraphContext, GraphEntry, Manifest, RankEntry
+from graphc.backends import BACKENDS, backend
 from graphc.buckets.selection import Bucket
 from graphc.errors import GraphcError
 from graphc.runtime.prefix_cache import prefix_caching_enabled
@@ -115,7 +115,7 @@ def load_rank(artifacts: Path, rank: int = 0, manifest: Manifest | None = None,
         raise GraphcError(f"{artifacts}: rank {rank}'s weight_names are not the tensors of {entry.weights} "
                           f"({len(entry.weight_names)} listed, {len(stored)} stored; e.g. {differ[0]}); recompile")
     weights = [stored[name] for name in entry.weight_names]
-    load = backend(manifest.backend).load
+    load = backend(manifest.backend).graph_loader()
     collectives = manifest.topology.world > 1
     runners = {}
     for graph in entry.graphs:

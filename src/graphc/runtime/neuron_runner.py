@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from graphc.backends import GraphContext
+from graphc.artifacts.manifest import GraphContext
 from graphc.backends.neuron_archive import NEFF, NOISE, read_archive
 from graphc.errors import GraphcError
 from graphc.ops.sampler import step_noise

@@ -20,8 +20,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from graphc.artifacts.manifest import ArtifactError
-from graphc.backends import GraphContext
+from graphc.artifacts.manifest import ArtifactError, GraphContext
 from graphc.backends.neuron_archive import CPU_HLO, NOISE, native_log_held, read_archive
 from graphc.errors import GraphcError
 from graphc.ops.sampler import step_noise

@@ -16,9 +16,9 @@ import shutil
 from pathlib import Path
 
 from graphc.artifacts.directory import atomic_directory, read_manifest, sha256_file
-from graphc.artifacts.manifest import MANIFEST
+from graphc.artifacts.manifest import MANIFEST, GraphContext
 from graphc.artifacts.signing import SIGNATURE, sign
-from graphc.backends import GraphContext, backend
+from graphc.backends import backend
 from graphc.backends.neuron_archive import (MODULES, NEFF, NEURON_HLO, NEURON_TARGET, available, manifest_extras,
                                             neff_of, neuronx_cc_command, program_contexts, read_archive,
                                             write_archive)
