@@ -23,7 +23,8 @@ from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
 from graphc.compiler.rewrite_cache import rewrite_key, weight_specs
 from graphc.config import GraphcConfig
 from graphc.models.abstract import abstract_shard
-from graphc.models.checkpoint import QUANTIZED_WEIGHTS, default_sparse_probabilities, holds_weights, load_rank_shard
+from graphc.models.checkpoint import (QUANTIZED_WEIGHTS, check_checkpoint, default_sparse_probabilities, holds_weights,
+                                      load_rank_shard)
 from graphc.models.moe_forms import step_moe_form
 from graphc.models.step_model import Parallelism
 from graphc.passes.collective_schedule import check_collective_schedule, program_collectives
@@ -89,8 +90,9 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
                                             config.model.sparse_probabilities or default_sparse_probabilities(dtype),
                                             topology.tp)
         else:
+            checked = check_checkpoint(config.model.checkpoint, draft_layers)  # read once, for every shard
             model = load_rank_shard(config.model.checkpoint, topology, 0, dtype, config.model.sparse_probabilities,
-                                    as_stored, draft_layers)
+                                    as_stored, draft_layers, checked)
             weights = model_weights(model)
         args = model.args
         sparse_probabilities = model.sparse_probabilities if args.sparse_attention else None
@@ -149,7 +151,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         for rank, shard_key in shard_of.items():
             if shard_key not in shards:
                 shard = load_rank_shard(config.model.checkpoint, topology, rank, dtype,
-                                        config.model.sparse_probabilities, as_stored, draft_layers)
+                                        config.model.sparse_probabilities, as_stored, draft_layers, checked)
                 shards[shard_key] = write_weights(model_weights(shard), staging)
                 del shard
         # 6. Manifest: graphs, weights and tokenizer by hash, signed on request.

@@ -135,11 +135,13 @@ def _summarise(names: list[str], limit: int = 5) -> str:
 
 def load_rank_shard(checkpoint_dir: Path, topology: Topology, rank: int, dtype: torch.dtype,
                     sparse_probabilities: str | None = None, as_stored: bool = False,
-                    draft_layers: int = 0) -> StepModel:
+                    draft_layers: int = 0, checked: CheckedCheckpoint | None = None) -> StepModel:
     """The model of `rank`'s weights: its routed experts (all of them when ep = 1) and its
     tensor-parallel slice of the split weights; ranks with the same `topology.weight_shard` hold
-    the same. `draft_layers`: the MTP layers it serves as speculative decoding's draft."""
-    checked = check_checkpoint(Path(checkpoint_dir), draft_layers)
+    the same. `draft_layers`: the MTP layers it serves as speculative decoding's draft. `checked`:
+    the checkpoint's `check_checkpoint` with those draft layers, where the caller loads several
+    shards (config.json and the headers read once)."""
+    checked = checked or check_checkpoint(Path(checkpoint_dir), draft_layers)
     ep_rank, tp_rank = topology.weight_shard(rank)
     experts = topology.experts(ep_rank, checked.args.n_routed_experts)
     return load_model(checkpoint_dir, dtype=dtype, experts=experts, sparse_probabilities=sparse_probabilities,
