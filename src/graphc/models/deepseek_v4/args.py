@@ -230,27 +230,38 @@ def v4_args_from_hf_config(config: dict[str, Any]) -> V4Args:
     if fraction is None:
         legacy = config.get("qk_rope_head_dim")
         fraction = legacy / config["head_dim"] if legacy is not None else DEFAULT_ROPE_HEAD_DIM_FRACTION
-    main_rope, compress_rope = rope_args_from_config(config)
     return V4Args(
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        moe_intermediate_size=config["moe_intermediate_size"],
+        **shared_fields(config),
         num_hidden_layers=layers,
-        num_attention_heads=config["num_attention_heads"],
-        head_dim=config["head_dim"],
-        q_lora_rank=config["q_lora_rank"],
         rope_head_dim=int(config["head_dim"] * fraction),
-        n_routed_experts=config["n_routed_experts"],
         n_shared_experts=config.get("n_shared_experts", 1),
-        num_experts_per_tok=config["num_experts_per_tok"],
-        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.5)),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=config.get("max_position_embeddings", 1048576),
         layer_types=tuple(layer_types[:layers]),
         draft_layer_types=tuple((list(layer_types[layers:]) + [SLIDING] * nextn)[:nextn]),
         mlp_layer_types=tuple(mlp_types[:layers]),
         csa_rate=int(rates[CSA]),
         hca_rate=int(rates[HCA]),
+        num_nextn_predict_layers=nextn,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        eos_token_id=eos_token_ids(config.get("eos_token_id")),
+    )
+
+
+def shared_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The `V4FamilyArgs` fields V4 and V4.1 read from their config (V4.1's `text_config`) alike,
+    with the same defaults."""
+    main_rope, compress_rope = rope_args_from_config(config)
+    return dict(
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        moe_intermediate_size=config["moe_intermediate_size"],
+        num_attention_heads=config["num_attention_heads"],
+        head_dim=config["head_dim"],
+        q_lora_rank=config["q_lora_rank"],
+        n_routed_experts=config["n_routed_experts"],
+        num_experts_per_tok=config["num_experts_per_tok"],
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.5)),
+        max_position_embeddings=config.get("max_position_embeddings", 1048576),
         hc_mult=config.get("hc_mult", 4),
         hc_sinkhorn_iters=config.get("hc_sinkhorn_iters", 20),
         hc_eps=float(config.get("hc_eps", 1e-6)),
@@ -263,9 +274,6 @@ def v4_args_from_hf_config(config: dict[str, Any]) -> V4Args:
         index_topk=config["index_topk"],
         main_rope=main_rope,
         compress_rope=compress_rope,
-        num_nextn_predict_layers=nextn,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        eos_token_id=eos_token_ids(config.get("eos_token_id")),
     )
 
 

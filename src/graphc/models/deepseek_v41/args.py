@@ -20,7 +20,7 @@ from typing import Any
 from graphc.errors import CheckpointError
 from graphc.models.hf_config import check_field_types, check_id_lists, eos_token_ids, names_architecture
 from graphc.models.deepseek_v41.engram import EngramArgs
-from graphc.models.deepseek_v4.args import V4FamilyArgs, rope_args_from_config
+from graphc.models.deepseek_v4.args import V4FamilyArgs, shared_fields
 
 V41_ARCHITECTURE = "DeepseekV41ForCausalLM"
 V41_MODEL_TYPE = "deepseek_v41"
@@ -221,40 +221,18 @@ def v41_args_from_hf_config(config: dict[str, Any]) -> V41Args:
         raise CheckpointError(f"config.json: text_config.n_shared_experts is {text['n_shared_experts']}; "
                               "DeepSeek-V4.1 has 1")
     layers = text["num_hidden_layers"]
-    main_rope, compress_rope = rope_args_from_config(text)
     eos = text.get("eos_token_id", config.get("eos_token_id"))
     return V41Args(
-        vocab_size=text["vocab_size"],
-        hidden_size=text["hidden_size"],
-        moe_intermediate_size=text["moe_intermediate_size"],
+        **shared_fields(text),
         num_hidden_layers=layers,
-        num_attention_heads=text["num_attention_heads"],
-        head_dim=text["head_dim"],
-        q_lora_rank=text["q_lora_rank"],
         rope_head_dim=text["qk_rope_head_dim"],
-        n_routed_experts=text["n_routed_experts"],
-        num_experts_per_tok=text["num_experts_per_tok"],
-        routed_scaling_factor=float(text.get("routed_scaling_factor", 1.5)),
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-20)),
-        max_position_embeddings=text.get("max_position_embeddings", 1048576),
         compress_ratios=tuple(text["compress_ratios"][:layers]),  # the release lists its draft layers' too
         kv_source_layer_ids=tuple(text["kv_source_layer_ids"]),
         index_source_layer_ids=tuple(text["index_source_layer_ids"]),
         candidate_source_layer_id=text.get("candidate_source_layer_id", -1),
         candidate_topk_blocks=text.get("candidate_topk_blocks", 2048),
         candidate_block_size=text.get("candidate_block_size", 8),
-        hc_mult=text.get("hc_mult", 4),
-        hc_sinkhorn_iters=text.get("hc_sinkhorn_iters", 20),
-        hc_eps=float(text.get("hc_eps", 1e-6)),
-        swiglu_limit=float(text.get("swiglu_limit", 10.0)),
-        sliding_window=text.get("sliding_window", 128),
-        o_groups=text["o_groups"],
-        o_lora_rank=text["o_lora_rank"],
-        index_n_heads=text["index_n_heads"],
-        index_head_dim=text["index_head_dim"],
-        index_topk=text["index_topk"],
-        main_rope=main_rope,
-        compress_rope=compress_rope,
         gate_temp=float(text.get("gate_temp", 1.0)),
         engram=_engram_args(text),
         dspark=_dspark_args(text),
