@@ -133,7 +133,7 @@ def compiled(tmp_path_factory, tiny_checkpoints):
                       "topology": {"dp": dp, "cp": cp, "tp": tp, "ep": ep}}
             config["model"]["moe_lowering"] = moe_lowering
             if speculative:  # the family's own drafter
-                method = family_of_config(read_hf_config(tiny_checkpoints[preset])).draft_method
+                method = family_of_config(read_hf_config(tiny_checkpoints[preset])).drafter.method
                 config["model"]["speculative"] = {"method": method, "tokens": speculative}
             (root / "model.yaml").write_text(yaml.safe_dump(config))
             options = CompileOptions(verify_passes=True, show_progress=False, workers=2,

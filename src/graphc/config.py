@@ -40,7 +40,7 @@ from graphc.buckets.selection import max_prefill_chunk
 from graphc.errors import ConfigError, GraphcError
 from graphc.models.family import Family
 from graphc.models.moe_forms import MoeFormChoice, MoeLoweringChoice
-from graphc.models.registry import family_of, load_model_args
+from graphc.models.registry import FAMILIES, family_of, load_model_args
 from graphc.models.step_model import ModelArgs
 from graphc.sampling import SAMPLING_RULES, Sampling, sampling_error
 from graphc.step import blocks_per_row
@@ -54,10 +54,10 @@ class SpeculativeSection:
     (`graphc.models.speculation`), lossless: the tokens are those of decoding without drafts
     (greedy) or distributed as them (sampling)."""
 
-    method: Literal["mtp", "dspark"]
-    """Who drafts: 'mtp', the checkpoint's own multi-token-prediction layer, a token at a time
-    (DeepSeek-V3 / V3.2 / V4); 'dspark', DeepSeek-V4.1's DSpark stages (its `mtp.` modules), a
-    block of tokens at a time."""
+    method: str
+    """Who drafts: the checkpoint family's drafter, by name (`Family.drafter`): 'mtp', the
+    checkpoint's own multi-token-prediction layer, a token at a time (DeepSeek-V3 / V3.2 / V4);
+    'dspark', DeepSeek-V4.1's DSpark stages (its `mtp.` modules), a block of tokens at a time."""
     tokens: int
     """k, tokens drafted per decoding row and step: decode buckets become [B, 1 + k] verify
     graphs (and prompt-as-decode ones at least that wide)."""
@@ -316,33 +316,29 @@ def validate(config: GraphcConfig) -> ModelArgs:
 def _speculative_args(config: GraphcConfig, args: ModelArgs) -> ModelArgs:
     """The args serving the checkpoint's draft layers, or the refusal naming the field."""
     speculative, b = config.model.speculative, config.buckets
-    family = family_of(args)
-    if family.draft_method is None:
-        raise ConfigError(f"model.speculative: {args.architecture} has no drafting in graphc yet; the DeepSeek-V3 / "
-                          "V3.2 and V4 families draft with 'mtp', DeepSeek-V4.1 with 'dspark'")
-    if speculative.method != family.draft_method:
-        raise ConfigError(f"model.speculative.method: {args.architecture} drafts with '{family.draft_method}', not "
+    drafter = family_of(args).drafter
+    if drafter is None:
+        drafting = ", ".join(f"{f.name} with '{f.drafter.method}'" for f in FAMILIES if f.drafter is not None)
+        raise ConfigError(f"model.speculative: {args.architecture} has no drafting in graphc yet; families that "
+                          f"draft: {drafting}")
+    if speculative.method != drafter.method:
+        raise ConfigError(f"model.speculative.method: {args.architecture} drafts with '{drafter.method}', not "
                           f"'{speculative.method}'")
     if args.num_nextn_predict_layers < 1:
         raise ConfigError(f"model.speculative: method '{speculative.method}' needs the checkpoint's draft layers "
                           f"(multi-token prediction), and {config.model.checkpoint} has none (config.json "
                           f"num_nextn_predict_layers is {args.num_nextn_predict_layers})")
-    if speculative.method == "dspark" and args.dspark is None:
-        raise ConfigError(f"model.speculative: method 'dspark' needs DSpark stages, and {config.model.checkpoint}'s "
-                          "config.json has no dspark_block_size")
-    if speculative.method == "dspark" and args.dspark.n_routed_experts % config.topology.ep:
-        raise ConfigError(f"topology.ep: {config.topology.ep} must divide the DSpark stages' experts too "
-                          f"(config.json dspark_n_routed_experts {args.dspark.n_routed_experts})")
+    try:
+        drafter.check(args, speculative.tokens, config.topology.topology())
+    except GraphcError as e:
+        raise ConfigError(str(e)) from None
     if not 1 <= speculative.tokens < b.context_limit - 1:
         raise ConfigError(f"model.speculative.tokens: {speculative.tokens} must be in 1..{b.context_limit - 2} "
                           f"(a verify row of 1 + tokens must fit under buckets.context_limit {b.context_limit})")
-    if speculative.method == "dspark" and speculative.tokens > args.dspark.block_size:
-        raise ConfigError(f"model.speculative.tokens: {speculative.tokens} exceeds the DSpark block "
-                          f"(config.json dspark_block_size {args.dspark.block_size}), the tokens one pass drafts")
     if max_prefill_chunk(sorted(b.prefill), config.runtime.max_num_prefilling_tokens) < 2:
         raise ConfigError("buckets.prefill: speculative decoding runs each prompt chunk's last token again with the "
                           "next chunk, so chunks need at least 2 tokens; add a prefill bucket of 2 or more")
-    return dataclasses.replace(args, draft_layers=args.dspark.stages if speculative.method == "dspark" else 1)
+    return dataclasses.replace(args, draft_layers=drafter.served_layers(args))
 
 
 def _positive(key: str, value: int) -> None:

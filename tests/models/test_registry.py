@@ -3,7 +3,9 @@ family registered from outside graphc compiling and serving with nothing else ed
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import re
 from pathlib import Path
 
@@ -97,6 +99,39 @@ def test_the_family_scan_finds_a_planted_branch():
     assert family_mentions("from graphc.models.deepseek_v4.args import HASH_MOE", names) == ["graphc.models.deepseek_v4"]
     assert family_mentions("from graphc.models import deepseek_v3, registry", names) == ["graphc.models.deepseek_v3"]
     assert family_mentions("DeepseekV4ForCausalLM checkpoints", names) == []
+
+
+def _drafter_spellings() -> dict[str, Path]:
+    """Each family drafter's method name, with the file that defines the drafter (of its `draft`)."""
+    return {family.drafter.method: Path(inspect.getsourcefile(family.drafter.draft))
+            for family in registry.FAMILIES if family.drafter is not None}
+
+
+def drafter_mentions(path: Path, spellings: dict[str, Path]) -> list[str]:
+    """The drafter methods `path`'s code spells as a string of its own (a comparison, a key, a
+    Literal) outside the file that defines that drafter: where code branches on a drafter by name."""
+    constants = {node.value for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    return sorted(method for method, home in spellings.items() if method in constants and path != home)
+
+
+def test_no_code_outside_the_family_packages_and_a_drafters_home_names_a_drafter():
+    spellings = _drafter_spellings()
+    assert set(spellings) == {"mtp", "dspark"}
+    packages = {SOURCE / package.removeprefix("graphc.").replace(".", "/") for package, _ in _family_names()}
+    outside = [path for path in sorted(SOURCE.rglob("*.py")) if not any(package in path.parents for package in packages)]
+    assert SOURCE / "config.py" in outside and SOURCE / "tools" / "plan.py" in outside
+    found = {str(path.relative_to(SOURCE)): drafter_mentions(path, spellings) for path in outside}
+    assert {path: methods for path, methods in found.items() if methods} == {}
+
+
+def test_the_drafter_scan_finds_a_planted_branch(tmp_path):
+    planted = tmp_path / "plan.py"
+    planted.write_text('def passes(family):\n    """Counts \'dspark\' passes."""\n'
+                       '    return 1 if family.drafter.method == "dspark" else 2\n')
+    assert drafter_mentions(planted, _drafter_spellings()) == ["dspark"]
+    planted.write_text('"""The drafter: \'dspark\' or \'mtp\', as the family says."""\n')
+    assert drafter_mentions(planted, _drafter_spellings()) == []  # prose names them, code does not
 
 
 # --- a fifth family from outside graphc -----------------------------------------------------------------

@@ -28,6 +28,7 @@ from torch.export import Dim, ExportedProgram
 from graphc.buckets.selection import Bucket
 from graphc.models.checkpoint import QUANTIZED_WEIGHTS
 from graphc.models.fp8 import QuantizedWeight
+from graphc.models.registry import family_of
 from graphc.models.speculation import SpeculativeStep
 from graphc.models.step_model import Parallelism, StepInputs, StepModel
 from graphc.ops import sampler
@@ -85,7 +86,8 @@ class StepGraph(torch.nn.Module):
         if self.draft_tokens:
             step = StepInputs(positions, block_table, slot_mapping, kv_pool, parallel, self.moe_form)
             return torch.func.functional_call(
-                SpeculativeStep(self._model[0], self.draft_tokens), {f"model.{n}": t for n, t in parameters.items()},
+                SpeculativeStep(self._model[0], self.draft_tokens, family_of(self._model[0].args).drafter),
+                {f"model.{n}": t for n, t in parameters.items()},
                 (input_ids, step, logits_index, temperature, top_k, top_p, seed))
         logits = torch.func.functional_call(
             self._model[0], parameters,

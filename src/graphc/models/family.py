@@ -17,6 +17,7 @@ from graphc.errors import GraphcError
 if TYPE_CHECKING:
     from torch import nn
 
+    from graphc.models.drafter import Drafter
     from graphc.models.step_model import ModelArgs, StepModel
     from graphc.topology import Topology
 
@@ -100,14 +101,8 @@ class Family:
     backends: tuple[str, ...] = ("export", "inductor", "neuron")
     data_parallel: bool = True
     """Whether data-parallel attention (dp > 1) is built for it."""
-    draft_method: str | None = None
-    """How its draft layers draft in speculative decoding (model.yaml's `speculative.method`):
-    'mtp', its MTP layer one token at a time (its args' `draft_layers`, its model's `final_hidden`,
-    `logits`, `draft_hidden` and `draft_logits`), or 'dspark', DSpark's stages a block at a time
-    (its model's `draft_block`); None: it has none."""
-    draft_layer: Callable[["ModelArgs"], "ModelArgs"] | None = None
-    """Where it drafts: its draft layers as the args of a model of their own, whose collectives
-    (`attention_collectives`, ...) are theirs (`graphc plan`)."""
+    drafter: "Drafter | None" = None
+    """How its draft layers draft in speculative decoding (`models/drafter.py`); None: it has none."""
     check_exchange: Callable[["ModelArgs", str], None] = _accepts
     """Raises `GraphcError` for an MoE exchange its layers cannot take."""
     check_loadable: Callable[["ModelArgs"], None] = _accepts

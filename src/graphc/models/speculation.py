@@ -1,8 +1,7 @@
 """Speculative decoding with the model's own draft layers: one step verifies the drafts of the
-last one and drafts the next, inside the step graph. The drafter is the MTP layer (DeepSeek-V3 /
-V3.2 / V4, steps 3 and 4 below) or, for DeepSeek-V4.1, its DSpark stages, which draft a block of
-tokens in one pass after the last accepted position (`DeepseekV41Drafting.draft_block`,
-`deepseek_v41/dspark.py`) in place of steps 3 and 4.
+last one and drafts the next, inside the step graph. The family's `Drafter` drafts: the MTP layer
+(`mtp_drafts`, steps 3 and 4 below) or another of the family's own (DeepSeek-V4.1's DSpark stages
+draft a block of tokens in one pass after the last accepted position) in place of steps 3 and 4.
 
 Each row of a step holds its tokens as usual, and a row that decodes holds after its last token
 the k (or fewer) tokens the MTP layer drafted in the row's previous step: [t, d_0 .. d_{m-1}],
@@ -33,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from graphc.models.drafter import Drafter
 from graphc.models.step_model import StepInputs, StepModel
 from graphc.ops import sampler
 from graphc.step import ELSEWHERE_SLOT, PADDING_SLOT
@@ -40,22 +40,23 @@ from graphc.step import ELSEWHERE_SLOT, PADDING_SLOT
 
 class SpeculativeStep(nn.Module):
     """`model` (its parameters under `model.`) taking one speculative step of `draft_tokens` = k
-    drafts per row."""
+    drafts per row, drafted by its family's `drafter`."""
 
-    def __init__(self, model: StepModel, draft_tokens: int):
+    def __init__(self, model: StepModel, draft_tokens: int, drafter: Drafter):
         super().__init__()
-        self.model, self.draft_tokens = model, draft_tokens
+        self.model, self.draft_tokens, self.drafter = model, draft_tokens, drafter
 
     def forward(self, input_ids: Tensor, step: StepInputs, logits_index: Tensor, temperature: Tensor,
                 top_k: Tensor, top_p: Tensor, seed: Tensor) -> tuple[Tensor, Tensor]:
         """Returns [B, 2 + 2k] int64: the accepted count n, tokens t_0 .. t_k (t_0 .. t_n are the
         row's new tokens), then the k drafts for its next step; and the logits at `logits_index` [B, V]."""
-        return speculative_step(self.model, self.draft_tokens, input_ids, step, logits_index, temperature, top_k,
-                                top_p, seed)
+        return speculative_step(self.model, self.drafter, self.draft_tokens, input_ids, step, logits_index,
+                                temperature, top_k, top_p, seed)
 
 
-def speculative_step(model: StepModel, k: int, input_ids: Tensor, step: StepInputs, logits_index: Tensor,
-                     temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor) -> tuple[Tensor, Tensor]:
+def speculative_step(model: StepModel, drafter: Drafter, k: int, input_ids: Tensor, step: StepInputs,
+                     logits_index: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                     seed: Tensor) -> tuple[Tensor, Tensor]:
     """`SpeculativeStep.forward`: the numbered steps of the module docstring."""
     width = input_ids.shape[1]
     hidden = model.final_hidden(input_ids, step)  # [B, W, D]
@@ -70,15 +71,17 @@ def speculative_step(model: StepModel, k: int, input_ids: Tensor, step: StepInpu
     picked = verdict[:, 1:].gather(1, accepted)  # [B, 1]: the token after the last accepted one
 
     kept_until = logits_index[:, None] + accepted  # [B, 1]: the last accepted position's index
-    if hasattr(model, "draft_block"):  # DSpark
-        new_drafts = model.draft_block(hidden, picked, kept_until, step, k)
-    else:
-        new_drafts = _mtp_drafts(model, k, hidden, input_ids, step, kept_until, picked)
+    new_drafts = drafter.draft(model, k, hidden, input_ids, step, kept_until, picked)  # [B, k]
     return torch.cat([verdict, new_drafts], dim=1), logits[:, 0]
 
 
-def _mtp_drafts(model: StepModel, k: int, hidden: Tensor, input_ids: Tensor, step: StepInputs, kept_until: Tensor,
-                picked: Tensor) -> Tensor:
+def mtp_drafter(layer) -> Drafter:
+    """The MTP drafter of a family whose draft layer's args `layer` gives (`Drafter.layer`)."""
+    return Drafter("mtp", mtp_drafts, layer)
+
+
+def mtp_drafts(model: StepModel, k: int, hidden: Tensor, input_ids: Tensor, step: StepInputs, kept_until: Tensor,
+               picked: Tensor) -> Tensor:
     """Steps 3 and 4 of the module docstring: the MTP layer's k drafts [B, k] after each row's
     last accepted position `kept_until` [B, 1], whose next token is `picked` [B, 1]."""
     width = input_ids.shape[1]

@@ -304,7 +304,7 @@ def _decode_step(config, args, topology, tensors, target: Device, rows: int, per
     expected, worst = routed(tokens, args, expert_bytes)
     for passed, _ in draft_passes(args, tokens, rows, k) if k else []:  # the draft layers' passes, each with the head
         read += draft_others + head + embedding // args.vocab_size * passed
-        expected, worst = (a + b for a, b in zip((expected, worst), routed(passed, family.draft_layer(args),
+        expected, worst = (a + b for a, b in zip((expected, worst), routed(passed, family.drafter.layer(args),
                                                                            draft_experts)))
     context = blocks_per_row(config.buckets.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
     kv_read = rows * math.ceil(context / topology.cp) * per_token

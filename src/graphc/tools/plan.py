@@ -45,13 +45,13 @@ def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype:
     (the pass lowers it away).
 
     A speculative step (`draft_tokens` k > 0, `models/speculation.py`) takes the LM head at 1 + k
-    positions a row, then runs its draft layers (`Family.draft_layer`) as `draft_passes` says.
+    positions a row, then runs its draft layers (`Drafter.layer`) as `draft_passes` says.
     Collectives of the same op, group and payload are counted together.
     """
     tokens, rows = bucket.rows * bucket.width, bucket.rows
     passes = [(args, tokens, rows * (1 + draft_tokens))]
     if draft_tokens:
-        draft = family_of(args).draft_layer(args)
+        draft = family_of(args).drafter.layer(args)
         passes += [(draft, *counts) for counts in draft_passes(args, tokens, rows, draft_tokens)]
     counted: dict[tuple[str, str, int], int] = {}
     for layers, layer_tokens, head_rows in passes:
@@ -63,13 +63,8 @@ def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype:
 
 def draft_passes(args: ModelArgs, tokens: int, rows: int, draft_tokens: int) -> list[tuple[int, int]]:
     """The draft layers' passes in a speculative step of `rows` rows and `tokens` tokens, as (tokens
-    through the draft layers, rows through the LM head): the MTP layer over every token, then
-    k - 1 times more over one token a row; DSpark's stages once over a block a row (and the
-    Markov head, which is no collective)."""
-    if family_of(args).draft_method == "dspark":
-        block = rows * args.dspark.block_size
-        return [(block, block)]
-    return [(tokens, rows)] + [(rows, rows)] * (draft_tokens - 1)
+    through the draft layers, rows through the LM head): the family drafter's (`Drafter.passes`)."""
+    return family_of(args).drafter.passes(args, tokens, rows, draft_tokens)
 
 
 def _model_collectives(args: ModelArgs, topology: Topology, tokens: int, rows: int, dtype: str, exchange: str,

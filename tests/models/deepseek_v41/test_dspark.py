@@ -13,6 +13,7 @@ from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import StepGraph
 from graphc.errors import CheckpointError
 from graphc.models.checkpoint import check_checkpoint, load_model, load_reference
+from graphc.models.registry import family_of
 from graphc.models.speculation import SpeculativeStep
 from graphc.models.step_model import Parallelism, StepInputs
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
@@ -27,7 +28,7 @@ class Drafting:
     """One sequence through graphc's eager speculative step (greedy) over a fresh pool."""
 
     def __init__(self, model):
-        self.step_module, self.pool = SpeculativeStep(model, DRAFTS), model.new_kv_pool(12, BLOCK_SIZE)
+        self.step_module, self.pool = SpeculativeStep(model, DRAFTS, family_of(model.args).drafter), model.new_kv_pool(12, BLOCK_SIZE)
         self.sequence = SequenceBlocks(BLOCK_SIZE)
         self.sequence.reserve(40, BlockAllocator(12))
 

@@ -5,6 +5,7 @@ from graphc.models.deepseek_v3 import layout, predictions, presets
 from graphc.models.deepseek_v3.args import V3_ARCHITECTURE, V32_ARCHITECTURE, is_v3_config, v3_args_from_hf_config
 from graphc.models.deepseek_v3.model import DeepseekV3, tensor_parallel_widths
 from graphc.models.family import Family
+from graphc.models.speculation import mtp_drafter
 
 FAMILY = Family(
     name="DeepSeek-V3 / V3.2",
@@ -22,6 +23,5 @@ FAMILY = Family(
     tensor_parallel_collectives=predictions.tensor_parallel_collectives,
     presets=presets.PRESETS,
     draft_and_extra_shapes=layout.draft_shapes,
-    draft_method="mtp",
-    draft_layer=predictions.draft_layer,
+    drafter=mtp_drafter(predictions.draft_layer),
 )

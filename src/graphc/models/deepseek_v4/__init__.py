@@ -7,6 +7,7 @@ from graphc.models.deepseek_v4 import layout, predictions, presets
 from graphc.models.deepseek_v4.args import HASH_MOE, V4_ARCHITECTURE, V4Args, is_v4_config, v4_args_from_hf_config
 from graphc.models.deepseek_v4.model import DeepseekV4, tensor_parallel_widths
 from graphc.models.family import Family
+from graphc.models.speculation import mtp_drafter
 
 
 def _check_exchange(args: V4Args, exchange: str) -> None:
@@ -38,6 +39,5 @@ FAMILY = Family(
     tensor_parallel_collectives=predictions.tensor_parallel_collectives,
     presets=presets.PRESETS,
     draft_and_extra_shapes=layout.draft_shapes,
-    draft_method="mtp",
-    draft_layer=predictions.draft_layer,
+    drafter=mtp_drafter(predictions.draft_layer),
 )

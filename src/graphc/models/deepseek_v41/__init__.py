@@ -4,9 +4,11 @@ eager reference, Engram, DSpark, preset and `graphc plan`'s predictions, and the
 
 from graphc.models.deepseek_v41 import layout, predictions, presets
 from graphc.models.deepseek_v41.args import V41_ARCHITECTURE, check_loadable, is_v41_config, v41_args_from_hf_config
-from graphc.models.deepseek_v41.dspark import DeepseekV41Drafting, stage_args
+from graphc.models.deepseek_v41 import dspark
+from graphc.models.deepseek_v41.dspark import DeepseekV41Drafting
 from graphc.models.deepseek_v41.model import DeepseekV41, tensor_parallel_widths
 from graphc.models.deepseek_v41.reference import DeepseekV41Reference
+from graphc.models.drafter import Drafter
 from graphc.models.family import Family
 
 FAMILY = Family(
@@ -39,7 +41,7 @@ FAMILY = Family(
     presets=presets.PRESETS,
     draft_and_extra_shapes=layout.draft_and_vision_shapes,
     serving_every_draft_layer=layout.serving_every_draft_stage,
-    draft_method="dspark",
-    draft_layer=stage_args,
+    drafter=Drafter("dspark", dspark.draft, dspark.stage_args, served_layers=lambda args: args.dspark.stages,
+                    check=dspark.check, passes=dspark.passes),
     quantization_config={"scale_fmt": "ue8m0", "expert_dtype": "fp4"},
 )

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from graphc.errors import GraphcError
 from graphc.models.deepseek_v4.model import CacheView, FP32RMSNorm, fp32, partial_attention, rotate_trailing, write
 from graphc.models.deepseek_v41 import reference
 from graphc.models.deepseek_v41.args import V41Args
@@ -47,6 +48,33 @@ from graphc.models.deepseek_v41.model import Attention, DecoderLayer, DeepseekV4
 from graphc.models.deepseek_v41.reference import collapse, expand
 from graphc.models.layers import gather_over_tp
 from graphc.models.step_model import StepInputs
+from graphc.topology import Topology
+
+
+def draft(model: "DeepseekV41Drafting", k: int, hidden: Tensor, input_ids: Tensor, step: StepInputs,
+          kept_until: Tensor, picked: Tensor) -> Tensor:
+    """`Drafter.draft`: the first k drafts of the block after each row's last accepted position."""
+    return model.draft_block(hidden, picked, kept_until, step, k)
+
+
+def check(args: V41Args, k: int, topology: Topology) -> None:
+    """`Drafter.check`: what the checkpoint's stages cannot take, naming the model.yaml field."""
+    if args.dspark is None:
+        raise GraphcError("model.speculative: method 'dspark' needs DSpark stages, and the checkpoint's config.json "
+                          "has no dspark_block_size")
+    if args.dspark.n_routed_experts % topology.ep:
+        raise GraphcError(f"topology.ep: {topology.ep} must divide the DSpark stages' experts too "
+                          f"(config.json dspark_n_routed_experts {args.dspark.n_routed_experts})")
+    if k > args.dspark.block_size:
+        raise GraphcError(f"model.speculative.tokens: {k} exceeds the DSpark block "
+                          f"(config.json dspark_block_size {args.dspark.block_size}), the tokens one pass drafts")
+
+
+def passes(args: V41Args, tokens: int, rows: int, k: int) -> list[tuple[int, int]]:
+    """`Drafter.passes`: the stages once over a block a row, each block position through the head
+    (the Markov head issues no collective)."""
+    block = rows * args.dspark.block_size
+    return [(block, block)]
 
 
 def stage_args(args: V41Args) -> V41Args:
