@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 GRAPHC = str(Path(sys.executable).parent / "graphc")
+JOB_SECRET = {"GRAPHC_JOB_SECRET": "the-tests-job-secret-0123456789"}
+"""Every simulated host's (a job that spans hosts needs one)."""
 # Inside the namespace: this host's /dev/shm is the directory given as $0, then the command.
 HOST_SHELL = 'mount --bind "$0" /dev/shm && exec "$@"'
 NAMESPACE = ["unshare", "--mount", "--ipc", "--propagation", "private"]
@@ -48,7 +50,7 @@ class Host:
             [*NAMESPACE, "sh", "-c", HOST_SHELL, str(shm), GRAPHC, *args, "--nnodes", str(nnodes),
              "--node-rank", str(node_rank), "--master-port", str(port)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-            env={**os.environ, **(env or {})})
+            env={**os.environ, **JOB_SECRET, **(env or {})})
         self.out: list[str] = []
         self.err: list[str] = []
         self._readers = [threading.Thread(target=self._drain, args=(pipe, lines), daemon=True)

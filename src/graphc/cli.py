@@ -256,17 +256,20 @@ def _host_options(command):
                      help="Ranks on each host (default: the artifacts' ranks / --nnodes)."),
         click.option("--join-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
                      help="Seconds the hosts wait for each other to join before naming the missing ones."),
+        click.option("--job-secret-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+                     help="File holding the job's secret, the same on every host (or set GRAPHC_JOB_SECRET): "
+                          "needed with --nnodes > 1; it authenticates the hosts' rendezvous."),
     ]
     for option in reversed(options):
         command = option(command)
     return command
 
 
-def _hosts(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, nproc_per_node, join_timeout):
+def _hosts(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, nproc_per_node, join_timeout, job_secret_file):
     from graphc.runtime.hosts import HostOptions
 
     return HostOptions.from_cli(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, nproc_per_node,
-                                join_timeout)
+                                join_timeout, job_secret_file)
 
 
 @cli.command()

@@ -119,3 +119,43 @@ def test_a_stale_segment_of_the_same_name_is_replaced():
     for channel in (follower, second):
         channel.close()
     first.segment.close()
+
+
+KILLED_LAUNCHER = """
+import multiprocessing, os, sys
+from multiprocessing import shared_memory
+from graphc.runtime.launch import named_semaphores
+
+with named_semaphores():  # as the agent's queues and events are made
+    lock = multiprocessing.get_context("spawn").Lock()
+segment = shared_memory.SharedMemory(name=f"graphc-{os.getpid()}-{sys.argv[1]}", create=True, size=64)
+print(os.getpid(), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_what_a_killed_launcher_left_is_swept_and_what_a_live_one_holds_is_not():
+    """A launcher killed with its whole process group (its resource tracker too) leaves its
+    segment and semaphores, named after it: the next sweep removes them; a live launcher's stay."""
+    import signal
+    import subprocess
+    import sys
+
+    from graphc.runtime.channel import SHM, sweep_stale
+
+    run = uuid.uuid4().hex[:16]
+    launcher = subprocess.Popen([sys.executable, "-c", KILLED_LAUNCHER, run], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+    pid = int(launcher.stdout.readline())
+    left = sorted(p.name for p in SHM.glob(f"*graphc-{pid}-*"))
+    assert f"graphc-{pid}-{run}" in left and any(name.startswith(f"sem.mp-graphc-{pid}-") for name in left), left
+    assert not set(left) & set(sweep_stale())  # still alive: nothing of it is touched
+    os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    live = StepChannel(f"graphc-{os.getpid()}-{run}", WORLD, ROWS, WIDTH, BLOCKS, rank=0, timeout=2.0)
+    try:
+        assert set(left) <= set(sweep_stale())
+        assert not list(SHM.glob(f"*graphc-{pid}-*"))
+        assert Path(f"/dev/shm/graphc-{os.getpid()}-{run}").exists()  # this process is alive: its segment stays
+    finally:
+        live.close()

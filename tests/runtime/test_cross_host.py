@@ -1,6 +1,7 @@
 """The step channel across hosts, on real gloo ranks: two hosts of two ranks, each host its own
 segment (here: its own name on one /dev/shm). Every rank gets every step intact, however many
-hosts lie between it and the leader; a replica leader's tokens come back from either host."""
+hosts lie between it and the leader, and unpickles nothing; a replica leader's tokens come back
+from either host."""
 
 from __future__ import annotations
 
@@ -61,8 +62,20 @@ def _counting_sends(rank: int) -> dict[str, int]:
     return counts
 
 
+def _refusing_to_unpickle() -> None:
+    """Make any unpickling of what a rank receives fail: the channel sends JSON, never pickles."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank unpickled what it received")
+
+    dist.broadcast_object_list = c10d.broadcast_object_list = c10d._tensor_to_object = refuse
+
+
 def _on_rank(rank, topology, names):
     groups = cross_host_groups(LAYOUT, timeout=30.0)
+    _refusing_to_unpickle()
     sent = _counting_sends(rank)
     host_ranks = LAYOUT.ranks(LAYOUT.host_of(rank))
     local = StepChannel(names[LAYOUT.host_of(rank)], WORLD, ROWS, WIDTH, BLOCKS, rank, timeout=30.0,
@@ -96,8 +109,9 @@ def test_every_rank_on_either_host_gets_every_step_and_the_leader_every_replicas
     assert [(startup, intact) for startup, intact, _ in followers] == [({"kv_blocks": 64}, [True] * len(BUCKETS))] * 3
     assert returned == [[_tokens(r, step, b.rows).tolist() for r in SAMPLERS] for step, b in enumerate(BUCKETS)]
     # The record leaves the leader once a step (one broadcast to the other host's relay) and once to
-    # stop; only the sampler on the other host sends anything back, once a step.
-    assert leader_sent == {"broadcast": len(BUCKETS) + 1, "send": 0}
+    # stop, the start-up metadata twice (its size, then its JSON bytes); only the sampler on the other
+    # host sends anything back, once a step.
+    assert leader_sent == {"broadcast": 2 + len(BUCKETS) + 1, "send": 0}
     assert [sent for _, _, sent in followers] == [{"broadcast": 0, "send": 0}, {"broadcast": 0, "send": len(BUCKETS)},
                                                   {"broadcast": 0, "send": 0}]
     assert not any(Path("/dev/shm", name).exists() for name in names)

@@ -1,16 +1,25 @@
 """A job's hosts: the multi-node options as every host's command takes them, refused in one line
-naming the option when they do not fit the artifacts; which host runs which ranks."""
+naming the option when they do not fit the artifacts; which host runs which ranks; the job secret."""
 
 from __future__ import annotations
 
 import pytest
 
 from graphc.errors import GraphcError
-from graphc.runtime.hosts import HostLayout, HostOptions
+from graphc.runtime.hosts import SECRET_ENV, HostLayout, HostOptions
+
+SECRET = "0123456789abcdef0123"
 
 
-def _options(nnodes=2, node_rank=0, master_addr=None, master_port=None, rdzv_endpoint=None, nproc_per_node=None):
-    return HostOptions.from_cli(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, nproc_per_node, 30.0)
+@pytest.fixture(autouse=True)
+def _secret(monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+
+
+def _options(nnodes=2, node_rank=0, master_addr=None, master_port=None, rdzv_endpoint=None, nproc_per_node=None,
+             job_secret_file=None):
+    return HostOptions.from_cli(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, nproc_per_node, 30.0,
+                                job_secret_file)
 
 
 def test_ranks_are_laid_out_host_by_host_with_the_leader_on_host_0():
@@ -47,3 +56,32 @@ def test_options_that_do_not_fit_are_refused_naming_the_option(options, world, s
     with pytest.raises(GraphcError) as refused:
         _options(**options).layout(world)
     assert str(refused.value).startswith(says)
+
+
+def test_the_job_secret_comes_from_the_environment_or_a_file_and_stays_out_of_reprs(monkeypatch, tmp_path):
+    assert _options().secret == SECRET
+    monkeypatch.delenv(SECRET_ENV)
+    (tmp_path / "secret").write_text("fedcba9876543210fedcba\n")
+    given = _options(job_secret_file=tmp_path / "secret")
+    assert given.secret == "fedcba9876543210fedcba" and "fedcba" not in repr(given)
+    assert _options(nnodes=1).secret is None  # one host: no rendezvous to protect
+
+
+@pytest.mark.parametrize("env, file_text, says", [
+    (None, None, f"a job that spans hosts needs a secret every host is given: set {SECRET_ENV} or pass "
+                 "--job-secret-file F (e.g. from `openssl rand -hex 32`)"),
+    (SECRET, SECRET, f"--job-secret-file and {SECRET_ENV} both give the job secret: give one"),
+    ("short", None, f"{SECRET_ENV}: the job secret has 5 characters; at least 16 are needed"),
+    (None, "  tiny \n", "--job-secret-file: the job secret has 4 characters; at least 16 are needed"),
+])
+def test_a_missing_doubled_or_short_job_secret_is_refused_in_one_line(env, file_text, says, monkeypatch, tmp_path):
+    monkeypatch.delenv(SECRET_ENV)
+    if env is not None:
+        monkeypatch.setenv(SECRET_ENV, env)
+    path = None
+    if file_text is not None:
+        path = tmp_path / "secret"
+        path.write_text(file_text)
+    with pytest.raises(GraphcError) as refused:
+        _options(job_secret_file=path)
+    assert str(refused.value).startswith(says) and "\n" not in str(refused.value)

@@ -178,3 +178,20 @@ def test_a_sweep_over_two_hosts_passes_and_host_0_reports(tiny_checkpoints, tmp_
     assert any("serving" in line and "over 2 hosts" in line for line in hosts[0].err)
     assert hosts[1].errors()[-1] == "host 1: its part of every stage served; host 0 checks and reports"
     assert not (tmp_path / "out1" / "sweep.json").exists()
+
+
+def test_hosts_serving_the_model_at_another_topology_each_exit_2_naming_it(compiled, tmp_path):
+    """Host 1's artifacts: the same checkpoint, world, buckets and pool at dp 2 x ep 2, against host
+    0's cp 2 x ep 2: every host stops with the fields that differ, rather than both hanging."""
+    port = free_port()
+    hosts = [Host(tmp_path / "host0-shm", 0, 2, port, "run", str(compiled("lora-groups", "export", "small", 2, 2)),
+                  "--prompt-ids", "3,1"),
+             Host(tmp_path / "host1-shm", 1, 2, port, "run",
+                  str(compiled("lora-groups", "export", "small", 1, 2, True, 2)))]
+    assert [host.wait(120) for host in hosts] == [2, 2], [host.errors() for host in hosts]
+    says = "rank 1 disagrees with the leader on the serving parameters: topology.cp: 1 here, 2 on the leader; "
+    lines = [host.errors() for host in hosts]
+    assert [len(host_lines) for host_lines in lines] == [1, 1], lines
+    assert lines[0][0].startswith("error: host 1 (rank 1) stopped: rank 1 failed") and says in lines[0][0], lines
+    assert lines[1][0].startswith("error: rank 1 failed") and says in lines[1][0], lines
+    assert all(host.segments() == [] for host in hosts)

@@ -109,9 +109,31 @@ def test_ranks_that_disagree_on_the_kv_pool_refuse_to_start(small_artifacts):
     channel_name = f"graphc-test-{uuid.uuid4().hex[:8]}"
     leader, follower = run_ranks(Topology(2, 2), _open_with_kv_blocks, small_artifacts("export"), channel_name, [48, 40])
     assert leader == 48
-    assert follower.startswith("rank 1 disagrees with the leader on the serving parameters")
-    assert "'kv_blocks': 48" in follower and "'kv_blocks': 40" in follower and "GRAPHC_NUM_KV_BLOCKS" in follower
+    assert follower == ("rank 1 disagrees with the leader on the serving parameters: kv_blocks: 40 here, 48 on the "
+                        "leader; GRAPHC_NUM_KV_BLOCKS must be set alike for every rank")
     assert not Path("/dev/shm", channel_name).exists()
+
+
+def _agree(rank, topology, artifacts):
+    from graphc.artifacts.directory import read_manifest
+    from graphc.runtime.launch import agree_on_artifacts
+
+    try:
+        agree_on_artifacts(read_manifest(artifacts[rank]), rank)
+    except GraphcError as e:
+        return str(e)
+    return "agreed"
+
+
+def test_ranks_given_the_same_model_at_another_topology_refuse_to_start(small_artifacts, compiled):
+    """The same checkpoint, world, buckets and pool, compiled at cp 2 x ep 2 for the leader and
+    dp 2 x ep 2 for the follower: the follower names the fields instead of both hanging."""
+    artifacts = [small_artifacts("export"), compiled(PRESET, "export", "small", 1, 2, True, 2)]
+    leader, follower = run_ranks(Topology(2, 2), _agree, artifacts)
+    assert leader == "agreed"
+    assert follower.startswith("rank 1 disagrees with the leader on the serving parameters: topology.cp: 1 here, 2 "
+                               "on the leader; topology.dp: 2 here, 1 on the leader; ")
+    assert follower.endswith("; every host must serve the same compile's artifacts") and "\n" not in follower
 
 
 @pytest.mark.parametrize("signum, status", [(2, 130), (15, 143)])  # SIGINT, SIGTERM

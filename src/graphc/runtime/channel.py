@@ -26,10 +26,14 @@ one segment; acknowledgements are awaited from its readers only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import re
 import time
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -50,6 +54,36 @@ STEP_FIELDS = ("input_ids", "positions", "logits_index", "block_table", "slot_ma
 """The step inputs the leader sends, each as [world, ...]: every rank's own."""
 FLOAT_FIELDS = frozenset({"temperature", "top_p"})
 """fp32 fields, sent as their bit patterns."""
+
+
+SHM = Path("/dev/shm")
+STALE = re.compile(r"(?:graphc|sem\.mp-graphc)-(\d+)-\w+")
+"""What a launcher names after its PID: its jobs' segments (`graphc-PID-RUN`) and the semaphores
+multiprocessing makes for its agent (`sem.mp-graphc-PID-...`, `graphc.runtime.launch`)."""
+
+
+def sweep_stale(directory: Path = SHM) -> list[str]:
+    """Remove the segments and semaphores whose launcher (the PID in their name) is gone: what a
+    killed job left (its resource tracker, which would have removed them, died with it). Assumes
+    the processes that share this /dev/shm share a PID namespace, as a host's do. Returns their names."""
+    removed = []
+    for path in sorted(directory.glob("*graphc-*")) if directory.is_dir() else []:
+        match = STALE.fullmatch(path.name)
+        if match and not _alive(int(match.group(1))):
+            with contextlib.suppress(FileNotFoundError, PermissionError):  # another's sweep; another user's
+                path.unlink()
+                removed.append(path.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def remove_segment(name: str) -> None:

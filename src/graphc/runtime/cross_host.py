@@ -8,18 +8,21 @@ and runs it like any follower. A broadcast rather than a connection of graphc's 
 already every rank's transport, it carries the fixed-size record without serialising it, and a
 peer that dies fails it at once (its socket closes). Tokens sampled by a replica leader on
 another host come back to the leader point to point, over a group of every rank (never the
-groups the graphs' collectives run on). Start-up metadata goes the same way as a step, once.
+groups the graphs' collectives run on). Start-up metadata goes the same way as a step, once, as
+JSON bytes: nothing a relay receives is unpickled (`broadcast_object_list` would unpickle it).
 """
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from graphc.buckets.selection import Bucket
-from graphc.runtime.channel import StepChannel, rows_of
+from graphc.errors import GraphcError
+from graphc.runtime.channel import STARTUP_BYTES, StepChannel, rows_of
 from graphc.runtime.hosts import HostLayout
 
 STEP, STOP = 0, 1
@@ -37,6 +40,24 @@ def cross_host_groups(layout: HostLayout, timeout: float | None):
     return relays, everyone
 
 
+def broadcast_json(rank: int, info: dict | None, group=None) -> dict:
+    """Rank 0's `info` (of at most STARTUP_BYTES as JSON) on every rank of `group`: sent as its size,
+    then its bytes; never pickled, as `broadcast_object_list` would."""
+    if rank == 0:
+        data = torch.frombuffer(bytearray(json.dumps(info).encode()), dtype=torch.uint8)
+        dist.broadcast(torch.tensor([data.numel()]), src=0, group=group)
+        dist.broadcast(data, src=0, group=group)
+        return info
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    if not 0 < int(size) <= STARTUP_BYTES:  # sized before anything is allocated for it
+        raise GraphcError(f"rank {rank}: the leader's start-up metadata is {int(size)} bytes; "
+                          f"at most {STARTUP_BYTES} are expected")
+    data = torch.zeros(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=group)
+    return json.loads(data.numpy().tobytes())
+
+
 class CrossHostChannel:
     """`local`: this host's segment (its publisher the leader on host 0, the relay elsewhere)."""
 
@@ -52,16 +73,15 @@ class CrossHostChannel:
     # -- start-up ---------------------------------------------------------------------------
 
     def publish_startup(self, info: dict) -> None:
-        self.local.publish_startup(info)
-        dist.broadcast_object_list([info], src=0, group=self.relays)
+        self.local.publish_startup(info)  # refuses metadata larger than STARTUP_BYTES
+        broadcast_json(0, info, self.relays)
 
     def receive_startup(self) -> dict:
         if not self.is_relay:
             return self.local.receive_startup()
-        message = [None]
-        dist.broadcast_object_list(message, src=0, group=self.relays)
-        self.local.publish_startup(message[0])
-        return message[0]
+        info = broadcast_json(self.rank, None, self.relays)
+        self.local.publish_startup(info)
+        return info
 
     # -- steps ------------------------------------------------------------------------------
 

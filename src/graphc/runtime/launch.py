@@ -5,12 +5,14 @@ launches take the same path) and returns the leader's results. Each worker:
 1. claims its device from its local rank (`GRAPHC_LOCAL_DEVICE`; on CPU nothing is pinned,
    which would serialise host work), then presents itself to libraries as a one-device local
    world (LOCAL_RANK=0, LOCAL_WORLD_SIZE=1);
-2. joins the gloo process group and registers its groups under fixed names;
+2. joins the gloo process group, agrees with the leader on the artifacts (`serving_identity`: a
+   rank of another topology would hang in the next step), and registers its groups under fixed names;
 3. opens the job's shared-memory channel (the leader creates it), agrees on the start-up
    metadata (ranks whose KV pool differs refuse to start), and serves: the leader schedules,
    samples and publishes each step, followers follow.
 If any rank dies, the agent stops the others and `serve` raises naming the lost rank; the
-launcher removes the channel's segment whatever happened.
+launcher removes the channel's segment whatever happened, and sweeps at start what killed
+launchers left (segments and semaphores named after a launcher that is gone).
 
 A job that spans hosts (`HostOptions`: one command per host) runs the same way on each host under
 `HostRendezvous`, every host's launcher verifying the artifacts before it joins; each host has
@@ -21,8 +23,12 @@ host (or one that never joins) is named by every host that remains, within `LOST
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import itertools
+import json
 import logging
+import multiprocessing
 import os
 import signal
 import uuid
@@ -33,8 +39,8 @@ from graphc.artifacts.directory import read_manifest
 
 from graphc.artifacts.manifest import Manifest
 from graphc.errors import GraphcError, Interrupted
-from graphc.runtime.channel import StepChannel, remove_segment
-from graphc.runtime.cross_host import CrossHostChannel, cross_host_groups
+from graphc.runtime.channel import StepChannel, remove_segment, sweep_stale
+from graphc.runtime.cross_host import CrossHostChannel, broadcast_json, cross_host_groups
 from graphc.runtime.engine import BucketStats, Engine
 from graphc.runtime.hosts import HostLayout, HostOptions
 from graphc.runtime.loader import check_servable, kv_pool_blocks
@@ -106,6 +112,7 @@ def _worker(artifacts: str, job, channel_name: str, trusted_key: str | None, lay
     engine = None
     try:
         manifest = read_manifest(Path(artifacts), trusted_key)  # every rank verifies what it loads
+        agree_on_artifacts(manifest, rank)  # before the groups: ranks of other topologies would hang there
         register_groups(manifest.topology.topology(), rank)
         groups = cross_host_groups(layout, job.follower_timeout) if layout.hosts > 1 else None
         engine = open_engine(artifacts, manifest, rank, channel_name, job.follower_timeout, layout, groups)
@@ -130,14 +137,71 @@ def _worker(artifacts: str, job, channel_name: str, trusted_key: str | None, lay
     return outcomes if rank == 0 else None
 
 
+def serving_identity(manifest: Manifest) -> dict[str, object]:
+    """What every rank's artifacts must agree on to serve as one job, as flat `section.field`
+    values (JSON's): the whole manifest (versions, backend, fingerprint, model, topology, buckets
+    with draft tokens, KV pool, tokenizer) but for compile-time notes (`extra`) and the leader's
+    own request defaults (`runtime`); the chat template and the per-rank tables (their coordinates,
+    weight names, each graph's inputs and MoE exchange; not file names or hashes, which another
+    compile of the same config may not reproduce) as digests, so the whole stays a few KB."""
+    data = dataclasses.asdict(manifest)
+    del data["extra"], data["runtime"]
+    data["model"]["chat_template"] = _digest(data["model"]["chat_template"])
+    data["ranks"] = _digest([{**{k: v for k, v in rank.items() if k not in ("weights", "weights_sha256")},
+                              "graphs": [{k: v for k, v in graph.items() if k not in ("file", "sha256")}
+                                         for graph in rank["graphs"]]} for rank in data["ranks"]])
+    return _flat(json.loads(json.dumps(data)))
+
+
+def _digest(value) -> str:
+    return "sha256:" + hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _flat(data: dict, prefix: str = "") -> dict[str, object]:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_agreement(rank: int, leader: dict[str, object], ours: dict[str, object], hint: str) -> None:
+    """Refuse (naming the fields, then `hint`) a rank whose start-up metadata is not the leader's.
+
+    Raises:
+        GraphcError: one line naming each differing field with both values.
+    """
+    differ = [key for key in [*ours, *(k for k in leader if k not in ours)] if leader.get(key) != ours.get(key)]
+    if not differ:
+        return
+    named = "; ".join(f"{key}: {ours.get(key)!r} here, {leader.get(key)!r} on the leader" for key in differ[:3])
+    more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+    raise GraphcError(f"rank {rank} disagrees with the leader on the serving parameters: {named}{more}; {hint}")
+
+
+def agree_on_artifacts(manifest: Manifest, rank: int) -> None:
+    """The leader's `serving_identity`, sent to every rank (over the default group: no collective
+    that depends on the topology has run yet); a rank whose artifacts differ refuses.
+
+    Raises:
+        GraphcError: this rank's artifacts differ from the leader's (the fields named).
+    """
+    ours = serving_identity(manifest)
+    leader = broadcast_json(rank, ours if rank == 0 else None)
+    check_agreement(rank, leader, ours, "every host must serve the same compile's artifacts")
+
+
 def open_engine(artifacts: str, manifest: Manifest, rank: int, channel_name: str,
                 timeout: float | None = 120.0, layout: HostLayout | None = None, groups=None) -> Engine:
     """This rank's engine on the job's step channel, once it agrees with the leader on the
-    start-up metadata (bucket table, prompt-as-decode size, context limit, KV pool). `layout`:
-    the job's hosts (default: one); `groups`: `cross_host_groups` where there are several.
+    start-up metadata (bucket table, KV pool as sized at run time; the artifacts themselves were
+    agreed on by `agree_on_artifacts`). `layout`: the job's hosts (default: one); `groups`:
+    `cross_host_groups` where there are several.
 
     Raises:
-        GraphcError: this follower's serving parameters differ from the leader's.
+        GraphcError: this follower's serving parameters differ from the leader's (named).
     """
     world = manifest.topology.world
     layout = layout or HostLayout(1, world)
@@ -152,11 +216,12 @@ def open_engine(artifacts: str, manifest: Manifest, rank: int, channel_name: str
         channel = CrossHostChannel(channel, layout, groups)
     try:
         engine = Engine(artifacts, rank=rank, channel=channel, manifest=manifest)  # manifest verified by the caller
+        info = _flat(json.loads(json.dumps(engine.startup_info())))
         if rank == 0:
-            channel.publish_startup(engine.startup_info())
-        elif (leader := channel.receive_startup()) != engine.startup_info():
-            raise GraphcError(f"rank {rank} disagrees with the leader on the serving parameters: leader {leader}, "
-                              f"this rank {engine.startup_info()} (is GRAPHC_NUM_KV_BLOCKS set the same for every rank?)")
+            channel.publish_startup(info)
+        else:
+            check_agreement(rank, channel.receive_startup(), info,
+                            "GRAPHC_NUM_KV_BLOCKS must be set alike for every rank")
     except BaseException:
         channel.close()
         raise
@@ -232,10 +297,12 @@ def launch_ranks(artifacts: Path, job, world: int, monitor_interval: float = 0.5
 
     layout = hosts.layout(world)
     run_id = uuid.uuid4().hex[:16]
-    channel_name = f"graphc-{run_id}"  # job-unique: two jobs on one host never collide
+    sweep_stale()
+    # Job-unique (two jobs on one host never collide), and after this launcher, for `sweep_stale`.
+    channel_name = f"graphc-{os.getpid()}-{run_id}"
     config, rendezvous = _launch_config(layout, hosts, run_id, monitor_interval, job.shutdown_seconds)
     try:
-        with _agent_logs(verbose):
+        with _agent_logs(verbose), named_semaphores():
             outputs = elastic_launch(config, _worker)(str(artifacts), job, channel_name,
                                                       None if trusted_key is None else str(trusted_key), layout)
     except SignalException as e:  # the agent stopped every rank before raising
@@ -295,6 +362,20 @@ def _stop_local_ranks() -> None:
 def _leave(rendezvous: HostRendezvous | None, reason: str, agent_exited_normally: bool = False) -> None:
     if rendezvous is not None:
         rendezvous.leave(reason, agent_exited_normally)
+
+
+@contextlib.contextmanager
+def named_semaphores():
+    """Name the semaphores multiprocessing makes meanwhile (the agent's, for its workers' queues
+    and events) after this process, so that a later launcher's `sweep_stale` can remove them
+    should this one be killed; multiprocessing's own names are random."""
+    config = multiprocessing.current_process()._config
+    before = config["semprefix"]
+    config["semprefix"] = f"/mp-graphc-{os.getpid()}"
+    try:
+        yield
+    finally:
+        config["semprefix"] = before
 
 
 @contextlib.contextmanager

@@ -21,6 +21,10 @@ from graphc.runtime.scheduler import DraftStats, Request, Result
 
 logger = logging.getLogger(__name__)
 
+ENGINE_FAILED = "a rank of the job failed or was lost; the server's log says which"
+"""What clients are told when a step fails: the failure itself (gloo's peer addresses, build
+paths) goes to the server's log only."""
+
 Listener = Callable[[int | None, Result | None], None]
 """Called on the engine thread with each generated token (result None), then once with the
 request's result (token None, or the last token when that token ended it)."""
@@ -154,8 +158,9 @@ class OnlineEngine:
                             del scheduler.results[emitted.index]  # delivered: a server keeps no history
                         _notify(ticket, emitted.token, emitted.result)
                 self._publish_state(scheduler)
-        except Exception as e:  # a graph or a rank failed: every request in flight gets the error
-            self._fail(f"{type(e).__name__}: {e}")
+        except Exception:  # a graph or a rank failed: every request in flight gets the error
+            logger.exception("the engine stopped: a step failed")
+            self._fail(ENGINE_FAILED)
 
     def _apply(self, kind: str, ticket: Ticket) -> None:
         scheduler = self.session.scheduler

@@ -4,8 +4,16 @@
 address, every host's `--node-rank` is its group rank, so ranks are laid out host by host) plus
 what a deployment needs to be told in one line: which host never joined, and which was lost.
 
-- **Joining**: each host writes `graphc/joined/H` and waits for every other host's key until
-  `--join-timeout`; a host that never came is named (and so is host 0 if its store never answers).
+- **Authenticity**: the store answers whoever reaches its port, so every value graphc writes
+  carries an HMAC-SHA256 tag under the job secret (`HostOptions.secret`) over this job's nonce
+  (`graphc/job`, host 0's), the key and the value: a value whose tag does not verify is foreign
+  (another party wrote it, or hosts disagree on the secret); it is named in one line and never
+  acted on. Nothing read from the store is unpickled. torch's own keys (the agents' barrier,
+  gloo's address exchange) are not graphc's to tag: the README's trust model says what that leaves.
+- **Joining**: each host claims its node rank (`graphc/claim/H`, an atomic add: a second command
+  with the same `--node-rank` is refused), writes `graphc/joined/H` and waits for every other
+  host's key until `--join-timeout`; a host that never came is named (and so is host 0 if its store
+  never answers), and so is one whose key is foreign.
 - **Liveness**: each host's launcher beats (`graphc/beat/H`, a counter, twice a second) and
   watches the others' counters: a host whose counter stands still for `LOST_SECONDS` without having
   left is lost (its processes were killed, or its network is gone), and so is host 0 when its
@@ -21,6 +29,12 @@ Counters, not clocks: the hosts' clocks need not agree.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import secrets
 import socket
 import threading
 import time
@@ -34,7 +48,9 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousIn
 from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from graphc.errors import GraphcError
-from graphc.runtime.hosts import HostLayout, HostOptions
+from graphc.runtime.hosts import NO_SECRET, SECRET_ENV, HostLayout, HostOptions
+
+logger = logging.getLogger(__name__)
 
 BEAT_SECONDS = 0.5
 LOST_SECONDS = 10.0
@@ -54,6 +70,44 @@ def _key(kind: str, host: int) -> str:
     return f"graphc/{kind}/{host}"
 
 
+JOB_KEY = "graphc/job"
+"""Host 0's nonce for this job: tags from an earlier job under the same secret do not verify."""
+
+
+class Seal:
+    """Tags graphc's store values with the job secret, and checks them on read."""
+
+    def __init__(self, secret: str, job: str):
+        self._secret, self._job = secret.encode(), job
+
+    def _tag(self, key: str, value: str) -> str:
+        message = "\0".join((self._job, key, value)).encode()
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+    def seal(self, key: str, value: str) -> str:
+        return f"{self._tag(key, value)}:{value}"
+
+    def open(self, key: str, raw: bytes) -> str | None:
+        """The value stored at `key`, or None where its tag is not this job's."""
+        tag, sep, value = raw.decode(errors="replace").partition(":")
+        return value if sep and hmac.compare_digest(tag, self._tag(key, value)) else None
+
+
+def foreign(key: str, endpoint: str) -> str:
+    return (f"{key} in the rendezvous store at {endpoint} does not carry this job's tag: another party wrote it, "
+            "or the hosts were given different job secrets")
+
+
+def _listening_socket(addr: str, port: int) -> int:
+    """A socket listening at `addr` alone (TCPStore's own server listens on every interface): its fd."""
+    family, _, _, _, address = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+        return sock.detach()  # the store's server owns it from here
+
+
 class HostRendezvous(RendezvousHandler):
     """The rendezvous of host `options.node_rank` among `layout.hosts`, registered with the agent
     as `backend`; `on_lost(message)` is called once (from the watch thread) when another host is
@@ -62,7 +116,10 @@ class HostRendezvous(RendezvousHandler):
     def __init__(self, options: HostOptions, layout: HostLayout, backend: str, on_lost: Callable[[str], None]):
         self.options, self.layout, self.backend, self.on_lost = options, layout, backend, on_lost
         self.host = options.node_rank
+        if options.secret is None:
+            raise GraphcError(NO_SECRET)
         self.store: TCPStore | None = None
+        self.seal: Seal | None = None
         self.watch: HostWatch | None = None
 
     def get_backend(self) -> str:
@@ -74,29 +131,60 @@ class HostRendezvous(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         self.store = self._connect()
-        self.store.set(_key("joined", self.host), "1")
         deadline = time.monotonic() + self.options.join_timeout
+        if self.store.add(_key("claim", self.host), 1) != 1:
+            raise GraphcError(f"{self.layout.describe(self.host)} has already joined the job at "
+                              f"{self.options.endpoint}: another `--node-rank {self.host}` command runs; give each "
+                              "host its own --node-rank")
+        if self.host == 0:
+            self.store.set(JOB_KEY, secrets.token_hex(16))
+        self._wait_for(lambda h: h != 0 or self.store.check([JOB_KEY]), deadline)
+        # Taken unchecked: a nonce that is not host 0's makes every tag fail, which the join names.
+        self.seal = Seal(self.options.secret, self.store.get(JOB_KEY).decode(errors="replace"))
+        for kind, value in (("beat", "0"), ("joined", "1")):  # the beat first: once joined, it is there to read
+            self.store.set(_key(kind, self.host), self.seal.seal(_key(kind, self.host), value))
+        self._wait_for(self._joined, deadline)
+        self.watch = HostWatch(self.options, self.layout, self.seal, self.on_lost)
+        return RendezvousInfo(PrefixStore(RUN_ID, self.store), self.host, self.layout.hosts,
+                              RendezvousStoreInfo(self.options.master_addr, self.options.master_port))
+
+    def _wait_for(self, joined: Callable[[int], bool], deadline: float) -> None:
+        """Until `joined(h)` for every host h; past `deadline`, GraphcError naming those that never came."""
         missing = list(range(self.layout.hosts))
-        while missing:
-            missing = [h for h in missing if not self.store.check([_key("joined", h)])]
-            if missing and time.monotonic() > deadline:
+        while missing := [h for h in missing if not joined(h)]:
+            if time.monotonic() > deadline:
                 names = ", ".join(self.layout.describe(h) for h in missing)
                 raise GraphcError(f"{names} never joined within {self.options.join_timeout:g} s (rendezvous at "
                                   f"{self.options.endpoint}); start `--node-rank {missing[0]}` there, or raise "
                                   "--join-timeout")
             time.sleep(0.05)
-        self.watch = HostWatch(self.options, self.layout, self.on_lost)
-        return RendezvousInfo(PrefixStore(RUN_ID, self.store), self.host, self.layout.hosts,
-                              RendezvousStoreInfo(self.options.master_addr, self.options.master_port))
+
+    def _joined(self, host: int) -> bool:
+        """Whether `host` has joined; a join key that is not this job's stops the join (a host given
+        another secret, or a party without it posing as a host)."""
+        key = _key("joined", host)
+        if not self.store.check([key]):
+            return False
+        if self.seal.open(key, self.store.get(key)) is None:
+            raise GraphcError(f"{foreign(key, self.options.endpoint)}: give every host the same job secret "
+                              f"({SECRET_ENV} or --job-secret-file), and keep the rendezvous port private")
+        return True
 
     def _connect(self) -> TCPStore:
         addr, port = self.options.master_addr, self.options.master_port
         timeout = timedelta(seconds=self.options.join_timeout)
         if self.host == 0:
             try:
+                listening = _listening_socket(addr, port)
+            except OSError as e:
+                raise GraphcError(f"cannot serve the rendezvous at {self.options.endpoint}: {e.strerror or e}; "
+                                  "--master-addr must be an address of host 0, and --master-port free there") from None
+            try:
                 # Not multi-tenant: a server already on this port in this process is another job's, with its keys.
-                return TCPStore(addr, port, None, True, timeout, wait_for_workers=False)
+                return TCPStore(addr, port, None, True, timeout, wait_for_workers=False, master_listen_fd=listening)
             except Exception as e:  # c10d's DistNetworkError / RuntimeError
+                with contextlib.suppress(OSError):  # unless the server took it before it failed
+                    os.close(listening)
                 raise GraphcError(f"cannot serve the rendezvous at {self.options.endpoint}: {_first_line(e)}; "
                                   "choose another --master-port") from None
         # Wait for host 0's store here rather than in TCPStore's own retries, which log each try.
@@ -152,10 +240,12 @@ class HostRendezvous(RendezvousHandler):
 
 class HostWatch:
     """The beat of this host and the watch over the others (a daemon thread, its own store
-    connection so the agent's is never shared across threads)."""
+    connection so the agent's is never shared across threads). Every value it reads must carry
+    the job's tag (`seal`); one that does not is named once and ignored."""
 
-    def __init__(self, options: HostOptions, layout: HostLayout, on_lost: Callable[[str], None]):
-        self.host, self.layout, self.on_lost = options.node_rank, layout, on_lost
+    def __init__(self, options: HostOptions, layout: HostLayout, seal: Seal, on_lost: Callable[[str], None]):
+        self.host, self.layout, self.seal, self.on_lost = options.node_rank, layout, seal, on_lost
+        self.endpoint = options.endpoint
         self.store = TCPStore(options.master_addr, options.master_port, None, False, timedelta(seconds=STORE_SECONDS))
         self.lost: str | None = None
         """What was lost, once known: the message the launcher reports."""
@@ -163,6 +253,8 @@ class HostWatch:
         """Hosts known lost (they will never leave)."""
         now = time.monotonic()
         self._seen = {h: (-1, now) for h in range(layout.hosts) if h != self.host}
+        self._beats = 0
+        self._foreign: set[str] = set()
         self._answered = now
         self._stopped = threading.Event()
         self._lock = threading.Lock()
@@ -181,20 +273,39 @@ class HostWatch:
                 self.on_lost(verdict)
                 return
 
+    def _read(self, kind: str, host: int) -> str | None:
+        """`graphc/kind/host`'s value if it is set and this job's (a foreign one is named once)."""
+        key = _key(kind, host)
+        if not self.store.check([key]):
+            return None
+        value = self.seal.open(key, self.store.get(key))
+        if value is None and key not in self._foreign:
+            self._foreign.add(key)
+            logger.warning("ignored %s", foreign(key, self.endpoint))
+        return value
+
+    def _beat_count(self, host: int) -> int:
+        """The host's latest beat (-1 before any that is this job's)."""
+        value = self._read("beat", host)
+        return int(value) if value is not None else -1
+
     def _look(self) -> str | None:
         """One beat: ours out, the others' in; what was lost, if anything."""
         now = time.monotonic()
         try:
-            self.store.add(_key("beat", self.host), 1)
+            self._beats += 1
+            self.store.set(_key("beat", self.host), self.seal.seal(_key("beat", self.host), str(self._beats)))
             for host, (count, since) in self._seen.items():
-                if self.store.check([_key("left", host)]):
-                    reason = self.store.get(_key("left", host)).decode()
-                    if reason != "ok":
-                        return f"{self.layout.describe(host)} stopped: {reason}"
+                if since == float("inf"):
+                    continue  # ended normally
+                reason = self._read("left", host)
+                if reason is not None and reason != "ok":
+                    return f"{self.layout.describe(host)} stopped: {reason}"
+                if reason == "ok":
                     self._seen[host] = (count, float("inf"))  # ended normally: never lost
                     continue
-                latest = self.store.add(_key("beat", host), 0)
-                if latest != count:
+                latest = self._beat_count(host)
+                if latest > count:  # only a newer beat is a sign of life: an old one replayed is not
                     self._seen[host] = (latest, now)
                 elif now - since > LOST_SECONDS:
                     self.gone.add(host)
@@ -212,7 +323,7 @@ class HostWatch:
         until every other host has beaten since (or left), or one is lost."""
         with self._lock:
             try:
-                counts = {host: self.store.add(_key("beat", host), 0) for host in self._seen}
+                counts = {host: self._beat_count(host) for host in self._seen}
             except Exception:
                 counts = {}  # host 0's store is gone: the watch will say so
         while self.lost is None and not self._stopped.is_set():
@@ -228,7 +339,7 @@ class HostWatch:
         waiting = [h for h in self._seen if h not in self.gone]
         while waiting and time.monotonic() < deadline:
             try:
-                waiting = [h for h in waiting if not self.store.check([_key("left", h)])]
+                waiting = [h for h in waiting if self._read("left", h) is None]
             except Exception:
                 return
             time.sleep(0.05)
@@ -237,6 +348,6 @@ class HostWatch:
         with self._lock:
             self._stopped.set()
             try:
-                self.store.set(_key("left", self.host), reason)
+                self.store.set(_key("left", self.host), self.seal.seal(_key("left", self.host), reason))
             except Exception:
                 pass  # host 0's store is gone: nobody is left to tell
