@@ -8,6 +8,7 @@ function of the same, so a wrong reuse also changes the tokens.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import pytest
@@ -189,6 +190,72 @@ def test_every_read_is_of_the_right_tokens_and_the_tokens_equal_caching_off(arri
     with_cache, without = serve(on, arrivals), serve(off, arrivals)
     assert [r.output_ids for r in with_cache] == [r.output_ids for r in without]
     assert all(r.cached_tokens < len(r.request.prompt) for r in with_cache)
+    assert on.blocks_in_use == 0 and on.prefix_cache_tokens[1] == sum(r.cached_tokens for r in with_cache)
+
+
+# --- speculative decoding -----------------------------------------------------------------------
+
+
+def _model_token(history: list[int]) -> int:
+    """The simulated model's token after `history`: never EOS; few values, so continuations collide."""
+    return 1 + hashlib.sha256(repr(history).encode()).digest()[0] % 7
+
+
+class DraftingPool(SimulatedPool):
+    """Speculative steps of k drafts on the simulated pool. The MTP layer's KV at a position is
+    decided by the tokens up to and including the next one (`graphc.models.speculation`), so
+    its slots are a second layer; drafts are verified greedily, each one wrong by a hash."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k, self.mtp = k, {}
+
+    def run(self, step) -> list[list[int]]:
+        verdicts = []
+        for replica, rows in enumerate(step.by_replica()):
+            for sequence, run, start in rows:
+                history = [*sequence.request.prompt, *sequence.output][:start] + run
+                slot = functools.partial(self._slot, replica, sequence.blocks)
+                for position in range(start):  # what this row's MTP attention reads
+                    assert self.mtp.get(slot(position)) == tuple(history[:position + 2]), \
+                        f"request {sequence.index} reads a wrong MTP KV vector at position {position}"
+                verdicts.append(self._verify_and_draft(history, start, 0 if sequence.prefilling else len(run) - 1,
+                                                       slot))
+        super().run(step)  # the main layers' reads and writes
+        return verdicts
+
+    def _verify_and_draft(self, history: list[int], start: int, drafts: int, slot) -> list[int]:
+        """One row's verdict [n, t_0 .. t_k, k drafts], writing its MTP KV as the step graph does."""
+        verified = len(history) - 1 - drafts  # the position whose logits come first
+        right = [history[verified + 1 + j] == _model_token(history[:verified + 1 + j]) for j in range(drafts)]
+        accepted = right.index(False) if False in right else drafts
+        kept = verified + accepted
+        picked = _model_token(history[:kept + 1])
+        for position in range(start, kept + 1):  # with each position's next token, `picked` after the last
+            self.mtp[slot(position)] = tuple([*history[:kept + 1], picked][:position + 2])
+        ahead, new_drafts = [*history[:kept + 1], picked], []
+        for j in range(self.k):  # the drafts ahead write positions the next step writes again
+            if j:
+                self.mtp[slot(kept + j)] = ("draft",)
+            right = _model_token(ahead)
+            new_drafts.append(right if hashlib.sha256(repr((ahead, j)).encode()).digest()[0] % 3 else right % 7 + 1)
+            ahead.append(new_drafts[-1])
+        tokens = [*history[verified + 1:kept + 1], picked]
+        return [accepted, *tokens, *[0] * (self.k + 1 - len(tokens)), *new_drafts]
+
+
+@settings(max_examples=60, deadline=None)
+@given(traffic(), st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from([0, 4]))
+def test_with_drafts_a_block_is_reused_only_where_the_mtp_kv_at_its_end_has_the_right_next_token(
+        arrivals, k, shards, as_decode):
+    """The MTP layer's KV at a block's last position was computed from the writer's next token:
+    a request that continues otherwise must not read it (the tokens equal caching off anyway,
+    drafts being verified; sampled ones would not)."""
+    options = dict(kv_shards=shards, prompt_as_decode=as_decode, draft_tokens=k)
+    on, off = make(**options), make(**options, prefix_cache_salt=None)
+    with_cache = serve_arrivals(on, arrivals, DraftingPool(k).run)
+    without = serve_arrivals(off, arrivals, DraftingPool(k).run)
+    assert [r.output_ids for r in with_cache] == [r.output_ids for r in without]
     assert on.blocks_in_use == 0 and on.prefix_cache_tokens[1] == sum(r.cached_tokens for r in with_cache)
 
 

@@ -164,6 +164,48 @@ def test_a_prompt_read_from_the_prefix_cache_gives_the_tokens_without_drafts(com
     assert first.cached_tokens == 0 and second.cached_tokens == (len(prompts[3]) - 1) // 8 * 8 > 0
 
 
+def _diverging_trials(prompts, trials: int) -> list[tuple[Request, Request]]:
+    """Per trial a prefix of two blocks of 8 (a window of the prompts' text), a writer that
+    continues it with the text's next token and a seeded sampled reader that continues it with
+    another: the MTP layer's KV at the prefix's last position is computed from that token."""
+    text = [t for p in prompts for t in p]
+    pairs = []
+    for t in range(trials):
+        prefix, token = text[t:t + 16], text[t + 16]
+        other = next(u for u in text[t + 17:] + text if u != token)
+        pairs.append((Request(prefix + [token], 1, stop_at_eos=False),
+                      Request(prefix + [other], 6, Sampling(temperature=1.0, seed=t), stop_at_eos=False)))
+    return pairs
+
+
+def _readers_tokens(artifacts, pairs) -> tuple[list[list[int]], list[int]]:
+    """The readers' tokens and cached prompt tokens, each reader served after its writer, ten
+    trials at a time (their 60 blocks fit the pool of 64: no writer's block is evicted first)."""
+    session, results = Engine(artifacts).session(), []
+    for group in range(0, len(pairs), 10):
+        for batch in zip(*pairs[group:group + 10]):
+            indices = [session.scheduler.submit(r) for r in batch]
+            while not session.idle:
+                session.step()
+        results += [session.scheduler.results[i] for i in indices]
+    return [r.output_ids for r in results], [r.cached_tokens for r in results]
+
+
+@pytest.mark.parametrize("trials", [20, pytest.param(100, marks=pytest.mark.slow)])
+def test_sampled_tokens_after_a_prefix_cached_by_another_continuation_are_those_without_caching(
+        compiled, prompts, trials, monkeypatch):
+    """Seeded sampling draws the same tokens with caching on and off: a reader never drafts from
+    MTP KV that a writer's different next token decided (`graphc.runtime.prefix_cache`; reusing
+    the writers' second blocks, 4 of the first 20 readers' tokens and 24 of 100 differed)."""
+    artifacts = compiled(PRESET, "export", "prompt_as_decode", speculative=2)
+    pairs = _diverging_trials(prompts, trials)
+    cached, hits = _readers_tokens(artifacts, pairs)
+    monkeypatch.setenv("GRAPHC_PREFIX_CACHING", "0")
+    uncached, none = _readers_tokens(artifacts, pairs)
+    assert cached == uncached
+    assert set(hits) == {8} and set(none) == {0}  # each reader reads its writer's first block
+
+
 @pytest.mark.multirank
 def test_two_by_two_ranks_give_the_one_rank_tokens_without_drafts(compiled, prompts, without_drafts):
     """cp 2 x ep 2: the drafts ahead write their MTP KV into the rank's own KV shard."""

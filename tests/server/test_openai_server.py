@@ -298,3 +298,29 @@ def test_a_stop_string_cuts_the_text_and_min_tokens_holds_it_off(server, artifac
                                             extra_body={"ignore_eos": True, "min_tokens": 12})
     assert held.choices[0].model_extra["token_ids"] == whole.choices[0].model_extra["token_ids"]
     assert held.choices[0].finish_reason == "length" and tokenizer.decode(whole.choices[0].model_extra["token_ids"]) == text
+
+
+def test_stop_strings_inside_and_across_the_first_min_tokens_stream_the_text_they_return(server):
+    """min_tokens 8 with 20 stop strings of the greedy text: some occur only inside the first 8
+    tokens' text (exempt: the stream may have sent them), some across that boundary or after it.
+    The streamed deltas add up to the unstreamed text either way."""
+    options = dict(model="tiny", max_tokens=12, temperature=0)
+    cases = []
+    for prompt in ("Hello", "Hi", "The"):
+        whole = server.client.completions.create(prompt=prompt, **options, extra_body={"ignore_eos": True})
+        text = whole.choices[0].text
+        cases += [(prompt, text[i:i + n]) for n in (1, 2) for i in range(len(text) - n + 1)
+                  if "\ufffd" not in text[i:i + n]]
+    assert len(cases) >= 20
+
+    def both(case):
+        prompt, stop = case
+        body = dict(prompt=prompt, stop=[stop], **options, extra_body={"ignore_eos": True, "min_tokens": 8})
+        streamed = "".join(c.choices[0].text for c in server.client.completions.create(stream=True, **body))
+        unstreamed = server.client.completions.create(**body).choices[0]
+        return streamed, unstreamed.text, unstreamed.finish_reason
+
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(both, cases[:20]))
+    assert [streamed for streamed, _, _ in texts] == [unstreamed for _, unstreamed, _ in texts]
+    assert {finish for _, _, finish in texts} == {"stop", "length"}  # some cut, some exempt

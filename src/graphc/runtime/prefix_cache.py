@@ -22,6 +22,13 @@ boundary, as a prompt's later chunk or a decode step already does:
   any boundary and nothing is recomputed.
 - V4.1: V4's, plus each position's token id (as digits, pool layer 2L) that Engram's n-grams read
   across the boundary; under CP the halo comes from the other shards' pools as at any step.
+
+With speculative decoding one vector breaks the rule: the MTP layer's KV at a position is
+computed from the token after it (`graphc.models.speculation`), so at a block's last position it
+depends on the first token of the next block, which is the writer's continuation. A shared block
+cannot be written again (its other holders read that vector too), so with drafts a block's key
+also covers the token after it: a request reuses the block only where its next token is the
+writer's, and otherwise computes the block itself.
 """
 
 from __future__ import annotations
@@ -56,22 +63,31 @@ def block_key(parent: bytes, tokens: list[int]) -> bytes:
 
 class PrefixCache:
     """Lookup and publication of one replica's full blocks over its shards' allocators, with the
-    counts of prompt tokens looked up and found."""
+    counts of prompt tokens looked up and found. With `next_token` (speculative decoding: see
+    the module docstring) a block's key covers the token after it too."""
 
-    def __init__(self, allocators: list[BlockAllocator], block_size: int, root: bytes):
+    def __init__(self, allocators: list[BlockAllocator], block_size: int, root: bytes, next_token: bool = False):
         self.allocators, self.block_size, self.root = allocators, block_size, root
+        self.key_span = block_size + next_token
+        """The tokens from a block's first that decide its contents."""
         self.queried_tokens = 0
         self.hit_tokens = 0
 
     def _allocator(self, block: int) -> BlockAllocator:
         return self.allocators[block % len(self.allocators)]
 
+    def _key_tokens(self, tokens: list[int], j: int) -> list[int]:
+        """Block j's tokens in its key, with `next_token` the one after it too (always there: a
+        block is looked up only before the prompt's last token, and published once its last
+        position is written, which takes that token)."""
+        return tokens[j * self.block_size:j * self.block_size + self.key_span]
+
     def match(self, prompt: list[int]) -> tuple[list[int], list[bytes]]:
         """The cached blocks that hold `prompt`'s longest cached prefix (never its last token),
         and their keys; no side effects."""
         blocks, keys, parent = [], [], self.root
         for j in range((len(prompt) - 1) // self.block_size):
-            key = block_key(parent, prompt[j * self.block_size:(j + 1) * self.block_size])
+            key = block_key(parent, self._key_tokens(prompt, j))
             block = self._allocator(j).lookup(key)
             if block is None:
                 break
@@ -100,6 +116,6 @@ class PrefixCache:
         """Publish every block of a sequence whose positions are all written (`written` of them)
         and not yet keyed; `keys` (the sequence's chain so far) grows with them."""
         for j in range(len(keys), written // self.block_size):
-            key = block_key(keys[-1] if keys else self.root, tokens[j * self.block_size:(j + 1) * self.block_size])
+            key = block_key(keys[-1] if keys else self.root, self._key_tokens(tokens, j))
             self._allocator(j).publish(blocks[j], key)
             keys.append(key)

@@ -31,7 +31,9 @@ Policy, step by step:
    ones are rolled back by not counting them: the next step writes them again. A sequence
    reserves k positions more than its life (the drafts ahead of its last token write their KV
    there), and a prompt chunk that is not the prompt's last ends one token early: that token runs
-   again as the first of the next chunk, once its successor is known to the MTP layer.
+   again as the first of the next chunk, once its successor is known to the MTP layer. For the
+   same reason a cached block is reused only by a request whose token after it is the writer's
+   (`graphc.runtime.prefix_cache`).
 4. **Finishing.** A sequence ends at one of its model's EOS ids (once it has `min_new_tokens`),
    at max_new_tokens, when prompt + generated reaches context_limit, or when it is cancelled;
    its blocks return to the pool at once (its full blocks stay cached with prefix caching).
@@ -186,7 +188,8 @@ class Scheduler:
         self.allocators = [BlockAllocator(num_blocks) for _ in range(kv_shards)]
         self.allocator = self.allocators[0]
         self.prefix_cache = (None if prefix_cache_salt is None else
-                             PrefixCache(self.allocators, block_size, root_key(*prefix_cache_salt, str(block_size))))
+                             PrefixCache(self.allocators, block_size, root_key(*prefix_cache_salt, str(block_size)),
+                                         next_token=draft_tokens > 0))
         self.results: dict[int, Result] = {}
         self.waiting: deque[tuple[int, Request]] = deque()
         self.running: list[Sequence] = []

@@ -35,6 +35,8 @@ class Generation:
         self.decoded = IncrementalText(tokenizer)
         self.stop = [s for s in stop if s]
         self.text, self.sent = "", 0
+        self.searched = 0
+        """Text before this was searched for stop strings, or was exempt from them (`min_tokens`)."""
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.unavailable = False
@@ -95,12 +97,16 @@ class Generation:
         self.metrics.token()
 
     def _stopped(self) -> bool:
+        """Whether a stop string ends in the new text, cutting `text` before it. Text of the first
+        min_tokens - 1 tokens is exempt for good: a stop string that ends in it never cuts (its
+        start may have been streamed already); one that starts in it and ends later does."""
+        searched, self.searched = self.searched, len(self.text)
         if not self.stop or len(self.ids) < self.request.min_new_tokens:
             return False
-        found = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
-        if found:
-            self.text = self.text[:min(found)]
-        return bool(found)
+        cut = find_stop(self.text, self.stop, searched)
+        if cut is not None:
+            self.text = self.text[:cut]
+        return cut is not None
 
     def _safe_end(self) -> int:
         end = len(self.text)
@@ -108,6 +114,12 @@ class Generation:
             end = max(self.sent, end - max(len(s) for s in self.stop) + 1)
         return end
 
+
+def find_stop(text: str, stops: list[str], searched: int) -> int | None:
+    """The start of the earliest stop string in `text` that ends past `searched`, or None. Text
+    up to `searched` was searched before, or is exempt: an occurrence that ends there never counts."""
+    found = [i for i in (text.find(s, max(0, searched - len(s) + 1)) for s in stops) if i >= 0]
+    return min(found, default=None)
 
 
 @dataclass(frozen=True)
