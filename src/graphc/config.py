@@ -75,8 +75,8 @@ class ModelSection:
     op that reads them (a rank stores and reads one byte per weight); 'dequantized' converts them
     to `dtype` at compile time, as graphc did before. The same logits either way. Weights stored
     in another dtype are converted to `dtype` in both. On the CPU backends converting FP8 in the
-    step costs more time than its bytes save (see README, *Released models*): 'dequantized' is the
-    faster choice there, 'as-stored' the one that fits a device."""
+    step costs more time than its bytes save (docs/benchmarks.md, FP8 on CPUs): 'dequantized' is
+    the faster choice there, 'as-stored' the one that fits a device."""
     sparse_probabilities: Literal["bf16", "fp32"] | None = None
     """DeepSeek-V3.2 sparse attention only: the precision of the softmax probabilities P in the
     P @ V product. 'bf16' rounds P as FlashMLA's sparse kernel does (its denominator still sums the

@@ -15,7 +15,7 @@ The cache is written atomically inside itself (temporary files in the cache dire
 rename: never across filesystems) and each entry's sha256 is recorded beside it when written; an
 entry is reused only while its content still has that hash, else it is compiled again. That
 catches corruption and files dropped into the cache, not a writer who also forges the record:
-the cache directory must be writable only by those trusted to compile (README, trust model).
+the cache directory must be writable only by those trusted to compile (docs/security.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ and no payload asks for pickle. The check reads the zip directory and
 the small JSON configs; nothing is deserialised by torch before it passes.
 
 AOTInductor packages are native code by design: no check on their content can make them safe to
-run; signed artifacts (see the README's trust model) are how to trust them across hosts.
+run; signed artifacts (the docs' trust model, docs/security.md) are how to trust them across hosts.
 """
 
 from __future__ import annotations

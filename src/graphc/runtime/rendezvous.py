@@ -9,7 +9,8 @@ what a deployment needs to be told in one line: which host never joined, and whi
   (`graphc/job`, host 0's), the key and the value: a value whose tag does not verify is foreign
   (another party wrote it, or hosts disagree on the secret); it is named in one line and never
   acted on. Nothing read from the store is unpickled. torch's own keys (the agents' barrier,
-  gloo's address exchange) are not graphc's to tag: the README's trust model says what that leaves.
+  gloo's address exchange) are not graphc's to tag: the trust model (docs/security.md) says what
+  that leaves.
 - **Joining**: each host claims its node rank (`graphc/claim/H`, an atomic add: a second command
   with the same `--node-rank` is refused), writes `graphc/joined/H` and waits for every other
   host's key until `--join-timeout`; a host that never came is named (and so is host 0 if its store
