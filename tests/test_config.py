@@ -15,12 +15,12 @@ from graphc.config import (
     GraphcConfig,
     KVCacheSection,
     RuntimeSection,
-    TopologySection,
     load_config,
     parse_config,
 )
 from graphc.errors import ConfigError, GraphcError
 from graphc.sampling import Sampling
+from graphc.topology import Topology
 from support import DELETE, override, rewrite_config
 
 """Passed as a value to `override`: remove the key instead of setting it."""
@@ -105,7 +105,7 @@ def test_defaults_fill_omitted_sections(tmp_path, ckpt):
     }
     config = parse(minimal, tmp_path)
     assert config.model.dtype == "float32"
-    assert config.topology == TopologySection(cp=1, ep=1)
+    assert config.topology == Topology(cp=1, ep=1)
     assert config.kv_cache == KVCacheSection(block_size=16, num_blocks=256)
     assert config.runtime == RuntimeSection()
     assert config.runtime.sampling == Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=0)
@@ -142,7 +142,7 @@ def test_boundary_values_are_accepted(data, changes):
 
 def test_ep_16_accepted_on_16_expert_preset(tiny_checkpoints):
     data = override(valid_data(tiny_checkpoints["wide-16e"]), **{"topology.cp": 16, "topology.ep": 16})
-    assert parse(data).topology == TopologySection(cp=16, ep=16)
+    assert parse(data).topology == Topology(cp=16, ep=16)
 
 
 # --- unknown keys --------------------------------------------------------------------------------

@@ -99,23 +99,6 @@ class ModelSection:
 
 
 @dataclass(frozen=True)
-class TopologySection:
-    dp: int = 1
-    """Data-parallel attention replicas: each serves its own requests (world = dp * cp * tp)."""
-    cp: int = 1
-    """Context-parallel ranks per replica: prompt chunks replicated, KV cache sharded by sequence."""
-    tp: int = 1
-    """Tensor-parallel ranks per replica and cp coordinate: attention heads, dense and shared FFN
-    widths and the vocabulary split over them; must divide each of those (and V4's o_groups)."""
-    ep: int = 1
-    """Expert-parallel ranks per group, over the whole world; must divide dp * cp * tp and the
-    routed experts. Groups inside one replica share its tokens (static MoE); wider ones exchange them."""
-
-    def topology(self) -> Topology:
-        return Topology(self.cp, self.ep, self.dp, self.tp)
-
-
-@dataclass(frozen=True)
 class AutoBucketsSection:
     """Plan the buckets from traffic (`graphc.buckets.planner.plan_buckets`) instead of listing them."""
 
@@ -174,7 +157,7 @@ class GraphcConfig:
     """What to serve."""
     buckets: BucketsSection
     """The static shapes to compile."""
-    topology: TopologySection = field(default_factory=TopologySection)
+    topology: Topology = field(default_factory=Topology)
     """How ranks split the work."""
     kv_cache: KVCacheSection = field(default_factory=KVCacheSection)
     """The paged KV pool."""
@@ -256,7 +239,7 @@ def plan_for(buckets: BucketsSection, runtime: RuntimeSection) -> BucketPlan:
 
 def validate(config: GraphcConfig) -> ModelArgs:
     """Cross-field checks, and checks against the checkpoint's config.json; returns its args."""
-    b, kv, rt, topo = config.buckets, config.kv_cache, config.runtime, config.topology
+    b, kv, rt, topology = config.buckets, config.kv_cache, config.runtime, config.topology
     _positive("buckets.context_limit", b.context_limit)
     for section, sizes in (("buckets.prefill", b.prefill), ("buckets.decode", b.decode)):
         if not sizes:
@@ -290,10 +273,6 @@ def validate(config: GraphcConfig) -> ModelArgs:
         problem = sampling_error(name, getattr(rt.sampling, name))
         if problem:
             raise ConfigError(f"runtime.sampling.{name}: {problem}")
-    try:
-        topology = topo.topology()
-    except GraphcError as e:
-        raise ConfigError(str(e)) from None
     try:
         args = load_model_args(config.model.checkpoint)
     except GraphcError as e:
@@ -329,7 +308,7 @@ def _speculative_args(config: GraphcConfig, args: ModelArgs) -> ModelArgs:
                           f"(multi-token prediction), and {config.model.checkpoint} has none (config.json "
                           f"num_nextn_predict_layers is {args.num_nextn_predict_layers})")
     try:
-        drafter.check(args, speculative.tokens, config.topology.topology())
+        drafter.check(args, speculative.tokens, config.topology)
     except GraphcError as e:
         raise ConfigError(str(e)) from None
     if not 1 <= speculative.tokens < b.context_limit - 1:

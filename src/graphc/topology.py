@@ -29,14 +29,18 @@ that share its tp coordinate (its context-parallel group), the ranks that share 
 
 @dataclass(frozen=True)
 class Topology:
+    """How ranks split the work: model.yaml's `topology`, the manifest's, the runtime's (one type)."""
+
     cp: int = 1
-    """Context-parallel ranks of each attention replica."""
+    """Context-parallel ranks per replica: prompt chunks replicated, KV cache sharded by sequence."""
     ep: int = 1
-    """Expert-parallel group size; divides the world."""
+    """Expert-parallel ranks per group, over the whole world; must divide dp * cp * tp and the
+    routed experts. Groups inside one replica share its tokens (static MoE); wider ones exchange them."""
     dp: int = 1
-    """Data-parallel attention replicas."""
+    """Data-parallel attention replicas: each serves its own requests (world = dp * cp * tp)."""
     tp: int = 1
-    """Tensor-parallel ranks of each attention replica (per cp coordinate)."""
+    """Tensor-parallel ranks per replica and cp coordinate: attention heads, dense and shared FFN
+    widths and the vocabulary split over them; must divide each of those (and V4's o_groups)."""
 
     def __post_init__(self) -> None:
         # The one place these rules live: model.yaml, manifests and `graphc sweep` build a Topology.

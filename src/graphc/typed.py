@@ -9,6 +9,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from graphc.errors import GraphcError
+
 
 def describe(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
@@ -42,7 +44,10 @@ def build(tp: Any, value: Any, error: type[Exception], base_dir: Path | None = N
                 kwargs[name] = build(hints[name], value[name], error, base_dir, key)
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise error(f"{key}: required key is missing ({describe(hints[name])})")
-        return tp(**kwargs)
+        try:
+            return tp(**kwargs)
+        except GraphcError as e:  # the dataclass's own rules (`Topology`'s): their message names the key
+            raise error(str(e)) from None
     origin = typing.get_origin(tp)
     if origin is Literal:
         if value not in typing.get_args(tp):

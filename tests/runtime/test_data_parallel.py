@@ -60,7 +60,7 @@ def _serve_on_ranks(rank, topology, artifacts, channel_name, requests):
 
 
 def _run(artifacts, requests):
-    topology = read_manifest(artifacts).topology.topology()
+    topology = read_manifest(artifacts).topology
     return run_ranks(topology, _serve_on_ranks, artifacts, f"graphc-test-{uuid.uuid4().hex[:8]}", requests)
 
 

@@ -69,7 +69,7 @@ def _serve_arrivals_on_ranks(rank, topology, artifacts, channel_name, caching, a
 
 
 def _on_ranks(artifacts, caching: bool, arrivals=None):
-    topology = read_manifest(artifacts).topology.topology()
+    topology = read_manifest(artifacts).topology
     return run_ranks(topology, _serve_arrivals_on_ranks, artifacts, f"graphc-test-{uuid.uuid4().hex[:8]}",
                      caching, arrivals or _arrivals())[0]
 

@@ -34,7 +34,7 @@ def test_the_planned_weights_are_those_the_compiler_writes(fp8_checkpoints, tmp_
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(config))
     loaded = load_config(tmp_path / "model.yaml")
     planned = {t.name: t for t in rank_tensors(loaded)}
-    topology = loaded.topology.topology()
+    topology = loaded.topology
     for rank in {topology.weight_shard(r): r for r in range(topology.world)}.values():  # every shard is as planned
         model = load_rank_shard(loaded.model.checkpoint, topology, rank, torch.bfloat16,
                                 as_stored=weights == "as-stored")

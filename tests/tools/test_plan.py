@@ -58,7 +58,7 @@ def test_a_speculative_steps_collectives_are_those_of_the_compiled_graphs(preset
 
 def _assert_planned_as_compiled(artifacts, args, exchange: str, draft_tokens: int = 0) -> None:
     manifest = read_manifest(artifacts)
-    topology = manifest.topology.topology()
+    topology = manifest.topology
     slots = manifest.kv_cache.blocks_per_row * manifest.kv_cache.block_size
     for rank in manifest.ranks:
         for graph in rank.graphs:

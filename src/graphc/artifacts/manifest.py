@@ -16,7 +16,7 @@ from graphc.errors import GraphcError
 from graphc.sampling import Sampling
 from graphc.topology import Topology
 
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 MANIFEST = "manifest.yaml"
 
 
@@ -103,20 +103,6 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
-class TopologyInfo:
-    """The ranks: world = dp * cp * tp, ep dividing it (`graphc.topology.Topology`)."""
-
-    cp: int
-    ep: int
-    dp: int
-    world: int
-    tp: int = 1
-
-    def topology(self) -> Topology:
-        return Topology(self.cp, self.ep, self.dp, self.tp)
-
-
-@dataclass(frozen=True)
 class BucketTable:
     """model.yaml's resolved buckets: every rank has one graph per bucket of this table."""
 
@@ -166,7 +152,7 @@ class Manifest:
     backend: BackendName
     model_fingerprint: str
     model: ModelInfo
-    topology: TopologyInfo
+    topology: Topology
     buckets: BucketTable
     kv_cache: KVCacheInfo
     runtime: RuntimeInfo

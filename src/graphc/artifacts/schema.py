@@ -52,12 +52,6 @@ def _check(manifest, error: type[GraphcError]) -> None:
     if not buckets.prefill or not buckets.decode or buckets.prompt_as_decode < 0 or buckets.draft_tokens < 0:
         raise error(f"buckets: {dataclasses.asdict(buckets)} needs prefill and decode sizes, and prompt_as_decode "
                     "and draft_tokens >= 0")
-    try:
-        ranks_topology = topology.topology()
-    except GraphcError as e:
-        raise error(str(e)) from None
-    if topology.world != ranks_topology.world:
-        raise error(f"topology: {dataclasses.asdict(topology)}: world must be dp * cp * tp")
     if kv.blocks_per_row != blocks_per_row(buckets.context_limit, kv.block_size):
         raise error(f"kv_cache.blocks_per_row: {kv.blocks_per_row} is not context_limit {buckets.context_limit} "
                     f"over block_size {kv.block_size}")
@@ -93,7 +87,7 @@ def _check(manifest, error: type[GraphcError]) -> None:
             if graph.moe_exchange not in MOE_EXCHANGES:
                 raise error(f"ranks[{rank.rank}]: graph {graph.file}: moe_exchange {graph.moe_exchange!r} is not one of "
                             f"{', '.join(MOE_EXCHANGES)}")
-        expected = ranks_topology.coordinates(rank.rank)
+        expected = topology.coordinates(rank.rank)
         if rank.samples != bool(expected[2]):
             raise error(f"ranks[{rank.rank}].samples: {rank.samples}; the first rank of each replica samples")
         if rank.coordinates != expected:

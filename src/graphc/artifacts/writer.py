@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from graphc import __version__
 from graphc.artifacts.directory import sha256_file
 from graphc.artifacts.manifest import (MANIFEST, BucketTable, ChatTemplate, GraphEntry, KVCacheInfo, Manifest,
-                                       ModelInfo, RankEntry, RuntimeInfo, TensorSpec, TopologyInfo)
+                                       ModelInfo, RankEntry, RuntimeInfo, TensorSpec)
 from graphc.artifacts.signing import SIGNATURE, sign
 from graphc.buckets.selection import Bucket
 from graphc.config import GraphcConfig
@@ -149,7 +149,7 @@ def write_manifest(staging: Path, config: GraphcConfig, backend: str, args: Mode
         model=ModelInfo(args.architecture, args.vocab_size, list(args.eos_token_id), args.cache_layers, args.kv_cache_dim,
                         config.model.dtype, sparse_probabilities,
                         read_chat_template(config.model.checkpoint)),
-        topology=TopologyInfo(topology.cp, topology.ep, topology.dp, topology.world, topology.tp),
+        topology=topology,
         buckets=BucketTable(list(b.prefill), list(b.decode), b.prompt_as_decode, b.context_limit,
                             config.draft_tokens),
         kv_cache=KVCacheInfo(kv.block_size, kv.num_blocks, blocks_per_row(b.context_limit, kv.block_size)),

@@ -71,7 +71,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
     check_options(config, out, options)
     on_checked()
     backend = options.backend or config.backend
-    topology = config.topology.topology()
+    topology = config.topology
     exchange, stand_in_note = backend_named(backend).exchange(config.model.moe_lowering, topology,
                                                               "static_moe" not in options.disabled_passes)
     b, kv = config.buckets, config.kv_cache
@@ -164,7 +164,7 @@ def check_backend_topology(backend: str, config: GraphcConfig, static_enabled: b
     """Refuse what is not built yet: what the model family does not take (`Family.check_compile`:
     its backends, data-parallel attention, MoE exchanges) with the exchange the backend compiles
     (`Backend.exchange`: every backend compiles every lowering, some through a stand-in)."""
-    topology = config.topology.topology()
+    topology = config.topology
     exchange, _ = backend_named(backend).exchange(config.model.moe_lowering, topology, static_enabled)
     config.family.check_compile(config.model_args, topology, exchange, backend)
 

@@ -63,7 +63,7 @@ class Engine:
         self.loaded: LoadedRank = load_rank(Path(artifacts), rank, manifest, trusted_key)
         manifest = self.manifest = self.loaded.manifest
         self.rank, self.channel = rank, channel
-        self.topology = manifest.topology.topology()
+        self.topology = manifest.topology
         self.world = self.topology.world
         if self.world > 1 and channel is None:
             raise GraphcError(

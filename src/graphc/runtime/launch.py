@@ -113,7 +113,7 @@ def _worker(artifacts: str, job, channel_name: str, trusted_key: str | None, lay
     try:
         manifest = read_manifest(Path(artifacts), trusted_key)  # every rank verifies what it loads
         agree_on_artifacts(manifest, rank)  # before the groups: ranks of other topologies would hang there
-        register_groups(manifest.topology.topology(), rank)
+        register_groups(manifest.topology, rank)
         groups = cross_host_groups(layout, job.follower_timeout) if layout.hosts > 1 else None
         engine = open_engine(artifacts, manifest, rank, channel_name, job.follower_timeout, layout, groups)
         dist.barrier()

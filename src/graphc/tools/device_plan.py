@@ -107,7 +107,7 @@ def device(name: str | None, memory_gib: float | None = None, bandwidth_gbs: flo
 
 def rank_tensors(config: GraphcConfig) -> list[StoredTensor]:
     """Every tensor of one rank's weights file (`abstract.stored_tensors`)."""
-    topology = config.topology.topology()
+    topology = config.topology
     return stored_tensors(config.model_args, config.model.checkpoint, getattr(torch, config.model.dtype),
                           config.model.weights == "as-stored", topology.ep, topology.tp)
 
@@ -170,7 +170,7 @@ def activation_bytes(config: GraphcConfig, args: ModelArgs) -> int:
     b = config.buckets
     slots = blocks_per_row(b.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
     width = _dtype_bytes(config.model.dtype)
-    topology = config.topology.topology()
+    topology = config.topology
     with torch.device("meta"):
         model = build_model(args, args.n_routed_experts // topology.ep, tp=topology.tp)
     widest = max((t.shape[-2] for n, t in model.state_dict().items() if t.dim() >= 2 and "embed" not in n
@@ -205,7 +205,7 @@ def measured_activations(config: GraphcConfig, artifacts: Path) -> MeasuredActiv
     from graphc.artifacts.directory import read_manifest
 
     manifest = read_manifest(artifacts)
-    b, kv, topology = config.buckets, config.kv_cache, config.topology.topology()
+    b, kv, topology = config.buckets, config.kv_cache, config.topology
     expected = {
         "model.dtype": (manifest.model.dtype, config.model.dtype),
         "model.architecture": (manifest.model.architecture, config.model_args.architecture),
@@ -229,7 +229,7 @@ def measured_activations(config: GraphcConfig, artifacts: Path) -> MeasuredActiv
 
 def plan_device(config: GraphcConfig, target: Device, measured: MeasuredActivations | None = None) -> DevicePlan:
     args = config.model_args
-    topology = config.topology.topology()
+    topology = config.topology
     kv = config.kv_cache
     tensors, draft = rank_tensors(config), _draft_tensors(config)
     by_dtype: dict[str, int] = {}
@@ -266,7 +266,7 @@ def _draft_tensors(config: GraphcConfig) -> set[str]:
     """The names of the tensors of the draft layers served (none without speculation)."""
     if not config.draft_tokens:
         return set()
-    topology = config.topology.topology()
+    topology = config.topology
     plain = dataclasses.replace(config.model_args, draft_layers=0)
     main = stored_tensors(plain, config.model.checkpoint, getattr(torch, config.model.dtype),
                           config.model.weights == "as-stored", topology.ep, topology.tp)

@@ -108,7 +108,7 @@ def format_bytes(n: float) -> str:
 def describe(config: GraphcConfig, workload: Histogram | None) -> list[str]:
     """The plan report, line by line."""
     args = config.model_args
-    b, t = config.buckets, config.topology
+    b, topology = config.buckets, config.topology
     buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode, config.draft_tokens)
     origin = f"planned from {b.auto.workload}, budget {b.auto.graphs} graphs per rank" if b.auto else "as listed"
     lines = [f"buckets ({origin}); context_limit {b.context_limit}",
@@ -122,7 +122,6 @@ def describe(config: GraphcConfig, workload: Histogram | None) -> list[str]:
                      f"are [B, {1 + config.draft_tokens}] verify graphs)")
     if workload:
         lines += _waste_lines(config, workload)
-    topology = t.topology()
     exchange, _ = backend(config.backend).exchange(config.model.moe_lowering, topology)
     world = topology.world
     lines += [f"graphs: {len(buckets)} per rank x {world} rank(s) = {len(buckets) * world} in all, "

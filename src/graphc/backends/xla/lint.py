@@ -126,7 +126,7 @@ def check_neuron_module(proto: bytes, topology: Topology, pool_parameter: int) -
 def lint_archives(artifacts: Path, manifest: Manifest) -> list[str]:
     """Every rule broken by the Neuron HLO of each distinct program archive, and each StableHLO
     member that is not that module, one line each."""
-    topology = manifest.topology.topology()
+    topology = manifest.topology
     problems = []
     for name, context in program_contexts(manifest).items():
         path = artifacts / name

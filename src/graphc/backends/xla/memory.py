@@ -42,7 +42,7 @@ def program_memory(artifacts: Path, manifest: Manifest) -> dict[str, ProgramMemo
 
     from graphc.runtime.xla_runner import compile_on_cpu
 
-    world = manifest.topology.topology().world
+    world = manifest.topology.world
     jax.config.update("jax_platforms", "cpu")
     try:
         jax.config.update("jax_num_cpu_devices", world)
