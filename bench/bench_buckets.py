@@ -29,7 +29,7 @@ import yaml
 from graphc.buckets.planner import Histogram, chunk_histogram, optimal_buckets, padding_waste, power_of_two_ladder, read_workload
 from graphc.compiler.pipeline import CompileOptions, compile
 from graphc.config import load_config
-from graphc.models.tiny import make_tiny_checkpoint
+from graphc.weights.tiny import make_tiny_checkpoint
 from graphc.runtime import Engine, Request
 from graphc.sampling import Sampling
 

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from graphc.models.checkpoint import load_model
+from graphc.weights.checkpoint import load_model
 from graphc.models.step_model import Parallelism, StepInputs
-from graphc.models.tiny import make_tiny_checkpoint
+from graphc.weights.tiny import make_tiny_checkpoint
 from graphc.ops.distributed import register_groups
 from graphc.topology import Topology
 from ranks import run_ranks

@@ -201,7 +201,7 @@ def worker_graphc(artifacts: Path, vocab: int, repeats: int, decode_only: bool =
 
 def worker_eager(checkpoint: Path, vocab: int, repeats: int, dtype: str) -> dict:
     from graphc.tools.generate import PagedKV, generate
-    from graphc.models.checkpoint import load_model
+    from graphc.weights.checkpoint import load_model
 
     model = load_model(checkpoint, dtype=getattr(torch, dtype))
     kv = PagedKV(BLOCK_SIZE, NUM_BLOCKS)
@@ -230,7 +230,7 @@ def worker_routing(checkpoint: Path, vocab: int) -> dict:
     """Distinct routed experts per MoE layer per decode step, at batch 1 and 8 (eager routing of
     the benchmark's prompts: the bytes the step must read depend on it)."""
     from graphc.tools.generate import PagedKV, generate
-    from graphc.models.checkpoint import load_model
+    from graphc.weights.checkpoint import load_model
     from graphc.models.deepseek_v3.model import Router
 
     model = load_model(checkpoint)
@@ -339,7 +339,7 @@ def bench_weights(size: str, work: Path, repeats: int) -> None:
     as stored (bf16 compute): tok/s, the bytes a step reads by dtype, the roofline and the
     fraction of it reached, each measured in this run."""
     from graphc.models.registry import model_args_from_hf_config
-    from graphc.models.tiny import preset_config, write_random_checkpoint
+    from graphc.weights.tiny import preset_config, write_random_checkpoint
 
     config = {**preset_config("lora-groups"), **SIZES[size],
               "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -382,7 +382,7 @@ def bench_tensor_parallel(size: str, work: Path) -> None:
     routed experts: ep = 1 here) do not. Step times are printed for what they are: at tp = 2 the two
     ranks share this machine's cores with each other, so they are not a speed result."""
     from graphc.models.registry import family_of, model_args_from_hf_config
-    from graphc.models.tiny import preset_config, write_random_checkpoint
+    from graphc.weights.tiny import preset_config, write_random_checkpoint
 
     config = {**preset_config("lora-groups"), **SIZES[size]}
     args = model_args_from_hf_config(config)
@@ -440,7 +440,7 @@ def prefill_flops(args, tokens: int) -> float:
 
 def bench_size(size: str, work: Path, repeats: int, with_dense: bool, dtype: str) -> None:
     from graphc.models.registry import model_args_from_hf_config
-    from graphc.models.tiny import preset_config, write_random_checkpoint
+    from graphc.weights.tiny import preset_config, write_random_checkpoint
 
     config = {**preset_config("lora-groups"), **SIZES[size]}
     args = model_args_from_hf_config(config)

@@ -27,8 +27,8 @@ import yaml
 
 from graphc.compiler.pipeline import CompileOptions, compile
 from graphc.config import load_config
-from graphc.models.checkpoint import load_model
-from graphc.models.tiny import make_tiny_checkpoint
+from graphc.weights.checkpoint import load_model
+from graphc.weights.tiny import make_tiny_checkpoint
 from graphc.runtime import Engine, Request
 from graphc.tools.generate import PagedKV, generate
 from timing import best_of
@@ -82,7 +82,7 @@ Engine(sys.argv[1]).generate([Request(list(range(3, 19)), 1)])
 
 TTFT_TORCH_COMPILE = """
 import sys, torch
-from graphc.models.checkpoint import load_model
+from graphc.weights.checkpoint import load_model
 from graphc.tools.generate import generate
 model = load_model(sys.argv[1])
 model.forward = torch.compile(model.forward, dynamic=False)

@@ -53,7 +53,7 @@ def compile_artifacts(work: Path, backend: str, size: str) -> dict[str, Path]:
     checkpoint = work / "checkpoint"
     if size != "tiny":  # a rung of bench_scale.py's ladder, random weights
         from bench_scale import SIZES
-        from graphc.models.tiny import preset_config, write_random_checkpoint
+        from graphc.weights.tiny import preset_config, write_random_checkpoint
 
         config = {**preset_config("lora-groups"), **SIZES[size]}
         if not (checkpoint / "config.json").is_file() or json.loads((checkpoint / "config.json").read_text()) != config:

@@ -137,7 +137,7 @@ def run_worker(name: str, *args) -> dict:
 
 def bench_trained(work: Path, ks: list[int], repeats: int) -> list[float]:
     """The trained tiny model: the table, and the first draft position's acceptance at batch 1."""
-    from graphc.models.tiny import TRAINED_PRESET, make_tiny_checkpoint
+    from graphc.weights.tiny import TRAINED_PRESET, make_tiny_checkpoint
 
     checkpoint = make_tiny_checkpoint(work / "trained", TRAINED_PRESET, force=True)
     results = {}
@@ -161,7 +161,7 @@ def bench_cost(work: Path, ks: list[int], repeats: int, measured: list[float]) -
     from bench_scale import SIZES, measure_bandwidth
     from graphc.models.deepseek_v3.presets import BASE_CONFIG
     from graphc.models.registry import model_args_from_hf_config
-    from graphc.models.tiny import write_random_checkpoint
+    from graphc.weights.tiny import write_random_checkpoint
 
     config = {**BASE_CONFIG, **SIZES["140m"]}
     checkpoint = write_random_checkpoint(work / "140m", config, seed=0)

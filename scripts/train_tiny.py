@@ -15,7 +15,7 @@ Deterministic from `--seed` on one machine (fixed thread count, sorted files); t
 are printed and written to `training.json` beside the weights.
 
 Needs transformers (the test extra): `pip install -e '.[test]'`, then
-    .venv/bin/python scripts/train_tiny.py --out src/graphc/models/trained
+    .venv/bin/python scripts/train_tiny.py --out src/graphc/weights/trained
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from graphc.models.deepseek_v3.presets import BASE_CONFIG
-from graphc.models.tiny import TINY_TOKENIZER_CONFIG, byte_level_tokenizer
+from graphc.weights.tiny import TINY_TOKENIZER_CONFIG, byte_level_tokenizer
 
 CONFIG = {**BASE_CONFIG, "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
           "num_hidden_layers": 4, "kv_lora_rank": 64, "q_lora_rank": 96, "qk_nope_head_dim": 32,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphc.models.tiny import (PRESETS, TRAINED_PRESET, TRANSFORMERS_PRESETS, make_tiny_checkpoint, preset_config,
+from graphc.weights.tiny import (PRESETS, TRAINED_PRESET, TRANSFORMERS_PRESETS, make_tiny_checkpoint, preset_config,
                                 write_random_checkpoint)
 from support import (FP8_BLOCK, FP8_PRESETS, SKEWED, SPARSE_TOPK, SPARSE_V32, TEST_BUCKETS, V4_FP4_EXPERTS, model_yaml,
                      randomise_v4_zero_inits, rewrite_config, skew_routes_to_first_experts)
@@ -116,7 +116,7 @@ def compiled(tmp_path_factory, tiny_checkpoints):
 
     from graphc.config import load_config
     from graphc.compiler.pipeline import CompileOptions, compile
-    from graphc.models.hf_config import read_hf_config
+    from graphc.weights.hf_config import read_hf_config
     from graphc.models.registry import family_of_config
 
     made: dict[tuple, Path] = {}

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graphc.models.checkpoint import load_model
+from graphc.weights.checkpoint import load_model
 from graphc.models.step_model import Parallelism
-from graphc.models.tensor_shard import TensorShard
+from graphc.weights.tensor_shard import TensorShard
 from graphc.ops.distributed import register_groups
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
 from graphc.topology import Topology

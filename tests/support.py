@@ -13,7 +13,7 @@ from graphc.artifacts.directory import sha256_file
 from graphc.artifacts.manifest import MANIFEST
 from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import capture_bucket, example_step_inputs, model_weights
-from graphc.models.checkpoint import load_model
+from graphc.weights.checkpoint import load_model
 from graphc.models.step_model import Parallelism
 
 DELETE = object()

@@ -17,9 +17,9 @@ from click.testing import CliRunner, Result
 from safetensors.torch import load_file, save_file
 
 from graphc.cli import cli
-from graphc.models.checkpoint import expected_tensors
+from graphc.weights.checkpoint import expected_tensors
 from graphc.models.registry import load_model_args
-from graphc.models.tiny import PRESETS
+from graphc.weights.tiny import PRESETS
 from support import DELETE, override
 
 EXIT_BAD_INPUT = 2
@@ -283,7 +283,7 @@ def test_the_v32_example_generates_with_sparse_attention(tmp_path):
 
 def test_generate_json_matches_api(tmp_path, ckpt):
     from graphc.tools.generate import generate
-    from graphc.models.checkpoint import load_model
+    from graphc.weights.checkpoint import load_model
 
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11]]  # the second is prefilled in chunks of 4
     new_tokens = 6

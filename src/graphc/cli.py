@@ -75,7 +75,7 @@ def make_tiny(out: Path, preset: str | None, seed: int, force: bool, fp8_block: 
               index_topk: int | None) -> None:
     """Write a tiny checkpoint of any family (config.json + model.safetensors) to OUT: random
     weights, or the trained one."""
-    from graphc.models.tiny import DEFAULT_PRESET, TRAINED_PRESET, make_tiny_checkpoint
+    from graphc.weights.tiny import DEFAULT_PRESET, TRAINED_PRESET, make_tiny_checkpoint
 
     preset = preset or DEFAULT_PRESET
     if preset == TRAINED_PRESET and seed:
@@ -92,7 +92,7 @@ def make_tiny(out: Path, preset: str | None, seed: int, force: bool, fp8_block: 
 def presets() -> None:
     """List the tiny-checkpoint presets: each family's first one whole, the others as their
     difference from it."""
-    from graphc.models.tiny import PRESETS, TRAINED_CHECKPOINT, TRAINED_PRESET, preset_difference
+    from graphc.weights.tiny import PRESETS, TRAINED_CHECKPOINT, TRAINED_PRESET, preset_difference
 
     for name in PRESETS:
         family, config = preset_difference(name)
@@ -107,7 +107,7 @@ def validate(config_path: Path) -> None:
     """Check MODEL_YAML against the schema and its checkpoint, and print the resolved config."""
     from graphc.config import load_config
 
-    from graphc.models.checkpoint import check_checkpoint
+    from graphc.weights.checkpoint import check_checkpoint
 
     config = load_config(config_path)
     checked = check_checkpoint(config.model.checkpoint)
@@ -140,7 +140,7 @@ def generate(config_path: Path, prompt_ids: tuple[str, ...], max_new_tokens: int
     from graphc.config import load_config
     from graphc.tools.generate import PagedKV, generate as run_generate
     from graphc.sampling import Sampling
-    from graphc.models.checkpoint import load_model
+    from graphc.weights.checkpoint import load_model
     from graphc.request import vocabulary_error
 
     config = load_config(config_path)

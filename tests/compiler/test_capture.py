@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from graphc.models.checkpoint import load_model
+from graphc.weights.checkpoint import load_model
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
 
 

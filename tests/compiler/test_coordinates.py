@@ -9,7 +9,7 @@ import torch
 from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import capture_bucket, weight_names
 from graphc.compiler.emit import program_digest
-from graphc.models.checkpoint import load_rank_shard, load_model
+from graphc.weights.checkpoint import load_rank_shard, load_model
 from graphc.models.step_model import Parallelism
 from graphc.topology import Topology
 from support import BLOCK_SIZE, BLOCKS_PER_ROW, NUM_BLOCKS, SPARSE_V32, run_program, run_step

@@ -7,7 +7,7 @@ from __future__ import annotations
 from graphc.buckets.selection import Bucket
 from graphc.compiler import emit, sources
 from graphc.compiler.capture import capture_bucket
-from graphc.models.checkpoint import load_model
+from graphc.weights.checkpoint import load_model
 from graphc.topology import Topology
 from support import BLOCK_SIZE, BLOCKS_PER_ROW, NUM_BLOCKS
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphc.models.checkpoint import load_model
-from graphc.models.tiny import TRANSFORMERS_PRESETS
+from graphc.weights.checkpoint import load_model
+from graphc.weights.tiny import TRANSFORMERS_PRESETS
 from graphc.tools.generate import PagedKV, generate
 from support import SPARSE_V32, hf_greedy, load_hf
 

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from graphc.artifacts.directory import read_manifest
 from graphc.compiler.pipeline import CompileOptions, compile
 from graphc.config import load_config
-from graphc.models.checkpoint import load_model
+from graphc.weights.checkpoint import load_model
 from graphc.models.moe_forms import MOE_FORMS, moe_form_for, step_moe_form
-from graphc.models.tiny import PRESETS
+from graphc.weights.tiny import PRESETS
 from graphc.ops.moe import expert_routes, expert_routes_reference, grouped_mm
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
 from support import model_yaml

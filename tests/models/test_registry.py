@@ -20,11 +20,11 @@ from graphc.cli import cli
 from graphc.compiler.capture import StepGraph, capture_bucket, example_step_inputs, model_weights
 from graphc.errors import CheckpointError
 from graphc.models import deepseek_v3, registry
-from graphc.models.checkpoint import load_model
+from graphc.weights.checkpoint import load_model
 from graphc.models.deepseek_v3.args import V3Args, v3_args_from_hf_config
 from graphc.models.family import Family
-from graphc.models.hf_config import architectures
-from graphc.models.tiny import preset_config, write_random_checkpoint
+from graphc.weights.hf_config import architectures
+from graphc.weights.tiny import preset_config, write_random_checkpoint
 from graphc.step import STEP_INPUTS, kv_pool_shape
 from support import TEST_BUCKETS, model_yaml, one_line_refusal
 
@@ -88,7 +88,7 @@ def test_nothing_outside_a_family_package_and_the_registry_names_a_family():
     outside = [path for path in sorted(SOURCE.rglob("*.py"))
                if not any(str(path).startswith(str(SOURCE / p.removeprefix("graphc.").replace(".", "/")) + "/")
                           for p in packages) and path != SOURCE / "models" / "registry.py"]
-    assert SOURCE / "compiler" / "pipeline.py" in outside and SOURCE / "models" / "checkpoint.py" in outside
+    assert SOURCE / "compiler" / "pipeline.py" in outside and SOURCE / "weights" / "checkpoint.py" in outside
     mentions = {str(path.relative_to(SOURCE)): family_mentions(path.read_text(), names) for path in outside}
     assert {path: found for path, found in mentions.items() if found} == {}
 

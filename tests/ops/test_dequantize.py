@@ -1,4 +1,4 @@
-"""graphc::dequantize against the load-time dequantisation (models/fp8.py) followed by the loader's
+"""graphc::dequantize against the load-time dequantisation (weights/fp8.py) followed by the loader's
 cast: the same bits, ragged edge blocks, stacked experts and row-wise scales included."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import graphc.ops  # noqa: F401  (registers the op)
-from graphc.models.fp8 import dequantize, quantize
+from graphc.weights.fp8 import dequantize, quantize
 from graphc.ops.dequantize import dequantize_reference
 
 

@@ -11,7 +11,7 @@ import torch
 from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import capture_bucket
 from graphc.errors import GraphcError
-from graphc.models.checkpoint import load_rank_shard
+from graphc.weights.checkpoint import load_rank_shard
 from graphc.models.step_model import Parallelism
 from graphc.passes.collective_schedule import Collective, check_collective_schedule, program_collectives
 from graphc.passes.graph import graphc_op

@@ -7,7 +7,7 @@ import torch
 
 from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import capture_bucket
-from graphc.models.checkpoint import load_model
+from graphc.weights.checkpoint import load_model
 from graphc.passes.graph import graphc_op
 from graphc.passes.place_dequantization import place_dequantization
 from graphc.passes.verifier import verify

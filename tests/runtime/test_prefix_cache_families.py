@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphc.models.checkpoint import load_model
+from graphc.weights.checkpoint import load_model
 from graphc.runtime.paged import step_metadata
 from graphc.runtime.scheduler import Request, Scheduler
 from graphc.step import ceil_div

@@ -74,7 +74,7 @@ def test_runtime_imports_nothing_from_the_compiler_side():
     code = (
         "import sys, graphc.runtime\n"
         "heavy = [m for m in sys.modules if m.startswith(('graphc.passes', 'graphc.compiler', 'graphc.tools',"
-        " 'graphc.artifacts.writer', 'graphc.backends.', 'graphc.models.deepseek_v3.model', 'graphc.models.checkpoint',"
+        " 'graphc.artifacts.writer', 'graphc.backends.', 'graphc.models.deepseek_v3.model', 'graphc.weights.checkpoint',"
         " 'transformers'))]\n"
         "print(heavy)\n"
         "sys.exit(1 if heavy else 0)\n"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphc.models.checkpoint import load_reference
+from graphc.weights.checkpoint import load_reference
 from graphc.runtime import Engine, Request
 from graphc.runtime.launch import serve
 from graphc.topology import Topology

@@ -9,7 +9,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models
 
-from graphc.models.tiny import byte_level_tokenizer
+from graphc.weights.tiny import byte_level_tokenizer
 from graphc.server.detokenize import IncrementalText
 
 

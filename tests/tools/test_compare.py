@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from graphc.artifacts.directory import read_manifest
 from graphc.cli import cli
-from graphc.models.tiny import make_tiny_checkpoint
+from graphc.weights.tiny import make_tiny_checkpoint
 from support import TEST_BUCKETS, model_yaml
 
 pytestmark = pytest.mark.compiles

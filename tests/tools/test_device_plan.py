@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from graphc.cli import cli
 from graphc.compiler.capture import model_weights
 from graphc.config import load_config
-from graphc.models.checkpoint import load_rank_shard
+from graphc.weights.checkpoint import load_rank_shard
 from graphc.tools.device_plan import DEVICES, plan_device, rank_tensors
 from support import FP8_PRESETS, TEST_BUCKETS, V4_FP4_EXPERTS, model_yaml, one_line_refusal
 

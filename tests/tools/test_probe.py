@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 from graphc.buckets.selection import Bucket
 from graphc.cli import cli
-from graphc.models.checkpoint import load_model
-from graphc.models.tiny import make_tiny_checkpoint
+from graphc.weights.checkpoint import load_model
+from graphc.weights.tiny import make_tiny_checkpoint
 from graphc.passes import inline_reference_kernels
 from graphc.passes.registry import layer_passes
 from graphc.tools.probe import capture_layer, compare, compile_layer, probe_prompt, run_reference, ProbeReport

@@ -26,8 +26,8 @@ from torch import Tensor
 from torch.export import Dim, ExportedProgram
 
 from graphc.buckets.selection import Bucket
-from graphc.models.checkpoint import QUANTIZED_WEIGHTS
-from graphc.models.fp8 import QuantizedWeight
+from graphc.weights.checkpoint import QUANTIZED_WEIGHTS
+from graphc.weights.fp8 import QuantizedWeight
 from graphc.models.registry import family_of
 from graphc.models.speculation import SpeculativeStep
 from graphc.models.step_model import Parallelism, StepInputs, StepModel

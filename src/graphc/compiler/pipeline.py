@@ -22,8 +22,8 @@ from graphc.compiler import rewrite_cache
 from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
 from graphc.compiler.rewrite_cache import rewrite_key, weight_specs
 from graphc.config import GraphcConfig
-from graphc.models.abstract import abstract_shard
-from graphc.models.checkpoint import (QUANTIZED_WEIGHTS, check_checkpoint, default_sparse_probabilities, holds_weights,
+from graphc.weights.abstract import abstract_shard
+from graphc.weights.checkpoint import (QUANTIZED_WEIGHTS, check_checkpoint, default_sparse_probabilities, holds_weights,
                                       load_rank_shard)
 from graphc.models.moe_forms import step_moe_form
 from graphc.models.step_model import Parallelism

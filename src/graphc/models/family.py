@@ -87,7 +87,7 @@ class Family:
     fp8_quantised: re.Pattern = re.compile(r"(?!)")
     """The stored weights its FP8 releases quantise (what `make-tiny --fp8-block` quantises)."""
     fp4_quantised: re.Pattern = re.compile(r"(?!)")
-    """Of those, the ones stored as FP4 instead (`models/fp4.py`: the routed experts) where config.json
+    """Of those, the ones stored as FP4 instead (`weights/fp4.py`: the routed experts) where config.json
     says `expert_dtype: fp4` (`fp4_experts`: DeepSeek-V4-Flash and V4.1-Flash; V4-Flash-Base keeps them FP8)."""
 
     # Tensor parallelism: none where the family is served with tp = 1 only.

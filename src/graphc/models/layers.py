@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphc.models.hf_config import RopeArgs, yarn_mscale
+from graphc.weights.hf_config import RopeArgs, yarn_mscale
 from graphc.models.moe_forms import moe_form_for, shared_experts_reduced_with_routed
 from graphc.models.step_model import ModelArgs, StepInputs
 from graphc.ops import all_to_all, collectives, moe

@@ -12,7 +12,7 @@ from typing import Any
 from graphc.errors import CheckpointError
 from graphc.models import deepseek_v3, deepseek_v4, deepseek_v41
 from graphc.models.family import Family
-from graphc.models.hf_config import architectures, read_hf_config
+from graphc.weights.hf_config import architectures, read_hf_config
 from graphc.models.step_model import ModelArgs
 
 FAMILIES: list[Family] = [deepseek_v3.FAMILY, deepseek_v4.FAMILY, deepseek_v41.FAMILY]

@@ -10,13 +10,13 @@ fuses the scaling into the reduction of a one-row linear layer, so a decode step
 per FP8 weight. The scale is broadcast by a view (expand and reshape), not `repeat_interleave`'s
 gather, so the fused code indexes it.
 
-The weight's dtype says its format: float8_e4m3fn values (`models/fp8.py`), or int8 bytes each
-holding two float4_e2m1 codes (`models/fp4.py`, whose scales cover 1 x 32), unpacked here to twice
+The weight's dtype says its format: float8_e4m3fn values (`weights/fp8.py`), or int8 bytes each
+holding two float4_e2m1 codes (`weights/fp4.py`, whose scales cover 1 x 32), unpacked here to twice
 the columns; the scale's: fp32, or int8 float8_e8m0fnu bytes (FP4's).
 
 Exact: W_q * scale in fp32 (an fp8 value has 4 significant bits, an fp4 one 2, so the product with
 an fp32 scale is exact unless it under- or overflows), then one rounding to `dtype`: the values of
-the load-time dequantisation (`models/fp8.py`, `models/fp4.py`) followed by the loader's cast, bit
+the load-time dequantisation (`weights/fp8.py`, `weights/fp4.py`) followed by the loader's cast, bit
 for bit.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from graphc.models import fp4
+from graphc.weights import fp4
 from graphc.ops.library import define_op
 
 

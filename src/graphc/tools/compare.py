@@ -37,7 +37,7 @@ from graphc.backends import backend
 from graphc.buckets.selection import Bucket, chunk_lengths, smallest_fitting
 from graphc.errors import GraphcError
 from graphc.config import GraphcConfig
-from graphc.models.checkpoint import load_reference
+from graphc.weights.checkpoint import load_reference
 from graphc.runtime.engine import Engine
 from graphc.runtime.launch import Job, run_job
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks

@@ -46,9 +46,9 @@ from graphc.backends import backend
 from graphc.buckets.selection import all_buckets
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
-from graphc.models import fp4
-from graphc.models.checkpoint import build_model
-from graphc.models.abstract import StoredTensor, released_fp8_block, stored_tensors
+from graphc.weights import fp4
+from graphc.weights.checkpoint import build_model
+from graphc.weights.abstract import StoredTensor, released_fp8_block, stored_tensors
 from graphc.models.layers import STACKED_EXPERT
 from graphc.models.registry import family_of
 from graphc.models.step_model import ModelArgs

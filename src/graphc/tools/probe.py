@@ -312,7 +312,7 @@ def probe(config, layer: int, tokens: int | None = None, tolerance: float | None
         GraphcError: `layer` or `tokens` out of range.
     """
     from graphc.errors import GraphcError
-    from graphc.models.checkpoint import fp8_tensors, load_model
+    from graphc.weights.checkpoint import fp8_tensors, load_model
     from graphc.passes.registry import layer_passes
 
     if config.family.probe_refusal is not None:

@@ -196,7 +196,7 @@ def graphc_reference(config: GraphcConfig, cases: list[Case]) -> list[list[list[
     """The family's eager graphc reference's greedy tokens per prompt (whole sequences, no cache)."""
     import torch
 
-    from graphc.models.checkpoint import load_reference
+    from graphc.weights.checkpoint import load_reference
 
     model = load_reference(config.model.checkpoint)
     out = []

@@ -24,7 +24,7 @@ from graphc.backends.xla.aten import RULES, Out
 from graphc.backends.xla.graphc_ops import first_argmax
 from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import capture_bucket
-from graphc.models.checkpoint import load_model
+from graphc.weights.checkpoint import load_model
 from graphc.passes.manager import PassContext, PassManager
 from graphc.passes.registry import backend_passes
 from graphc.passes.verifier import verify
@@ -192,7 +192,7 @@ CASES = [
     _case("bitwise_and-int", aten.bitwise_and.Tensor, torch.tensor([6, 5, 12, -1]), torch.tensor([3, 3, 10, 6])),
     _case("bitwise_or-bool", aten.bitwise_or.Tensor, B, _randn(3, 5, 7, seed=1) > 0),
     _case("bitwise_or-int", aten.bitwise_or.Tensor, torch.tensor([6, 4, 0, -8]), torch.tensor([3, 1, 0, 1])),
-    # an FP4 weight's decode (`models/fp4.py`): its bytes' nibbles, an fp32 built from its bits
+    # an FP4 weight's decode (`weights/fp4.py`): its bytes' nibbles, an fp32 built from its bits
     _case("bitwise_and-scalar", aten.bitwise_and.Scalar, torch.tensor([-1, 200, 15, 16, 255], dtype=torch.int32), 0xF),
     _case("rshift", aten.__rshift__.Scalar, torch.tensor([255, 16, 7, 0, 1 << 30], dtype=torch.int32), 4),
     _case("lshift", aten.__lshift__.Scalar, torch.tensor([0, 1, 3, 129, 127], dtype=torch.int32), 23),

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphc.models.checkpoint import load_model
-from graphc.models.tiny import TRANSFORMERS_PRESETS
+from graphc.weights.checkpoint import load_model
+from graphc.weights.tiny import TRANSFORMERS_PRESETS
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
 from graphc.tools.generate import PagedKV, generate
 from support import hf_greedy, load_hf

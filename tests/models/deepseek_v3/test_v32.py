@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from graphc.artifacts.directory import read_manifest
-from graphc.models.checkpoint import load_model
+from graphc.weights.checkpoint import load_model
 from graphc.ops import sparse
 from graphc.runtime import Engine, Request
 from graphc.runtime.launch import serve

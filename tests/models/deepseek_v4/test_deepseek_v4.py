@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from graphc.errors import CheckpointError
-from graphc.models.checkpoint import check_checkpoint, expected_tensors, load_model
+from graphc.weights.checkpoint import check_checkpoint, expected_tensors, load_model
 from graphc.models.registry import load_model_args
 from graphc.models.deepseek_v4.model import DeepseekV4
 from graphc.models.deepseek_v4.args import CSA, HASH_MOE, HCA, SLIDING, v4_args_from_hf_config
@@ -197,8 +197,8 @@ def test_released_config_fields_fold_like_transformers():
 def test_fp8_released_weights_load_dequantised(tmp_path):
     """DeepSeek's FP8 layout for V4: the attention projections and experts as float8_e4m3fn with
     block scales (dequantised exactly on load), the compressors' and indexer's in full precision."""
-    from graphc.models.fp8 import SCALE_SUFFIX, dequantize
-    from graphc.models.tiny import make_tiny_checkpoint
+    from graphc.weights.fp8 import SCALE_SUFFIX, dequantize
+    from graphc.weights.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "fp8", preset="v4", fp8_block=16)
     stored = load_file(path / "model.safetensors")
@@ -307,7 +307,7 @@ def test_the_mtp_modules_tensors_are_what_the_served_module_loads():
     import dataclasses
 
     from graphc.models.deepseek_v4.layout import draft_shapes
-    from graphc.models.tiny import preset_config
+    from graphc.weights.tiny import preset_config
 
     args = v4_args_from_hf_config(preset_config("v4"))
     served = {name: shape for name, shape in expected_tensors(dataclasses.replace(args, draft_layers=1)).items()

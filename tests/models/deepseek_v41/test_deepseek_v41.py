@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from graphc.errors import CheckpointError
 from graphc.models.deepseek_v41 import reference
 from graphc.models.registry import model_args_from_hf_config
-from graphc.models.checkpoint import check_checkpoint, load_model, load_reference
-from graphc.models.tiny import PRESETS
+from graphc.weights.checkpoint import check_checkpoint, load_model, load_reference
+from graphc.weights.tiny import PRESETS
 
 PROMPT = torch.tensor([[(37 * i + 11) % 250 + 3 for i in range(45)]])
 
@@ -258,7 +258,7 @@ def test_fp8_ue8m0_checkpoint_loads_exactly(tmp_path):
     the Engram tables scaled per row; dequantised exactly, the same weights in both models."""
     from safetensors import safe_open
 
-    from graphc.models.tiny import make_tiny_checkpoint
+    from graphc.weights.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "fp8", preset="v41", fp8_block=32)
     with safe_open(str(path / "model.safetensors"), "pt") as f:

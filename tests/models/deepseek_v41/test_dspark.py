@@ -12,7 +12,7 @@ import torch
 from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import StepGraph
 from graphc.errors import CheckpointError
-from graphc.models.checkpoint import check_checkpoint, load_model, load_reference
+from graphc.weights.checkpoint import check_checkpoint, load_model, load_reference
 from graphc.models.registry import family_of
 from graphc.models.speculation import SpeculativeStep
 from graphc.models.step_model import Parallelism, StepInputs

@@ -35,7 +35,7 @@ JAX_DTYPES = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.fl
               torch.float8_e4m3fn: aten_rules.FP8_BITS, torch.int8: jnp.int8}
 """torch dtype -> the dtype its values take in the lowered program (no int64: the programs run
 without jax's x64 mode and neuronx-cc wants int32 indices; float8_e4m3fn as its bits: see
-`aten.FP8_BITS`; int8 the bytes of an FP4 weight, `models/fp4.py`)."""
+`aten.FP8_BITS`; int8 the bytes of an FP4 weight, `weights/fp4.py`)."""
 
 KV_WRITE = torch.ops.graphc.kv_write.default
 """The one op that writes an input: the KV pool, in place."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from graphc.errors import CheckpointError
-from graphc.models.hf_config import RopeArgs, architectures, check_field_types, eos_token_ids, yarn_mscale
+from graphc.weights.hf_config import RopeArgs, architectures, check_field_types, eos_token_ids, yarn_mscale
 
 V3_ARCHITECTURE, V32_ARCHITECTURE = "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"
 V3_MODEL_TYPES = ("deepseek_v3", "deepseek_v32")

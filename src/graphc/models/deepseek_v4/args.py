@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphc.errors import CheckpointError
-from graphc.models.hf_config import RopeArgs, check_field_types, check_id_lists, eos_token_ids, names_architecture
+from graphc.weights.hf_config import RopeArgs, check_field_types, check_id_lists, eos_token_ids, names_architecture
 
 V4_ARCHITECTURE = "DeepseekV4ForCausalLM"
 V4_MODEL_TYPE = "deepseek_v4"

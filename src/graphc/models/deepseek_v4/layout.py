@@ -18,7 +18,7 @@ come in two layouts, both read through the renames of transformers' conversion m
 it writes tests it against the conversion mapping.
 
 FP8: in the released layout the attention projections and the experts' weights may be
-float8_e4m3fn with `weight_scale_inv` block scales (models/fp8.py); the compressor and indexer
+float8_e4m3fn with `weight_scale_inv` block scales (weights/fp8.py); the compressor and indexer
 projections stay in full precision, as DeepSeek ships them.
 """
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphc.errors import CheckpointError
-from graphc.models.hf_config import check_field_types, check_id_lists, eos_token_ids, names_architecture
+from graphc.weights.hf_config import check_field_types, check_id_lists, eos_token_ids, names_architecture
 from graphc.models.deepseek_v41.engram import EngramArgs
 from graphc.models.deepseek_v4.args import V4FamilyArgs, shared_fields
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphc.models.fp8 import FP8, SCALE_SUFFIX
+from graphc.weights.fp8 import FP8, SCALE_SUFFIX
 from graphc.ops import collectives
 from graphc.ops.dequantize import dequantize
 from graphc.ops.engram import ngram_hash

@@ -41,7 +41,7 @@ FP8_RELEASED = re.compile(r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|
 """The weights DeepSeek-V4.1's release quantises: FP8, the Engram tables with a scale per row and
 32 columns, except the routed experts (`FP4_RELEASED`)."""
 FP4_RELEASED = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
-"""The routed experts' weights, which DeepSeek-V4.1's release stores as FP4 (`models/fp4.py`)."""
+"""The routed experts' weights, which DeepSeek-V4.1's release stores as FP4 (`weights/fp4.py`)."""
 TENSOR_PARALLEL_DIMS = (
     (re.compile(r"\.attn\.(wq_b\.weight|attn_sink|wo_a\.weight|indexer\.wq_b\.weight|indexer\.weights_proj\.weight)$"), 0),
     (re.compile(r"\.attn\.wo_b\.weight$"), 1),

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphc.models.fp8 import dequantize, quantize
-from graphc.models.tensor_shard import TensorShard
+from graphc.weights.fp8 import dequantize, quantize
+from graphc.weights.tensor_shard import TensorShard
 
 
 @pytest.mark.parametrize("shape, block, dim, tp", [

@@ -22,13 +22,13 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from graphc.models import fp4
-from graphc.models.checkpoint import QUANTIZED_WEIGHTS, build_model, hold_as_stored
-from graphc.models.fp8 import FP8, SCALE_SUFFIX, QuantizedWeight, scale_grid
-from graphc.models.hf_config import read_hf_config
+from graphc.weights import fp4
+from graphc.weights.checkpoint import QUANTIZED_WEIGHTS, build_model, hold_as_stored
+from graphc.weights.fp8 import FP8, SCALE_SUFFIX, QuantizedWeight, scale_grid
+from graphc.weights.hf_config import read_hf_config
 from graphc.models.registry import family_of
 from graphc.models.step_model import ModelArgs, StepModel
-from graphc.models.tensor_shard import TensorShard
+from graphc.weights.tensor_shard import TensorShard
 
 
 @dataclass(frozen=True)

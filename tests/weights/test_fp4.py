@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's FP4 routed experts (`models/fp4.py`): the code table, the byte order, block
+"""DeepSeek-V4.1's FP4 routed experts (`weights/fp4.py`): the code table, the byte order, block
 scales, and a tiny V4.1 checkpoint written in the release's FP4 layout, loaded exactly, refused in
 one line where its scales do not fit."""
 
@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from graphc.errors import CheckpointError
-from graphc.models import fp4
-from graphc.models.checkpoint import check_checkpoint, load_model
-from graphc.models.tiny import make_tiny_checkpoint
+from graphc.weights import fp4
+from graphc.weights.checkpoint import check_checkpoint, load_model
+from graphc.weights.tiny import make_tiny_checkpoint
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 """float4_e2m1's magnitudes by code (OCP Microscaling spec); bit 3 is the sign."""
@@ -85,7 +85,7 @@ def test_make_tiny_stores_v41s_routed_experts_as_fp4_and_the_rest_fp8(v41_checkp
 def test_both_models_read_the_fp4_experts_exactly(v41_checkpoint):
     """The paged model's stacked down projection and the reference's expert hold the stored
     codes times their scales (safetensors' own reader for the bytes)."""
-    from graphc.models.checkpoint import load_reference
+    from graphc.weights.checkpoint import load_reference
 
     stored = load_file(v41_checkpoint / "model.safetensors")
     expected = fp4.dequantize(stored[EXPERT], stored[EXPERT.replace("weight", "scale")])

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from graphc.errors import CheckpointError
-from graphc.models.checkpoint import check_checkpoint, load_model
+from graphc.weights.checkpoint import check_checkpoint, load_model
 from graphc.models.deepseek_v3.layout import FP8_QUANTISED
-from graphc.models.fp8 import FP8, FP8_MAX, SCALE_SUFFIX, dequantize, quantize
-from graphc.models.tiny import make_tiny_checkpoint
+from graphc.weights.fp8 import FP8, FP8_MAX, SCALE_SUFFIX, dequantize, quantize
+from graphc.weights.tiny import make_tiny_checkpoint
 
 BLOCK = 32  # the tiny matrices (48, 64, 128 wide) then span several blocks, some ragged
 

@@ -9,7 +9,7 @@ gate_proj.weight` and `up_proj.weight` for e in 0..E-1 become `model.layers.{i}.
 [E, 2I, D] (each expert's gate rows, then its up rows), and `down_proj.weight` becomes `down_proj`
 [E, D, I]. FP8 block-quantised weights (DeepSeek's
 release format: a float8_e4m3fn `X.weight` with its `X.weight_scale_inv`) and FP4 ones (V4.1's
-routed experts: `models/fp4.py`) are dequantised exactly on load, or, for step graphs
+routed experts: `weights/fp4.py`) are dequantised exactly on load, or, for step graphs
 (`as_stored`), kept as stored: the parameter holds the FP8 values and a buffer
 `<parameter>_scale_inv` their fp32 scales (FP4: both as bytes; `fp8.QuantizedWeight`). A
 tensor-parallel rank (`tp_shard`) reads only its slice of each weight its family splits
@@ -32,15 +32,15 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from graphc.errors import CheckpointError
-from graphc.models import fp4
+from graphc.weights import fp4
 from graphc.models.family import Family, Sources
-from graphc.models.fp8 import (FP8, SCALE_SUFFIX, UE8M0_SUFFIX, QuantizedWeight, dequantize, scale_grid,
+from graphc.weights.fp8 import (FP8, SCALE_SUFFIX, UE8M0_SUFFIX, QuantizedWeight, dequantize, scale_grid,
                                scale_name, scaled_weight)
-from graphc.models.hf_config import read_hf_config
+from graphc.weights.hf_config import read_hf_config
 from graphc.models.layers import STACKED_EXPERT
 from graphc.models.registry import family_of, family_of_config
 from graphc.models.step_model import ModelArgs, StepModel
-from graphc.models.tensor_shard import TensorShard
+from graphc.weights.tensor_shard import TensorShard
 from graphc.topology import Topology
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

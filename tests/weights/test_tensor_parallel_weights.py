@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphc.models.checkpoint import QUANTIZED_WEIGHTS, load_model
+from graphc.weights.checkpoint import QUANTIZED_WEIGHTS, load_model
 from graphc.models.registry import family_of
-from graphc.models.tensor_shard import TensorShard
+from graphc.weights.tensor_shard import TensorShard
 from graphc.ops.dequantize import dequantize_reference
 
 

@@ -12,9 +12,9 @@ import torch
 
 from graphc.buckets.selection import Bucket
 from graphc.compiler.capture import StepGraph, model_weights
-from graphc.models.checkpoint import QUANTIZED_WEIGHTS, check_checkpoint, fp8_tensors, load_model
-from graphc.models import fp4
-from graphc.models.fp8 import FP8
+from graphc.weights.checkpoint import QUANTIZED_WEIGHTS, check_checkpoint, fp8_tensors, load_model
+from graphc.weights import fp4
+from graphc.weights.fp8 import FP8
 from support import FP8_PRESETS, V4_FP4_EXPERTS, run_step
 
 

@@ -1,4 +1,4 @@
-"""`graphc.models.checkpoint.load_model` and the config reader: what loads, what is refused, and why.
+"""`graphc.weights.checkpoint.load_model` and the config reader: what loads, what is refused, and why.
 
 Every refusal is a `CheckpointError` whose message names the offending tensor, file, shape, dtype
 or architecture. Checkpoints are copied into `tmp_path` before being modified; the session
@@ -18,14 +18,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from graphc.errors import CheckpointError, GraphcError
-from graphc.models.hf_config import read_hf_config
+from graphc.weights.hf_config import read_hf_config
 from graphc.models.registry import model_args_from_hf_config
 from graphc.models import deepseek_v3
-from graphc.models.checkpoint import expected_tensors, load_model
+from graphc.weights.checkpoint import expected_tensors, load_model
 from graphc.models.registry import load_model_args
 from graphc.models.deepseek_v3.layout import FP32_SUFFIXES, hf_tensor_names, is_multi_token_prediction
 from graphc.models.layers import rope_inverse_frequencies
-from graphc.models.tiny import PRESETS, preset_config
+from graphc.weights.tiny import PRESETS, preset_config
 
 PRESET = "lora-groups"
 MLA_PRESETS = tuple(deepseek_v3.FAMILY.presets)

@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from graphc.errors import GraphcError
-from graphc.models import fp4
-from graphc.models.checkpoint import expected_tensors
-from graphc.models.fp8 import quantize, quantize_ue8m0, scale_name
+from graphc.weights import fp4
+from graphc.weights.checkpoint import expected_tensors
+from graphc.weights.fp8 import quantize, quantize_ue8m0, scale_name
 from graphc.models.family import Family
 from graphc.models.registry import FAMILIES, family_of_config
 
