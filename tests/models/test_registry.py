@@ -22,7 +22,8 @@ from graphc.errors import CheckpointError
 from graphc.models import deepseek_v3, registry
 from graphc.weights.checkpoint import load_model
 from graphc.models.deepseek_v3.args import V3Args, v3_args_from_hf_config
-from graphc.models.family import Family
+from graphc.models.drafter import Drafter
+from graphc.models.family import Family, StoredLayout, Support, TinyCheckpoints
 from graphc.weights.hf_config import architectures
 from graphc.weights.tiny import preset_config, write_random_checkpoint
 from graphc.step import STEP_INPUTS, kv_pool_shape
@@ -33,7 +34,7 @@ SOURCE = Path(graphc.__file__).parent
 
 @pytest.mark.parametrize("family", registry.FAMILIES, ids=lambda f: f.name)
 def test_every_family_captures_a_step_that_equals_its_eager_step(family, tiny_checkpoints):
-    model = load_model(tiny_checkpoints[next(iter(family.presets))])
+    model = load_model(tiny_checkpoints[next(iter(family.tiny.presets))])
     assert registry.family_of(model.args) is family
     bucket, blocks = Bucket("decode", 2), 4
     program = capture_bucket(model, bucket, blocks, num_blocks=8, block_size=8)
@@ -59,13 +60,13 @@ def _family_names() -> list[tuple[str, str]]:
     reference, and the package's own module path."""
     names = []
     for family in registry.FAMILIES:
-        args = family.args_from_hf_config(next(iter(family.presets.values())))
+        args = family.args_from_hf_config(next(iter(family.tiny.presets.values())))
         package = type(args).__module__.rsplit(".", 1)[0]
         with torch.device("meta"):
             model = family.build_model(args, None, "fp32")
         classes = [*type(args).__mro__, *type(model).__mro__]
-        if family.reference_model is not None:
-            classes.append(family.reference_model)
+        if family.reference.model is not None:
+            classes.append(family.reference.model)
         names += [(package, c.__name__) for c in classes if c.__module__.startswith(package + ".")]
         names.append((package, package))
     return names
@@ -152,17 +153,27 @@ def _fake_args(config: dict) -> FakeArgs:
     return FakeArgs(**{f.name: getattr(v3, f.name) for f in dataclasses.fields(v3)})
 
 
+def _repeat_drafts(model, k, hidden, input_ids, step, kept_until, picked):
+    """A drafter of the test's own: each row's next token, k times (lossless like any deterministic
+    draft: the verdict keeps the model's tokens)."""
+    return picked.expand(-1, k)  # [B, k]
+
+
+REPEAT = Drafter("repeat", _repeat_drafts, layer=lambda args: args, served_layers=lambda args: 0,
+                 passes=lambda args, tokens, rows, k: [])
+
+
 FAKE = Family(
     name="FakeSeek",
     architectures=(FAKE_ARCHITECTURE,),
     recognises=lambda config: FAKE_ARCHITECTURE in architectures(config),
     args_from_hf_config=_fake_args,
     build_model=deepseek_v3.DeepseekV3,
-    released_sources=deepseek_v3.layout.released_sources,
-    skips=deepseek_v3.layout.is_multi_token_prediction,
-    keeps_fp32=deepseek_v3.layout.keeps_fp32,
-    draft_and_extra_shapes=deepseek_v3.layout.draft_shapes,
-    backends=("export",),
+    stored=StoredLayout(deepseek_v3.layout.released_sources, skips=deepseek_v3.layout.is_multi_token_prediction,
+                        keeps_fp32=deepseek_v3.layout.keeps_fp32),
+    support=Support(backends=("export",)),
+    tiny=TinyCheckpoints(draft_and_extra_shapes=deepseek_v3.layout.draft_shapes),
+    drafter=REPEAT,
 )
 
 
@@ -182,16 +193,20 @@ def test_a_registered_family_compiles_and_serves_with_nothing_else_edited(fake_f
     # lora-groups' config and, from the same seed, its weights, under another architecture
     config = {**preset_config("lora-groups"), "architectures": [FAKE_ARCHITECTURE], "model_type": "fakeseek"}
     checkpoint = write_random_checkpoint(tmp_path / "fake-ckpt", config, seed=0)
-    (tmp_path / "model.yaml").write_text(yaml.safe_dump(model_yaml(checkpoint, TEST_BUCKETS["small"])))
+    data = model_yaml(checkpoint, TEST_BUCKETS["small"])
+    data["model"]["speculative"] = {"method": "repeat", "tokens": 2}  # its own drafter
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(data))
     loaded = load_config(tmp_path / "model.yaml")
-    assert loaded.family is FAKE
+    assert loaded.family is FAKE and loaded.draft_tokens == 2
     manifest = compile(loaded, tmp_path / "artifacts", CompileOptions(show_progress=False))
     assert manifest.model.architecture == FAKE_ARCHITECTURE
 
     requests = [Request([5, 6, 7, 8], 12, stop_at_eos=False), Request(list(range(20, 31)), 12, stop_at_eos=False)]
-    served = [r.output_ids for r in Engine(tmp_path / "artifacts").generate(requests)]
+    engine = Engine(tmp_path / "artifacts")
+    served = [r.output_ids for r in engine.generate(requests)]
     as_v3 = [r.output_ids for r in Engine(compiled("lora-groups", "export", "small")).generate(requests)]
     assert served == as_v3 and all(len(tokens) == 12 for tokens in served)
+    assert sum(engine.drafts.proposed) > 0  # the steps drafted, with the test's drafter
 
 
 def test_a_family_refuses_a_backend_it_lacks_and_an_unknown_architecture_lists_every_family(fake_family, tmp_path):

@@ -28,7 +28,7 @@ from graphc.models.layers import rope_inverse_frequencies
 from graphc.weights.tiny import PRESETS, preset_config
 
 PRESET = "lora-groups"
-MLA_PRESETS = tuple(deepseek_v3.FAMILY.presets)
+MLA_PRESETS = tuple(deepseek_v3.FAMILY.tiny.presets)
 YARN_PRESETS = ["direct-q-yarn", "yarn-mscale"]
 # Names present in the lora-groups preset (layer 0 dense, layers 1..2 MoE, 8 experts).
 ATTN_WEIGHT = "model.layers.1.self_attn.q_a_proj.weight"

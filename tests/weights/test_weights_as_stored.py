@@ -40,7 +40,7 @@ def test_every_fp8_tensor_is_kept_as_stored_with_its_scales(fp8_checkpoints, pre
     # Nothing FP8 (FP4) of the main layers was dequantised on the way, V4.1's Engram tables included
     # (the rows a step reads are dequantised where they are read, `by_row`).
     stored = [n for n in fp8_tensors(checkpoint) if n in checked.expected]
-    assert all(q.by_row == n.endswith(checked.family.row_sharded_tables) for n, q in quantized.items())
+    assert all(q.by_row == n.endswith(checked.family.stored.row_sharded_tables) for n, q in quantized.items())
     values = sum(p.numel() * (2 if p.dtype == fp4.PAIRS else 1) for p in map(parameters.get, quantized))
     assert values == sum(math.prod(checked.expected[n]) for n in stored + list(checked.fp4_bytes))  # values, not bytes
     assert bool(checked.fp4_bytes) == (preset in FP4_EXPERTS)

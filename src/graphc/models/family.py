@@ -1,4 +1,4 @@
-"""`Family`: everything graphc needs to know of one model family, in one record.
+"""`Family`: everything graphc needs to know of one model family, in one record of typed parts.
 
 Each family package (`deepseek_v3/`, `deepseek_v4/`, `deepseek_v41/`) builds its record in its
 `__init__.py`; `registry.py` lists them. Code outside a family's package asks the record, never
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from graphc.errors import GraphcError
 
@@ -46,32 +46,48 @@ def _accepts(*_: Any) -> None:
     return None
 
 
+class BuildModel(Protocol):
+    def __call__(self, args: "ModelArgs", local_experts: int | None, sparse_probabilities: str,
+                 tp: int = 1) -> "StepModel": ...
+
+
+class ReleasedSources(Protocol):
+    def __call__(self, args: "ModelArgs", parameters: list[str]) -> Sources: ...
+
+
+class StoredSources(Protocol):
+    def __call__(self, args: "ModelArgs", parameters: list[str],
+                 stored: set[str]) -> tuple[Sources, list[str], list[str]]: ...
+
+
+class AttentionCollectives(Protocol):
+    def __call__(self, args: "ModelArgs", tokens: int, context_slots: int | None, dtype_bytes: int,
+                 tp: int) -> list[Collective]: ...
+
+
+class TensorParallelCollectives(Protocol):
+    def __call__(self, args: "ModelArgs", tokens: int, rows: int, context_slots: int | None, shard_slots: int,
+                 dtype_bytes: int, tp: int, shared_with_routed: bool) -> list[Collective]: ...
+
+
+class ExpertGroupCollectives(Protocol):
+    def __call__(self, args: "ModelArgs", tokens: int, dtype_bytes: int, exchange: str,
+                 ep: int) -> list[Collective]: ...
+
+
 @dataclass(frozen=True)
-class Family:
-    """One model family: how to recognise, read, build, load, check and describe it."""
+class StoredLayout:
+    """What graphc's parameters are stored as in the family's checkpoints, and what a loader keeps
+    or skips (`graphc.weights.checkpoint`)."""
 
-    name: str
-    """What messages call it ("DeepSeek-V4")."""
-    architectures: tuple[str, ...]
-    """config.json `architectures` names it takes (listed when a checkpoint names none)."""
-    recognises: Callable[[dict[str, Any]], bool]
-    """Whether a config.json is this family's (by architecture or model_type)."""
-    args_from_hf_config: Callable[[dict[str, Any]], "ModelArgs"]
-    """config.json -> the family's args, refusing what it cannot run (`CheckpointError`)."""
-    build_model: Callable[..., "StepModel"]
-    """(args, routed experts this rank holds or None for all, V3.2's P precision[, tp]) -> the step
-    model, weights uninitialised (build it under a meta device); `tp` is passed to families with
-    `tensor_parallel_dims` only (`build`)."""
-
-    # The checkpoint: what graphc's parameters are stored as, and what a loader keeps or skips.
-    released_sources: Callable[["ModelArgs", list[str]], Sources]
+    released_sources: ReleasedSources
     """(args, graphc parameter names) -> the tensors the released layout stores for each (what
     graphc's tiny checkpoints are written in)."""
     skips: Callable[[str, "ModelArgs"], bool]
     """Stored tensors a text-only loader of the main layers skips (multi-token prediction, vision)."""
     keeps_fp32: Callable[[str, "ModelArgs"], bool]
     """Parameters that stay fp32 whatever the model dtype."""
-    stored_sources: Callable[["ModelArgs", list[str], set[str]], tuple[Sources, list[str], list[str]]] | None = None
+    stored_sources: StoredSources | None = None
     """(args, graphc parameter names, stored names) -> (sources, missing, unexpected) for families
     read from more than one layout; None: the released layout only."""
     stored_stacked: Callable[[str], bool] = lambda name: False
@@ -90,19 +106,25 @@ class Family:
     """Of those, the ones stored as FP4 instead (`weights/fp4.py`: the routed experts) where config.json
     says `expert_dtype: fp4` (`fp4_experts`: DeepSeek-V4-Flash and V4.1-Flash; V4-Flash-Base keeps them FP8)."""
 
-    # Tensor parallelism: none where the family is served with tp = 1 only.
-    tensor_parallel_dims: tuple[tuple[re.Pattern, int], ...] = ()
+
+@dataclass(frozen=True)
+class TensorParallelism:
+    """How tensor parallelism splits the family's weights; none where it is served with tp = 1 only."""
+
+    dims: tuple[tuple[re.Pattern, int], ...] = ()
     """(graphc parameter name pattern, the dim tensor parallelism splits it along) for each split
     weight (`tensor_shard`); every rank of a tp group holds the others whole."""
-    tensor_parallel_widths: Callable[["ModelArgs"], dict[str, int]] = lambda args: {}
+    widths: Callable[["ModelArgs"], dict[str, int]] = lambda args: {}
     """What tensor parallelism splits, by config.json field (tp must divide each)."""
 
-    # What the family serves, and the refusal of what it does not.
+
+@dataclass(frozen=True)
+class Support:
+    """What the family is served with, and the refusal of what it is not."""
+
     backends: tuple[str, ...] = ("export", "inductor", "neuron")
     data_parallel: bool = True
     """Whether data-parallel attention (dp > 1) is built for it."""
-    drafter: "Drafter | None" = None
-    """How its draft layers draft in speculative decoding (`models/drafter.py`); None: it has none."""
     check_exchange: Callable[["ModelArgs", str], None] = _accepts
     """Raises `GraphcError` for an MoE exchange its layers cannot take."""
     check_loadable: Callable[["ModelArgs"], None] = _accepts
@@ -111,25 +133,35 @@ class Family:
     probe_refusal: str | None = None
     """Why `graphc probe` does not take its layers, or None."""
 
-    # The external reference: transformers' model of the architecture, or graphc's own.
-    reference_model: Callable[["ModelArgs"], "nn.Module"] | None = None
+
+@dataclass(frozen=True)
+class Reference:
+    """The external reference: transformers' model of the architecture, or graphc's own."""
+
+    model: Callable[["ModelArgs"], "nn.Module"] | None = None
     """graphc's eager reference (released parameter names; token ids [1, T] -> logits [1, T, V];
     its token embedding `embed`, which `compare` perturbs), for a family transformers lacks; None:
     transformers implements it."""
-    reference_name: str = "transformers"
+    name: str = "transformers"
 
-    # `graphc plan`'s predictions of the step's collectives.
-    attention_collectives: Callable[["ModelArgs", int, int | None, int, int], list[Collective]] = _no_collectives
-    """(args, tokens, block-table token capacity, dtype bytes, tp) -> the attention's collectives over cp."""
-    tensor_parallel_collectives: Callable[["ModelArgs", int, int, int, int, int, int, bool], list[Collective]] = \
-        _no_collectives
-    """(args, tokens, rows, block-table token capacity, a KV shard's key slots, dtype bytes, tp,
-    whether the MoE's all-reduce over ep sums the shared experts too
-    (`moe_forms.shared_experts_reduced_with_routed`)) -> the collectives over tp."""
-    expert_group_collectives: Callable[["ModelArgs", int, int, str, int], list[Collective]] = _no_collectives
-    """(args, tokens, dtype bytes, exchange, ep) -> collectives over ep beside the MoE's (Engram)."""
 
-    # Tiny checkpoints.
+@dataclass(frozen=True)
+class Predictions:
+    """`graphc plan`'s predictions of a step's collectives beside the MoE's."""
+
+    attention_collectives: AttentionCollectives = _no_collectives
+    """The attention's collectives over cp, given the block table's token capacity."""
+    tensor_parallel_collectives: TensorParallelCollectives = _no_collectives
+    """The collectives over tp, given a KV shard's key slots and whether the MoE's all-reduce over
+    ep sums the shared experts too (`moe_forms.shared_experts_reduced_with_routed`)."""
+    expert_group_collectives: ExpertGroupCollectives = _no_collectives
+    """Collectives over ep beside the MoE's (Engram)."""
+
+
+@dataclass(frozen=True)
+class TinyCheckpoints:
+    """What `make-tiny` writes for the family."""
+
     presets: dict[str, dict[str, Any]] = field(default_factory=dict)
     """make-tiny presets: complete config.json dicts."""
     draft_and_extra_shapes: Callable[["ModelArgs", dict[str, tuple[int, ...]]], dict[str, tuple[int, ...]]] = \
@@ -143,6 +175,32 @@ class Family:
     quantization_config: dict[str, Any] = field(default_factory=dict)
     """Extra `quantization_config` fields of its FP8 releases."""
 
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: how to recognise, read, build, load, check and describe it."""
+
+    name: str
+    """What messages call it ("DeepSeek-V4")."""
+    architectures: tuple[str, ...]
+    """config.json `architectures` names it takes (listed when a checkpoint names none)."""
+    recognises: Callable[[dict[str, Any]], bool]
+    """Whether a config.json is this family's (by architecture or model_type)."""
+    args_from_hf_config: Callable[[dict[str, Any]], "ModelArgs"]
+    """config.json -> the family's args, refusing what it cannot run (`CheckpointError`)."""
+    build_model: BuildModel
+    """The step model of a rank holding `local_experts` routed experts (None: all), V3.2's P
+    precision, weights uninitialised (build it under a meta device); `tp` is passed to families
+    that split over it only (`build`)."""
+    stored: StoredLayout
+    tensor_parallel: TensorParallelism = TensorParallelism()
+    support: Support = Support()
+    drafter: "Drafter | None" = None
+    """How its draft layers draft in speculative decoding (`models/drafter.py`); None: it has none."""
+    reference: Reference = Reference()
+    predictions: Predictions = Predictions()
+    tiny: TinyCheckpoints = TinyCheckpoints()
+
     def build(self, args: "ModelArgs", local_experts: int | None, sparse_probabilities: str, tp: int = 1) -> "StepModel":
         """The step model of one rank of `tp` tensor-parallel ranks (`build_model`)."""
         if tp == 1:
@@ -152,15 +210,15 @@ class Family:
 
     def tensor_parallel_dim(self, name: str) -> int | None:
         """The dim parameter `name` is split along (`tensor_parallel_dims`), or None: held whole."""
-        return next((dim for pattern, dim in self.tensor_parallel_dims if pattern.search(name)), None)
+        return next((dim for pattern, dim in self.tensor_parallel.dims if pattern.search(name)), None)
 
     def check_tensor_parallel(self, args: "ModelArgs", tp: int) -> None:
         """Refuse a tp the family does not split over, or one that does not divide what it splits."""
         if tp == 1:
             return
-        if not self.tensor_parallel_dims:
+        if not self.tensor_parallel.dims:
             raise GraphcError(f"topology.tp: {tp}; {args.architecture} is served with tp = 1 so far")
-        for name, width in self.tensor_parallel_widths(args).items():
+        for name, width in self.tensor_parallel.widths(args).items():
             if width % tp:
                 raise GraphcError(f"topology.tp: {tp} must divide the checkpoint's {name} ({width}); "
                                   f"{width} % {tp} = {width % tp}")
@@ -168,10 +226,10 @@ class Family:
     def check_compile(self, args: "ModelArgs", topology: "Topology", exchange: str, backend: str) -> None:
         """Refuse what is not built for this family, naming the field."""
         self.check_tensor_parallel(args, topology.tp)
-        if topology.dp > 1 and not self.data_parallel:
+        if topology.dp > 1 and not self.support.data_parallel:
             raise GraphcError(f"topology.dp: {topology.dp}; {args.architecture} is served with dp = 1 so far "
                               "(context and expert parallelism only)")
-        self.check_exchange(args, exchange)
-        if backend not in self.backends:
+        self.support.check_exchange(args, exchange)
+        if backend not in self.support.backends:
             raise GraphcError(f"model.checkpoint: {args.architecture} has no {backend} lowering yet; use the "
-                              f"{' or '.join(self.backends)} backend")
+                              f"{' or '.join(self.support.backends)} backend")

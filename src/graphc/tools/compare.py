@@ -84,7 +84,7 @@ def reference_logits(config: GraphcConfig, dtype: torch.dtype, perturbation_seed
     """The model's reference as a function of a sequence; with `perturbation_seed`, its
     embedding table moved by up to one rounding step of `dtype` (uniform noise of that seed)."""
     checkpoint = config.model.checkpoint
-    if config.family.reference_model is not None:
+    if config.family.reference.model is not None:
         model = load_reference(checkpoint, dtype)
         embedding = model.embed.weight
 

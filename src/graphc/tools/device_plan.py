@@ -283,7 +283,7 @@ def _decode_step(config, args, topology, tensors, target: Device, rows: int, per
     draft_experts = sum(t.nbytes for t in experts if t.name in draft)
     embedding = sum(t.nbytes for t in tensors if t.name == EMBEDDING)
     head = sum(t.nbytes for t in tensors if t.name == HEAD) or embedding  # tied: the embedding is the head
-    tables = sum(t.nbytes for t in tensors if t.name.endswith(family.row_sharded_tables))
+    tables = sum(t.nbytes for t in tensors if t.name.endswith(family.stored.row_sharded_tables))
     draft_others = sum(t.nbytes for t in tensors if t.name in draft) - draft_experts
     others = sum(t.nbytes for t in tensors) - expert_bytes - draft_experts - embedding - tables - draft_others
     replicas = 1 if topology.tokens_replicated else max(1, topology.ep // topology.replica)

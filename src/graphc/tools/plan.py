@@ -33,15 +33,15 @@ def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype:
     """The collectives of one step in `bucket` on any rank (every rank issues the same ones, each
     over its own group of the name).
 
-    Attention over cp: the family's prediction (`Family.attention_collectives`), given the
+    Attention over cp: the family's prediction (`Family.predictions.attention_collectives`), given the
     block table's token capacity `context_slots` (of blocks of `block_size` tokens). Tensor
-    parallelism's over tp (`Family.tensor_parallel_collectives`), given the keys of a KV shard
+    parallelism's over tp (`Family.predictions.tensor_parallel_collectives`), given the keys of a KV shard
     (`context_slots` when the table's blocks are dealt over cp). MoE layers over ep, by `exchange` (`MOE_EXCHANGES`): `static` all-reduces the routed output
     [T, D]; `ag_rs` all-gathers the tokens [T, D] and reduce-scatters [T * ep, D]; the
     all-to-alls send [ep, T] blocks of rows [D] and fp32 routes [2K] and take back [ep, T, D]
     (`a2a_v` sends only the rows routed, so these are its upper bounds, plus an all-gather of its
     int64 split counts [ep]), plus the family's other collectives over ep
-    (`Family.expert_group_collectives`: V4.1's Engram lookups). A group of one rank issues nothing
+    (`Family.predictions.expert_group_collectives`: V4.1's Engram lookups). A group of one rank issues nothing
     (the pass lowers it away).
 
     A speculative step (`draft_tokens` k > 0, `models/speculation.py`) takes the LM head at 1 + k
@@ -74,16 +74,16 @@ def _model_collectives(args: ModelArgs, topology: Topology, tokens: int, rows: i
     width = DTYPE_BYTES[dtype]
     hidden = tokens * args.hidden_size * width
     family = family_of(args)
-    out = family.attention_collectives(args, tokens, context_slots, width, topology.tp) if topology.cp > 1 else []
+    out = family.predictions.attention_collectives(args, tokens, context_slots, width, topology.tp) if topology.cp > 1 else []
     if topology.tp > 1:
         slots = context_slots or 0
         shard_keys = -(-slots // block_size // topology.cp) * block_size
-        out += family.tensor_parallel_collectives(args, tokens, rows, slots, shard_keys, width, topology.tp,
+        out += family.predictions.tensor_parallel_collectives(args, tokens, rows, slots, shard_keys, width, topology.tp,
                                                   shared_experts_reduced_with_routed(exchange, topology.ep, topology.tp))
     ep = topology.ep
     if ep == 1 or not moe_layers:
         return out
-    out += family.expert_group_collectives(args, tokens, width, exchange, ep)
+    out += family.predictions.expert_group_collectives(args, tokens, width, exchange, ep)
     if exchange == "static":
         out.append(Collective("all_reduce", "ep", moe_layers, hidden))
     elif exchange == "ag_rs":

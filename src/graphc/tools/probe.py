@@ -315,8 +315,8 @@ def probe(config, layer: int, tokens: int | None = None, tolerance: float | None
     from graphc.weights.checkpoint import fp8_tensors, load_model
     from graphc.passes.registry import layer_passes
 
-    if config.family.probe_refusal is not None:
-        raise GraphcError(config.family.probe_refusal)
+    if config.family.support.probe_refusal is not None:
+        raise GraphcError(config.family.support.probe_refusal)
     dtype = getattr(torch, config.model.dtype)
     model = load_model(config.model.checkpoint, dtype=dtype, sparse_probabilities=config.model.sparse_probabilities)
     layers = model.args.num_hidden_layers

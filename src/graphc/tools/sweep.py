@@ -186,8 +186,8 @@ def external_reference(config: GraphcConfig, cases: list[Case]) -> tuple[str, li
         return "none (not fp32)", None  # bf16 is judged against a noise floor (`graphc compare`), not token for token
     if config.model.sparse_probabilities == "bf16":
         return "none (bf16 P)", None  # FlashMLA's rounded P is not the reference's numerics
-    if config.family.reference_model is not None:
-        return config.family.reference_name, graphc_reference(config, cases)
+    if config.family.reference.model is not None:
+        return config.family.reference.name, graphc_reference(config, cases)
     tokens = transformers_reference(config, cases)
     return ("transformers", tokens) if tokens is not None else ("none (transformers not installed)", None)
 

@@ -3,7 +3,7 @@
 `stored_tensors` says what one expert-parallel shard's weights file holds (names, shapes, dtypes,
 FP8 scales) without reading any tensor data: it mirrors `checkpoint.load_model` (the stacked
 experts, the family's fp32 parameters and index tables, and, with `as_stored`, the tensors the
-family's FP8 releases quantise (`Family.fp8_quantised`) kept FP8 where config.json's
+family's FP8 releases quantise (`Family.stored.fp8_quantised`) kept FP8 where config.json's
 `quantization_config` says the checkpoint is FP8, their scales stacked as `_kept_as_stored`
 stacks them; FP4 (`fp4_quantised`) as their bytes, two values each, and their scales'). `graphc
 plan --device` counts its bytes; tests hold it to loaded shards.
@@ -69,7 +69,7 @@ def stored_tensors(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_sto
     def names(model, tp: int = 1) -> list[str]:
         return [n for n in model.state_dict() if not (n == "lm_head.weight" and args.tie_word_embeddings and tp == 1)]
 
-    sources = family.released_sources(args, names(whole))
+    sources = family.stored.released_sources(args, names(whole))
     if args.tie_word_embeddings and tp > 1:  # a split head is the embedding's rows
         sources["lm_head.weight"] = sources["model.embed_tokens.weight"]
     whole_shapes = {name: tuple(t.shape) for name, t in whole.state_dict().items()}
@@ -79,18 +79,18 @@ def stored_tensors(args: ModelArgs, checkpoint: Path, dtype: torch.dtype, as_sto
     for name in names(shard, tp):
         shape = shapes[name]
         stored = [n for group in sources.get(name, []) for n in group]
-        if name.endswith(family.index_tensors):
+        if name.endswith(family.stored.index_tensors):
             tensors.append(StoredTensor(name, shape, torch.int64))
             continue
-        target = torch.float32 if family.keeps_fp32(name, args) else dtype
-        kept_fp8 = (block is not None and stored and all(family.fp8_quantised.match(n) for n in stored)
+        target = torch.float32 if family.stored.keeps_fp32(name, args) else dtype
+        kept_fp8 = (block is not None and stored and all(family.stored.fp8_quantised.match(n) for n in stored)
                     and len(shape) in (2, 3))
         dim = family.tensor_parallel_dim(name) if tp > 1 else None
-        if kept_fp8 and name.endswith(family.row_sharded_tables):  # the shard's rows, a scale per row and block
+        if kept_fp8 and name.endswith(family.stored.row_sharded_tables):  # the shard's rows, a scale per row and block
             tensors.append(StoredTensor(name, shape, FP8, QuantizedWeight(name + SCALE_SUFFIX, (1, block[1]), target,
                                                                           by_row=True),
                                         scale_grid(shape, (1, block[1]))))
-        elif kept_fp8 and experts_fp4 and len(shape) == 3 and all(family.fp4_quantised.match(n) for n in stored):
+        elif kept_fp8 and experts_fp4 and len(shape) == 3 and all(family.stored.fp4_quantised.match(n) for n in stored):
             tensors.append(StoredTensor(name, (*shape[:-1], shape[-1] // 2), fp4.PAIRS,
                                         QuantizedWeight(name + SCALE_SUFFIX, fp4.BLOCK, target),
                                         (*shape[:-2], *scale_grid(shape[-2:], fp4.BLOCK)), fp4.EXPONENTS))

@@ -13,7 +13,7 @@ routed experts: `weights/fp4.py`) are dequantised exactly on load, or, for step 
 (`as_stored`), kept as stored: the parameter holds the FP8 values and a buffer
 `<parameter>_scale_inv` their fp32 scales (FP4: both as bytes; `fp8.QuantizedWeight`). A
 tensor-parallel rank (`tp_shard`) reads only its slice of each weight its family splits
-(`Family.tensor_parallel_dims`, `tensor_shard.TensorShard`), FP8 ones with their slice's scales.
+(`Family.tensor_parallel.dims`, `tensor_shard.TensorShard`), FP8 ones with their slice's scales.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _parameter_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 def _stored_per_expert(family: Family, name: str, groups: list[list[str]]) -> bool:
     """Whether parameter `name` is a stacked expert parameter stored one tensor (or more) per expert."""
-    return bool(STACKED_EXPERT.match(name)) and not family.stored_stacked(groups[0][0])
+    return bool(STACKED_EXPERT.match(name)) and not family.stored.stored_stacked(groups[0][0])
 
 
 def _expected_shapes(args: ModelArgs, sources: Sources) -> dict[str, tuple[int, ...]]:
@@ -81,7 +81,7 @@ def _expected_shapes(args: ModelArgs, sources: Sources) -> dict[str, tuple[int, 
 def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of `args` holds for the main layers, with its shape, in the
     family's released layout (what graphc's tiny checkpoints are written in)."""
-    return _expected_shapes(args, family_of(args).released_sources(args, list(_parameter_shapes(args))))
+    return _expected_shapes(args, family_of(args).stored.released_sources(args, list(_parameter_shapes(args))))
 
 
 def _stored_names(path: Path) -> list[str]:
@@ -201,8 +201,8 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
         for name in model.state_dict():
             if name == "lm_head.weight" and args.tie_word_embeddings and not tied_split:
                 continue
-            target = (torch.int64 if name.endswith(family.index_tensors) else
-                      torch.float32 if family.keeps_fp32(name, args) else dtype)
+            target = (torch.int64 if name.endswith(family.stored.index_tensors) else
+                      torch.float32 if family.stored.keeps_fp32(name, args) else dtype)
             dim = split_dim(name)
             shard = (dim, tp_shard) if dim is not None else None
 
@@ -217,8 +217,8 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, d
                 weight, scale, block = kept
                 state[name] = weight.to(device)
                 scales[name] = scale.to(device), QuantizedWeight(name + SCALE_SUFFIX, block, target,
-                                                                  by_row=name.endswith(family.row_sharded_tables))
-            elif name.endswith(family.row_sharded_tables) and len(experts) < args.n_routed_experts:
+                                                                  by_row=name.endswith(family.stored.row_sharded_tables))
+            elif name.endswith(family.stored.row_sharded_tables) and len(experts) < args.n_routed_experts:
                 state[name] = _table_rows(handles, checked, groups[0][0], experts).to(device=device, dtype=target)
             elif _stored_per_expert(family, name, groups):
                 state[name] = torch.stack([torch.cat([read(n) for n in groups[e]]) for e in held])
@@ -271,7 +271,7 @@ def _kept_as_stored(handles: dict, checked: "CheckedCheckpoint", name: str, grou
     (`TensorShard.scales`).
     """
     parts = [n for group in groups for n in group]
-    if name.endswith(checked.family.row_sharded_tables):
+    if name.endswith(checked.family.stored.row_sharded_tables):
         return _table_rows_as_stored(handles, checked, parts[0], experts)
     if all(n in checked.fp4_bytes for n in parts) and _stored_per_expert(checked.family, name, groups):
         weights = torch.stack([torch.cat([_fp4_pairs(checked, n) for n in groups[e]]) for e in experts])
@@ -340,21 +340,21 @@ def _table_rows(handles: dict, checked: "CheckedCheckpoint", name: str, experts:
 
 
 def load_reference(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32, draft_layers: int = 0) -> nn.Module:
-    """The family's eager graphc reference (`Family.reference_model`, read by the released names)
+    """The family's eager graphc reference (`Family.reference.model`, read by the released names)
     from a checkpoint, on the CPU, checked as `load_model` checks it; with the draft layers it serves."""
     checked = check_checkpoint(Path(checkpoint_dir), draft_layers)
-    if checked.family.reference_model is None:
+    if checked.family.reference.model is None:
         raise CheckpointError(f"{checkpoint_dir}: {checked.args.architecture} has no graphc reference model; "
                               "transformers implements it")
     with torch.device("meta"):
-        model = checked.family.reference_model(checked.args)
+        model = checked.family.reference.model(checked.args)
     state = {}
     with contextlib.ExitStack() as stack:
         handles = {path: stack.enter_context(safe_open(path, "pt", backend="pread"))
                    for path in sorted(set(checked.files.values()))}
         for name, parameter in model.state_dict().items():
             tensor = _read_tensor(handles, checked, name, tuple(parameter.shape))
-            state[name] = tensor.to(torch.float32 if checked.family.keeps_fp32(name, checked.args) else dtype)
+            state[name] = tensor.to(torch.float32 if checked.family.stored.keeps_fp32(name, checked.args) else dtype)
     model.load_state_dict(state, strict=True, assign=True)
     return model.requires_grad_(False).eval()
 
@@ -419,23 +419,23 @@ def check_checkpoint(checkpoint_dir: Path, draft_layers: int = 0) -> CheckedChec
     config = read_hf_config(checkpoint_dir)
     family = family_of_config(config)
     args = family.args_from_hf_config(config)
-    family.check_loadable(args)
+    family.support.check_loadable(args)
     if draft_layers:  # the served MTP layer's tensors are expected, not skipped
         args = dataclasses.replace(args, draft_layers=draft_layers)
     files = _tensor_files(checkpoint_dir)
-    ue8m0 = family.ue8m0_scales or _ue8m0_names(files)
+    ue8m0 = family.stored.ue8m0_scales or _ue8m0_names(files)
     packs_fp4 = fp4.experts_in_fp4(config)
     block = _fp8_block(checkpoint_dir, config, files, ue8m0)
-    stored = {n for n in files if not family.skips(n, args)}
+    stored = {n for n in files if not family.stored.skips(n, args)}
     scales = {n for n in stored if scaled_weight(n, ue8m0) is not None}
     stored -= scales
     if args.tie_word_embeddings:  # a tied head may be stored too; the embedding is what counts
         stored -= {"lm_head.weight", "head.weight"}
     parameters = list(_parameter_shapes(args))
-    if family.stored_sources is not None:
-        sources, missing, unexpected = family.stored_sources(args, parameters, stored)
+    if family.stored.stored_sources is not None:
+        sources, missing, unexpected = family.stored.stored_sources(args, parameters, stored)
     else:
-        sources = family.released_sources(args, parameters)
+        sources = family.stored.released_sources(args, parameters)
         named = {n for groups in sources.values() for parts in groups for n in parts}
         missing, unexpected = sorted(named - stored), sorted(stored - named)
     weights = {n for groups in sources.values() for parts in groups for n in parts}
@@ -451,11 +451,11 @@ def check_checkpoint(checkpoint_dir: Path, draft_layers: int = 0) -> CheckedChec
     fp4_names = set()
     for name, shape in expected.items():
         dtype, stored_shape, _ = headers[files[name]][name]
-        if dtype == "I8" and packs_fp4 and family.fp4_quantised.match(name):  # FP4 values, two a byte
+        if dtype == "I8" and packs_fp4 and family.stored.fp4_quantised.match(name):  # FP4 values, two a byte
             dtype, stored_shape = "F4", [*stored_shape[:-1], 2 * stored_shape[-1]]
         if dtype == "F4":
             fp4_names.add(name)
-        if name.endswith(family.index_tensors):
+        if name.endswith(family.stored.index_tensors):
             if dtype not in INDEX_DTYPES:
                 raise CheckpointError(f"{files[name].name}: tensor {name} has dtype {SAFETENSORS_DTYPES[dtype]}; "
                                       "supported: int64, int32")
@@ -498,7 +498,7 @@ def _check_scale(name: str, shape: tuple[int, ...], dtype: str, files: dict[str,
         raise CheckpointError(f"{files[name].name}: tensor {name} is {kind} of shape {list(shape)}; block "
                               f"scales quantise matrices only{even}")
     per_row = (fp4.BLOCK if dtype == "F4" else
-               (1, block[1]) if name.endswith(family.row_sharded_tables) else block)  # a table's rows scale alone
+               (1, block[1]) if name.endswith(family.stored.row_sharded_tables) else block)  # a table's rows scale alone
     stored = headers[files[scale]][scale][1]
     wanted = list(scale_grid(shape, per_row))
     if list(stored) != wanted:
@@ -510,7 +510,7 @@ def _check_index_tables(checked: CheckedCheckpoint) -> None:
     """Index tables (V4's `tid2eid`: token -> routed experts) name experts 0..E-1 only: any other
     id would read past the experts (the only tensor values checked before loading)."""
     experts = checked.args.n_routed_experts
-    for name in (n for n in checked.expected if n.endswith(checked.family.index_tensors)):
+    for name in (n for n in checked.expected if n.endswith(checked.family.stored.index_tensors)):
         with safe_open(checked.files[name], "pt") as f:
             table = f.get_tensor(name)
         bad = table[(table < 0) | (table >= experts)]
@@ -608,9 +608,9 @@ def _read_tensor(handles: dict, checked: CheckedCheckpoint, name: str, shape: tu
         return whole[tp_shard.within_blocks(dim, shape[dim], fp8_block[dim])]
     tensor = stored[rows]
     if fp8:  # its scale is there and tiles it (`check_checkpoint`)
-        block = (1, fp8_block[1]) if name.endswith(family.row_sharded_tables) else fp8_block  # a table's rows scale alone
+        block = (1, fp8_block[1]) if name.endswith(family.stored.row_sharded_tables) else fp8_block  # a table's rows scale alone
         return dequantize(tensor, handles[files[scale]].get_slice(scale)[rows], block)
-    if tensor.dtype not in SUPPORTED_DTYPES and not name.endswith(family.index_tensors):
+    if tensor.dtype not in SUPPORTED_DTYPES and not name.endswith(family.stored.index_tensors):
         raise CheckpointError(f"{path.name}: tensor {name} has dtype {tensor.dtype}; supported: {SUPPORTED_WEIGHTS}")
     return tensor
 

@@ -1,7 +1,7 @@
 """One tensor-parallel rank's slice of a split weight, and of its FP8 block scales.
 
 Every weight tensor parallelism splits is split evenly along one dim into contiguous parts (a
-family's `Family.tensor_parallel_dims` name the dim: rows for column-parallel projections and the
+family's `Family.tensor_parallel.dims` name the dim: rows for column-parallel projections and the
 LM head, columns for row-parallel ones and the embedding), so rank t of tp holds
 [t * n / tp, (t + 1) * n / tp) of it. The loader reads only that slice of a stored tensor; an FP8
 weight kept as stored keeps the scales of its slice: whole scale blocks where every part is whole

@@ -1,6 +1,6 @@
 """Tiny checkpoints in each family's real layout, for tests, CI and the README's demo.
 
-The presets are the families' (`Family.presets`: `deepseek_v3/presets.py`, ...); this module
+The presets are the families' (`Family.tiny.presets`: `deepseek_v3/presets.py`, ...); this module
 writes any of them: random weights of every tensor the released layout stores, the MTP and other
 skipped tensors included, optionally FP8 with block scales, and a byte-level tokenizer. One more,
 `trained`, is not random: a tiny DeepSeek-V3 and its MTP layer trained on text
@@ -29,14 +29,14 @@ from graphc.weights.fp8 import quantize, quantize_ue8m0, scale_name
 from graphc.models.family import Family
 from graphc.models.registry import FAMILIES, family_of_config
 
-PRESETS: dict[str, dict[str, Any]] = {name: config for family in FAMILIES for name, config in family.presets.items()}
+PRESETS: dict[str, dict[str, Any]] = {name: config for family in FAMILIES for name, config in family.tiny.presets.items()}
 """Every family's presets, by name."""
 DEFAULT_PRESET = "lora-groups"
 TRAINED_PRESET = "trained"
 TRAINED_CHECKPOINT = Path(__file__).parent / "trained"
 """The `trained` preset's checkpoint: config.json, model.safetensors (fp32, 1.4 M parameters),
 the byte-level tokenizer, and training.json (its held-out losses)."""
-TRANSFORMERS_PRESETS = tuple(name for family in FAMILIES if family.reference_model is None for name in family.presets)
+TRANSFORMERS_PRESETS = tuple(name for family in FAMILIES if family.reference.model is None for name in family.tiny.presets)
 """The presets whose architecture transformers implements."""
 
 
@@ -44,11 +44,11 @@ def preset_difference(preset: str) -> tuple[str, dict[str, Any]]:
     """The preset's family name and its config: whole for the family's first preset, else what it
     sets differently from that one."""
     family = family_of_config(preset_config(preset))
-    base = next(iter(family.presets))
-    config = family.presets[preset]
+    base = next(iter(family.tiny.presets))
+    config = family.tiny.presets[preset]
     if preset == base:
         return family.name, config
-    return family.name, {k: v for k, v in config.items() if family.presets[base].get(k) != v}
+    return family.name, {k: v for k, v in config.items() if family.tiny.presets[base].get(k) != v}
 
 
 def preset_config(preset: str) -> dict[str, Any]:
@@ -84,8 +84,8 @@ def tiny_tensors(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     skip) included."""
     family = family_of_config(config)
     args = family.args_from_hf_config(config)
-    shapes = expected_tensors(family.serving_every_draft_layer(args))
-    shapes.update(family.draft_and_extra_shapes(args, shapes))
+    shapes = expected_tensors(family.tiny.serving_every_draft_layer(args))
+    shapes.update(family.tiny.draft_and_extra_shapes(args, shapes))
     generator = torch.Generator().manual_seed(seed)
     return {name: _token_experts(shapes[name], args.n_routed_experts, generator) if name.endswith("tid2eid")
             else _random_tensor(name, shapes[name], generator) for name in sorted(shapes)}
@@ -122,20 +122,20 @@ def byte_level_tokenizer():
 
 def quantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int], family: Family,
                  experts_fp4: bool = False, ue8m0: bool = False) -> dict[str, torch.Tensor]:
-    """The family's FP8 release layout: the weights it quantises (`Family.fp8_quantised`: the decoder
+    """The family's FP8 release layout: the weights it quantises (`Family.stored.fp8_quantised`: the decoder
     layers' projections) as float8_e4m3fn with block scales (power-of-two `X.scale` ones with
-    `ue8m0` or `Family.ue8m0_scales`, as DeepSeek-V4's releases store them; a row-sharded table's
+    `ue8m0` or `Family.stored.ue8m0_scales`, as DeepSeek-V4's releases store them; a row-sharded table's
     per row), or, with `experts_fp4`, as FP4 (`fp4_quantised`: the routed experts, their bytes as
     int8, as the releases store them); embeddings, norms, the router and the head stay as they are."""
     out = {}
-    ue8m0 = ue8m0 or family.ue8m0_scales
+    ue8m0 = ue8m0 or family.stored.ue8m0_scales
     quantizer = quantize_ue8m0 if ue8m0 else quantize
     for name, tensor in tensors.items():
-        if experts_fp4 and family.fp4_quantised.match(name):
+        if experts_fp4 and family.stored.fp4_quantised.match(name):
             pairs, out[scale_name(name, ue8m0)] = fp4.quantize(tensor)
             out[name] = pairs.view(torch.int8)
-        elif family.fp8_quantised.match(name):
-            per_row = name.endswith(family.row_sharded_tables)
+        elif family.stored.fp8_quantised.match(name):
+            per_row = name.endswith(family.stored.row_sharded_tables)
             out[name], out[scale_name(name, ue8m0)] = quantizer(tensor, (1, block[1]) if per_row else block)
         else:
             out[name] = tensor
@@ -170,7 +170,7 @@ def make_tiny_checkpoint(out: str | Path, preset: str = DEFAULT_PRESET, seed: in
     if fp8_block is not None:
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": [fp8_block, fp8_block]}
-        config["quantization_config"].update(family_of_config(config).quantization_config)
+        config["quantization_config"].update(family_of_config(config).tiny.quantization_config)
     if preset == TRAINED_PRESET:
         return write_checkpoint(out, config, load_file(TRAINED_CHECKPOINT / "model.safetensors"))
     return write_random_checkpoint(out, config, seed)

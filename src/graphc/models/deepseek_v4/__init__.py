@@ -6,7 +6,7 @@ from graphc.errors import GraphcError
 from graphc.models.deepseek_v4 import layout, predictions, presets
 from graphc.models.deepseek_v4.args import HASH_MOE, V4_ARCHITECTURE, V4Args, is_v4_config, v4_args_from_hf_config
 from graphc.models.deepseek_v4.model import DeepseekV4, tensor_parallel_widths
-from graphc.models.family import Family
+from graphc.models.family import Family, Predictions, StoredLayout, Support, TensorParallelism, TinyCheckpoints
 from graphc.models.speculation import mtp_drafter
 
 
@@ -23,21 +23,13 @@ FAMILY = Family(
     recognises=is_v4_config,
     args_from_hf_config=v4_args_from_hf_config,
     build_model=lambda args, local_experts, sparse_probabilities, tp=1: DeepseekV4(args, local_experts, tp),
-    released_sources=layout.released_sources,
-    stored_sources=layout.stored_sources,
-    stored_stacked=layout.stored_stacked,
-    skips=layout.skips,
-    keeps_fp32=layout.keeps_fp32,
-    index_tensors=layout.INDEX_TENSORS,
-    fp8_quantised=layout.FP8_RELEASED,
-    fp4_quantised=layout.FP4_RELEASED,
-    data_parallel=False,
-    check_exchange=_check_exchange,
-    attention_collectives=predictions.attention_collectives,
-    tensor_parallel_dims=layout.TENSOR_PARALLEL_DIMS,
-    tensor_parallel_widths=tensor_parallel_widths,
-    tensor_parallel_collectives=predictions.tensor_parallel_collectives,
-    presets=presets.PRESETS,
-    draft_and_extra_shapes=layout.draft_shapes,
+    stored=StoredLayout(layout.released_sources, skips=layout.skips, keeps_fp32=layout.keeps_fp32,
+                        stored_sources=layout.stored_sources, stored_stacked=layout.stored_stacked,
+                        index_tensors=layout.INDEX_TENSORS, fp8_quantised=layout.FP8_RELEASED,
+                        fp4_quantised=layout.FP4_RELEASED),
+    tensor_parallel=TensorParallelism(layout.TENSOR_PARALLEL_DIMS, tensor_parallel_widths),
+    support=Support(data_parallel=False, check_exchange=_check_exchange),
     drafter=mtp_drafter(predictions.draft_layer),
+    predictions=Predictions(predictions.attention_collectives, predictions.tensor_parallel_collectives),
+    tiny=TinyCheckpoints(presets.PRESETS, draft_and_extra_shapes=layout.draft_shapes),
 )

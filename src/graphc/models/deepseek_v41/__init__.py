@@ -9,7 +9,8 @@ from graphc.models.deepseek_v41.dspark import DeepseekV41Drafting
 from graphc.models.deepseek_v41.model import DeepseekV41, tensor_parallel_widths
 from graphc.models.deepseek_v41.reference import DeepseekV41Reference
 from graphc.models.drafter import Drafter
-from graphc.models.family import Family
+from graphc.models.family import (Family, Predictions, Reference, StoredLayout, Support, TensorParallelism,
+                                  TinyCheckpoints)
 
 FAMILY = Family(
     name="DeepSeek-V4.1",
@@ -18,30 +19,20 @@ FAMILY = Family(
     args_from_hf_config=v41_args_from_hf_config,
     build_model=lambda args, local_experts, sparse_probabilities, tp=1:
         (DeepseekV41Drafting if args.draft_layers else DeepseekV41)(args, local_experts, tp),
-    released_sources=layout.released_sources,
-    skips=layout.skips,
-    keeps_fp32=layout.keeps_fp32,
-    row_sharded_tables=(layout.ENGRAM_TABLE,),
-    ue8m0_scales=True,
-    fp8_quantised=layout.FP8_RELEASED,
-    fp4_quantised=layout.FP4_RELEASED,
-    data_parallel=False,
-    check_loadable=check_loadable,
+    stored=StoredLayout(layout.released_sources, skips=layout.skips, keeps_fp32=layout.keeps_fp32,
+                        row_sharded_tables=(layout.ENGRAM_TABLE,), ue8m0_scales=True,
+                        fp8_quantised=layout.FP8_RELEASED, fp4_quantised=layout.FP4_RELEASED),
+    tensor_parallel=TensorParallelism(layout.TENSOR_PARALLEL_DIMS, tensor_parallel_widths),
     # A V4.1 layer also takes the previous sublayer's pre-mix and the selections earlier layers
     # published: a layer alone is not a step.
-    probe_refusal="graphc probe does not take DeepSeek-V4.1 layers yet (each depends on state earlier layers "
-                  "publish); use `graphc compare` against its reference",
-    reference_model=DeepseekV41Reference,
-    reference_name="graphc's DeepSeek-V4.1 reference",
-    attention_collectives=predictions.attention_collectives,
-    tensor_parallel_dims=layout.TENSOR_PARALLEL_DIMS,
-    tensor_parallel_widths=tensor_parallel_widths,
-    tensor_parallel_collectives=predictions.tensor_parallel_collectives,
-    expert_group_collectives=predictions.engram_collectives,
-    presets=presets.PRESETS,
-    draft_and_extra_shapes=layout.draft_and_vision_shapes,
-    serving_every_draft_layer=layout.serving_every_draft_stage,
+    support=Support(data_parallel=False, check_loadable=check_loadable,
+                    probe_refusal="graphc probe does not take DeepSeek-V4.1 layers yet (each depends on state "
+                                  "earlier layers publish); use `graphc compare` against its reference"),
+    reference=Reference(DeepseekV41Reference, "graphc's DeepSeek-V4.1 reference"),
+    predictions=Predictions(predictions.attention_collectives, predictions.tensor_parallel_collectives,
+                            predictions.engram_collectives),
+    tiny=TinyCheckpoints(presets.PRESETS, layout.draft_and_vision_shapes, layout.serving_every_draft_stage,
+                         {"scale_fmt": "ue8m0", "expert_dtype": "fp4"}),
     drafter=Drafter("dspark", dspark.draft, dspark.stage_args, served_layers=lambda args: args.dspark.stages,
                     check=dspark.check, passes=dspark.passes),
-    quantization_config={"scale_fmt": "ue8m0", "expert_dtype": "fp4"},
 )
