@@ -217,17 +217,28 @@ def compile_command(config_path, out, backend, disabled, dump_graphs, verify_pas
 @click.argument("artifacts", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
               help="Artifacts directory to write (the input is never modified).")
-@click.option("--target", default="trn1", show_default=True, help="neuronx-cc --target: the Neuron generation.")
+@click.option("--target", type=click.Choice(["trn1", "trn2", "trn3"]), default="trn2", show_default=True,
+              help="neuronx-cc --target: the Neuron generation.")
+@click.option("--lnc", type=click.Choice(["1", "2"]), default=None,
+              help="neuronx-cc --lnc: physical NeuronCores a logical one (a rank); trn2 / trn3 only [2 there]. "
+                   "The runtime's NEURON_LOGICAL_NC_CONFIG must equal it.")
+@click.option("--jobs", type=click.IntRange(min=1), default=None,
+              help="neuronx-cc runs at once [one a CPU, as many as the available memory holds at 32 GiB each].")
 @click.option("--force", is_flag=True, help="Replace the output directory if it holds graphc artifacts (only then).")
 @click.option("--sign-key", type=click.Path(path_type=Path), default=None, help="Sign the finished artifacts.")
 @click.option("--trusted-key", type=click.Path(path_type=Path), default=None,
               help="Refuse input artifacts this Ed25519 public key did not sign.")
-def neuron_finish(artifacts, out, target, force, sign_key, trusted_key) -> None:
+def neuron_finish(artifacts, out, target, lnc, jobs, force, sign_key, trusted_key) -> None:
     """On a Neuron host: compile every program of neuron ARTIFACTS to a NEFF with neuronx-cc."""
+    from graphc.backends.neuron_archive import check_flags, default_lnc
     from graphc.tools.neuron_finish import finish
 
-    count = finish(artifacts, out, target, force, sign_key, trusted_key)
-    click.echo(f"wrote {out}: {count} NEFF(s) for --target {target}" + (", signed" if sign_key else ""))
+    lnc = None if lnc is None else int(lnc)
+    check_flags(target, lnc)  # before anything is read: a bad pair is a usage error
+    count = finish(artifacts, out, target, lnc, force, sign_key, trusted_key, jobs)
+    lnc = default_lnc(target) if lnc is None else lnc
+    click.echo(f"wrote {out}: {count} NEFF(s) for --target {target}" + (f" --lnc {lnc}" if lnc else "")
+               + (", signed" if sign_key else ""))
 
 
 @cli.command()

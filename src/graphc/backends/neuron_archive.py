@@ -36,6 +36,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -53,8 +54,17 @@ from graphc.step import STEP_INPUTS
 from graphc.typed import build
 
 NEURONX_CC = "neuronx-cc"
-NEURON_TARGET = "trn1"
-"""The Neuron generation NEFFs are compiled for (`neuronx-cc --target`)."""
+NEURON_TARGETS = ("trn1", "trn2", "trn3")
+NEURON_TARGET = "trn2"
+"""The Neuron generation NEFFs are compiled for by default (`neuronx-cc --target`)."""
+LNC_TARGETS = ("trn2", "trn3")
+"""The generations whose NeuronCores pair into logical ones: `--lnc` (the CLI reference's
+`--logical-nc-config` / `-lnc`) is for them only; trn1 refuses an LNC configuration (NCC_EARG001).
+The runtime's NEURON_LOGICAL_NC_CONFIG must equal it ("Logical NeuronCore configuration")."""
+LNCS = (1, 2)
+DEFAULT_LNC = 2
+"""The compiler's and runtime's default on trn2 (and trn3): two physical cores a rank."""
+Phase = Literal["context_encoding", "token_generation"]
 PROGRAM_JSON, NEURON_HLO, CPU_HLO, NEFF = "program.json", "neuron.hlo.pb", "cpu.hlo.pb", "neuron.neff"
 NEURON_STABLEHLO = "neuron.stablehlo.mlirbc"
 MODULES = (NEURON_HLO, NEURON_STABLEHLO, CPU_HLO)
@@ -127,17 +137,70 @@ def parameter_names(weights: int, samples: bool) -> list[str]:
     return [f"weight.{i}" for i in range(weights)] + list(STEP_INPUTS) + ([NOISE] if samples else [])
 
 
-def neuronx_cc_command(target: str = NEURON_TARGET) -> list[str]:
-    """neuronx-cc's documented invocation for an XLA HLO module, run in a folder holding it, with
-    numerics kept as compiled (`--auto-cast none`: graphc's dtypes are the model's)."""
-    return [NEURONX_CC, "compile", NEURON_HLO, "--framework", "XLA", "--target", target, "--model-type",
-            "transformer", "--auto-cast", "none", "-O1", "--output", NEFF]
+def default_lnc(target: str) -> int | None:
+    """`--lnc` when none is given: DEFAULT_LNC where the target has logical cores, else none."""
+    return DEFAULT_LNC if target in LNC_TARGETS else None
 
 
-def manifest_extras(target: str = NEURON_TARGET) -> dict[str, str]:
+def check_flags(target: str, lnc: int | None) -> None:
+    """Refuse, in one line, a target neuronx-cc does not name or an LNC it would refuse."""
+    if target not in NEURON_TARGETS:
+        raise GraphcError(f"--target {target!r}: neuronx-cc targets are {', '.join(NEURON_TARGETS)}")
+    if lnc is not None and target not in LNC_TARGETS:
+        raise GraphcError(f"--lnc {lnc} with --target {target}: logical NeuronCores are {' and '.join(LNC_TARGETS)} "
+                          f"only; leave --lnc out for {target}")
+    if lnc is not None and lnc not in LNCS:
+        raise GraphcError(f"--lnc {lnc}: neuronx-cc takes {' or '.join(map(str, LNCS))}")
+
+
+def phase(signature: ProgramSignature) -> Phase:
+    """Which of NxD Inference's two compiles a program is: context encoding (a prefill chunk: one
+    row of several tokens) or token generation (decode rows, prompt-as-decode and speculative
+    steps included). A program is shared by every bucket of its shape, so its shape decides: a
+    [1, P] prompt-as-decode step is a chunk's program (the same one, where both buckets exist)."""
+    rows, width = signature.shapes[signature.parameters.index("input_ids")]
+    return "context_encoding" if rows == 1 and width > 1 else "token_generation"
+
+
+def neuronx_cc_command(target: str = NEURON_TARGET, lnc: int | None = None,
+                       step: Phase = "token_generation") -> list[str]:
+    """neuronx-cc's invocation for one Neuron HLO module, run in a folder holding it: the CLI
+    reference's form (`compile <model> --framework XLA --target --lnc -O --output`) with the
+    options NxD Inference's model wrapper (neuronx-distributed-inference,
+    models/model_wrapper.py, `get_compiler_args`) passes for the same kind of program. `lnc`:
+    `default_lnc(target)` if None."""
+    check_flags(target, lnc)
+    lnc = default_lnc(target) if lnc is None else lnc
+    decode = step == "token_generation"
+    return [NEURONX_CC, "compile", NEURON_HLO, "--framework", "XLA", "--target", target,
+            *(["--lnc", str(lnc)] if lnc is not None else []),
+            # NxD Inference: -O2 for token generation (small, latency-bound graphs run every step),
+            # -O1 for context encoding (large graphs: compile time, and they are compute-bound).
+            "-O2" if decode else "-O1",
+            # NxD Inference (and the CLI reference): a transformer's scheduling heuristics; numerics
+            # kept as compiled (graphc's dtypes are the model's: no bf16 auto-cast of fp32 math).
+            "--model-type", "transformer", "--auto-cast", "none",
+            # NxD Inference's token-generation tensorizer options: collectives overlapped with
+            # compute, no pipeline tiling of them (one token a row is too small to tile), strided
+            # DMAs vectorized (the KV pool's block gathers).
+            *(["--tensorizer-options=--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=1 "
+                "--vectorize-strided-dma"] if decode else []),
+            # NxD Inference, every program: neuronx-cc's HLO verifier before its tensorizer.
+            "--internal-hlo2tensorizer-options=--verify-hlo=true",
+            # Not passed: NxD's --experimental-unsafe-fp8e4m3fn-as-fp8e4m3, for programs holding
+            # F8E4M3FN values: graphc's hold none (FP8 weights enter as their bytes, u8, decoded
+            # with integer ops: `xla.aten.FP8_BITS`; `xla/lint.py` refuses an f8e4m3fn value).
+            "--output", NEFF]
+
+
+def manifest_extras(target: str = NEURON_TARGET, lnc: int | None = None) -> dict:
     """What a neuron manifest records beside its graphs: the hand-off, how each program's HLO
-    becomes a NEFF on a Neuron host."""
-    return {"neuronx_cc": " ".join(neuronx_cc_command(target))}
+    becomes a NEFF on a Neuron host (the target, the LNC its NEFFs need the runtime to run at,
+    and the command of each phase)."""
+    return {"neuronx_cc": {
+        "target": target, "lnc": default_lnc(target) if lnc is None else lnc,
+        **{step: shlex.join(neuronx_cc_command(target, lnc, step)) for step in ("context_encoding", "token_generation")},
+    }}
 
 
 def available() -> bool:
@@ -150,20 +213,30 @@ def toolchain() -> str:
     return f"{NEURONX_CC} at {shutil.which(NEURONX_CC)}; members {', '.join(REQUIRED)}"  # a new member: a new key
 
 
-def neff_of(neuron_hlo: bytes, command: list[str]) -> bytes:
-    """neuronx-cc's NEFF of a Neuron-variant module."""
+NEURONX_CC_LOGFILE = "log-neuron-cc.txt"
+"""Where neuronx-cc writes its log by default (the CLI reference's `--logfile`), in its folder."""
+
+
+def neff_of(neuron_hlo: bytes, command: list[str]) -> tuple[bytes, str]:
+    """neuronx-cc's NEFF of a Neuron-variant module, and its log (`run_neuronx_cc`)."""
     with tempfile.TemporaryDirectory(prefix="graphc-neuronx-cc-") as scratch:
         (Path(scratch) / NEURON_HLO).write_bytes(neuron_hlo)
         return run_neuronx_cc(Path(scratch), command)
 
 
-def run_neuronx_cc(folder: Path, command: list[str]) -> bytes:
-    """Run neuronx-cc in `folder` (which holds the HLO); the NEFF, or an error naming the reason."""
+def run_neuronx_cc(folder: Path, command: list[str]) -> tuple[bytes, str]:
+    """Run neuronx-cc in `folder` (which holds the HLO); the NEFF and the compiler's log (the
+    command, its stdout, its stderr and its log file), or an error naming the reason."""
     done = subprocess.run(command, cwd=folder, capture_output=True, text=True)
+    logfile = folder / NEURONX_CC_LOGFILE
+    sections = (("command", shlex.join(command)), ("exit status", str(done.returncode)), ("stdout", done.stdout),
+                ("stderr", done.stderr),
+                (NEURONX_CC_LOGFILE, logfile.read_text(errors="replace") if logfile.is_file() else "(none written)"))
+    log = "".join(f"== {title}\n{text.rstrip()}\n" for title, text in sections)
     if done.returncode != 0 or not (folder / NEFF).is_file():
         tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
         raise GraphcError(f"{' '.join(command)} failed (exit {done.returncode}): " + " | ".join(tail))
-    return (folder / NEFF).read_bytes()
+    return (folder / NEFF).read_bytes(), log
 
 
 def write_archive(out: Path, description: ProgramDescription, files: dict[str, bytes]) -> None:

@@ -317,6 +317,10 @@ CASES = [
     _case("scatter-value-int", aten.scatter.value, I, 1, _randint(0, 5, 3, 2, 7), 0),
     _case("scatter_add-repeated-int", aten.scatter_add.default, I, -1, _randint(0, 3, 3, 5, 6),
           _randint(-9, 9, 3, 5, 7, seed=1)),
+    _case("scatter_add-int-dim0-smaller-index", aten.scatter_add.default, I, 0, _randint(0, 3, 2, 4, 5),
+          _randint(-9, 9, 3, 5, 7, seed=2)),
+    _case("scatter_add-counts", aten.scatter_add.default, torch.zeros(9, dtype=torch.int64),  # the MoE's routes
+          0, _randint(0, 9, 24), torch.ones(24, dtype=torch.int64)),
     _case("scatter_add-repeated-float", aten.scatter_add.default, X, 0, _randint(0, 2, 4, 5, 7),
           _randn(5, 5, 7, seed=1), tol=FP32),
     _case("embedding", aten.embedding.default, _randn(10, 4), torch.tensor([[3, 3, 9], [0, 1, 3]])),
@@ -479,6 +483,21 @@ def test_rule_matches_torch(op, args, kwargs, tol):
     out = _out(expected)
     result = _cast(RULES[op](out, *_jax(args), **_jax(kwargs)), out)
     _compare(expected, result, tol)
+
+
+def test_an_integer_scatter_add_lowers_without_a_scatter():
+    """neuronx-cc refuses an integer scatter with a combiner (NCC_EVRF060): the MoE's counts per
+    expert lower to a compare and a sum; a float scatter-add stays a scatter."""
+    import jax
+
+    def hlo(x, index, src):
+        out = Out(x.shape, x.dtype)
+        return jax.jit(lambda *a: RULES[aten.scatter_add.default](out, a[0], 0, a[1], a[2])).lower(
+            x, index, src).as_text(dialect="hlo")
+
+    routes = jnp.zeros(24, jnp.int32)
+    assert " scatter(" not in hlo(jnp.zeros(9, jnp.int32), routes, jnp.ones(24, jnp.int32))
+    assert " scatter(" in hlo(jnp.zeros(9, jnp.float32), routes, jnp.ones(24, jnp.float32))
 
 
 def test_every_tensor_rule_has_a_case():

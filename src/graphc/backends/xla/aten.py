@@ -71,8 +71,18 @@ def _scatter(out, x, dim, index, src):
 
 
 def _scatter_add(out, x, dim, index, src):
+    dim = _axis(dim, x.ndim)
     src = src[tuple(slice(0, n) for n in index.shape)]
-    return x.at[_index_arrays(index, _axis(dim, x.ndim))].add(src)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        return x.at[_index_arrays(index, dim)].add(src)
+    # An integer scatter-add (the MoE's routes per expert) as a one-hot compare and an integer sum,
+    # exact as the scatter is: neuronx-cc refuses an integer scatter with a combiner by default, as it
+    # would run it in f32 (error code NCC_EVRF060). J = positions along `dim`, N = x.shape[dim].
+    hits = jnp.moveaxis(index, dim, -1)[..., None] == jnp.arange(x.shape[dim], dtype=index.dtype)  # [..., J, N]
+    values = jnp.moveaxis(src, dim, -1)[..., None].astype(x.dtype)  # [..., J, 1]
+    added = jnp.moveaxis(jnp.where(hits, values, 0).sum(axis=-2, dtype=x.dtype), -1, dim)  # index's shape, N at dim
+    # torch lets the index be smaller than x along the other dims: those rows receive nothing.
+    return x + jnp.pad(added, [(0, size - got) for size, got in zip(x.shape, added.shape)])
 
 
 def _index(out, x, indices):

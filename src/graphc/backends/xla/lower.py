@@ -1,10 +1,10 @@
 """Lower a rewritten step program (torch.export) to an XLA `HloModuleProto`, through jax.
 
 The program is interpreted node by node (`interpret.py`: the rules of `aten.py` and `graphc_ops.py`,
-core-ATen decompositions of ops without one) under `jax.jit`, lowered to StableHLO and converted to
-an HLO module: the input neuronx-cc documents (`--framework XLA`), and one XLA:CPU runs here. The
-StableHLO is kept too, as a portable artifact (`LoweredModule.stablehlo`): the module the HLO was
-converted from, serialized at a version some weeks older than this jaxlib's
+core-ATen decompositions of ops without one) under `jax.jit`, lowered to StableHLO (its nested
+calls inlined: `inline_calls`) and converted to an HLO module: the input neuronx-cc documents
+(`--framework XLA`), and one XLA:CPU runs here. The StableHLO is kept too, as a portable artifact
+(`LoweredModule.stablehlo`): the module the HLO was converted from, serialized at a version some weeks older than this jaxlib's
 (`STABLEHLO_COMPATIBILITY`), for toolchains that take StableHLO.
 
 The module's signature (`neuron_archive.ProgramSignature`, recorded beside it): the weights, then
@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax._src.lib import _jax, xla_client
+from jax._src.lib import _jax, jax_mlir_ext, xla_client
 from jaxlib.mlir.dialects import stablehlo
 from jax.interpreters import mlir
-from jax._src.lib.mlir import ir
+from jax._src.lib.mlir import ir, passmanager
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
@@ -117,6 +117,7 @@ def _lower_variant(program: ExportedProgram, topology: Topology,
         *(jax.ShapeDtypeStruct(aval.shape, aval.dtype) for aval in avals))
     module = lowered.compiler_ir("stablehlo")
     with module.context:
+        inline_calls(module)
         module.operation.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(
             ir.IntegerType.get_signless(32), topology.world)
     bytecode = mlir.module_to_bytecode(module)
@@ -131,6 +132,44 @@ def _lower_variant(program: ExportedProgram, topology: Topology,
     signature = ProgramSignature(names, [list(a.shape) for a in avals], [np.dtype(a.dtype).name for a in avals],
                                  outputs, [np.dtype(o.dtype).name for o in jax.tree.leaves(lowered.out_info)], samples)
     return LoweredModule(computation.as_serialized_hlo_module_proto(), portable, version), signature
+
+
+def inline_calls(module: ir.Module) -> None:
+    """Inline every `func.call` of `module` (in place), then drop the functions no longer called.
+
+    jax lowers each nested `jax.jit` (jnp.where, cumsum, silu...) and some primitives' rules to a
+    private function and a call, which the HLO keeps as `call` instructions; the Neuron HLO is
+    handed over flat, one computation beside the reductions' and sorts' regions (`lint.py` refuses a
+    `call`). jaxlib's MLIR has no inliner interface registered for these dialects (the `inline` pass
+    leaves the calls), so each call is replaced by its callee's body through jax's own
+    `inlined_func_call` (what jax does for the lowering rules that allow it), to a fixpoint:
+    inlined bodies may hold calls.
+    """
+    symbols = ir.SymbolTable(module.operation)
+    while True:
+        calls = []
+
+        def collect(op):
+            if op.name == "func.call":
+                calls.append(op)
+            return ir.WalkResult.ADVANCE
+
+        module.operation.walk(collect)
+        if not calls:
+            break
+        for call in calls:
+            callee = symbols[ir.FlatSymbolRefAttr(call.attributes["callee"]).value]
+            block = call.block
+            appended = len(block.operations)
+            with call.location:
+                # The body is appended to the block (after its terminator): moved before the call.
+                results = jax_mlir_ext.inlined_func_call(callee, list(call.operands), block)
+            for op in list(block.operations)[appended:]:
+                op.move_before(call)
+            for old, new in zip(call.results, results):
+                old.replace_all_uses_with(new)
+            call.erase()
+    passmanager.PassManager.parse("builtin.module(symbol-dce)").run(module.operation)
 
 
 NOISE_OPS = (torch.ops.graphc.sample.default, torch.ops.graphc.verify_drafts.default)
