@@ -1,0 +1,216 @@
+"""graphc's Neuron runtime binding (runtime/neuron_runner.py) against a stand-in libnrt that enforces
+the documented contract (standin_nrt/nrt_standin.c: nrt.h, the "Neuron Runtime configuration
+guide", the "runtime developer guide") and records every call, one log a process; its NEFFs come
+from a neuronx-cc stand-in (standin_nrt/neuronx_cc.py) that writes each program's tensor table
+from its HLO, through `graphc neuron-finish`.
+
+Recording mode: the stand-in's nrt_execute fills the outputs with zeros, so these tests show what
+graphc asks of the runtime (framework, cores, vnc, root of the collectives, tensor names and
+sizes, frees), never numerics: the tokens are all 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from graphc.cli import cli
+from graphc.errors import GraphcError
+from graphc.runtime.neuron_runner import EFA_ENVIRONMENT, runtime_environment
+
+pytestmark = [pytest.mark.compiles]
+
+STANDIN = Path(__file__).parent / "standin_nrt"
+PRESET = "lora-groups"
+GRAPHC = Path(sys.executable).parent / "graphc"
+
+
+@pytest.fixture(scope="session")
+def standin_libnrt(tmp_path_factory) -> Path:
+    """A folder holding the stand-in built as libnrt.so.1 with the system C compiler."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler (cc) on this host to build the stand-in libnrt")
+    folder = tmp_path_factory.mktemp("standin-libnrt")
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", str(folder / "libnrt.so.1"),
+                    str(STANDIN / "nrt_standin.c")], check=True, capture_output=True, text=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def finished(compiled, tmp_path_factory):
+    """finished(cp=1, ep=1, buckets="small", preset=PRESET, speculative=0, broken=None): tiny neuron
+    artifacts through `graphc neuron-finish` with the neuronx-cc stand-in (`broken`: the NEFF
+    tensor it writes at a wrong size), once per session."""
+    folder = tmp_path_factory.mktemp("standin-neuronx-cc")
+    (folder / "neuronx-cc").write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STANDIN / "neuronx_cc.py"}" "$@"\n')
+    (folder / "neuronx-cc").chmod(0o755)
+    made: dict[tuple, Path] = {}
+
+    def get(cp: int = 1, ep: int = 1, buckets: str = "small", preset: str = PRESET, speculative: int = 0,
+            broken: str | None = None) -> Path:
+        key = (cp, ep, buckets, preset, speculative, broken)
+        if key not in made:
+            artifacts = compiled(preset, "neuron", buckets, cp, ep, speculative=speculative)
+            out = tmp_path_factory.mktemp("finished") / "artifacts"
+            env = {"PATH": f"{folder}:{os.environ['PATH']}", "GRAPHC_STANDIN_NEURONX_CC_BREAK": broken}
+            result = CliRunner().invoke(cli, ["neuron-finish", str(artifacts), "-o", str(out), "--target", "trn2"],
+                                        env=env)
+            assert result.exit_code == 0, result.output
+            made[key] = out
+        return made[key]
+
+    return get
+
+
+def _run(artifacts: Path, libnrt: Path, device: Path, env: dict | None = None, timeout: float = 180):
+    """`graphc run` on the Neuron device path over the stand-in; (process, each process's log)."""
+    device.mkdir(exist_ok=True)
+    environment = {**os.environ, "GRAPHC_NEURON_DEVICE": "1", "LD_LIBRARY_PATH": str(libnrt),
+                   "GRAPHC_STANDIN_NRT_DIR": str(device), **(env or {})}
+    command = [str(GRAPHC), "run", str(artifacts), "--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "4", "--ignore-eos",
+               "--json"]
+    # Its own process group: a job that hangs is killed whole, ranks included, not left behind.
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
+                          start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            pytest.fail(f"graphc run did not end in {timeout} s")
+    done = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return done, [_calls(log) for log in sorted(device.glob("calls-*.log"))]
+
+
+def _calls(log: Path) -> list[tuple[str, dict[str, str]]]:
+    """A process's log: (call, its key=value fields), in order."""
+    calls = []
+    for line in log.read_text().splitlines():
+        name, *fields = line.split()
+        calls.append((name, dict(field.split("=", 1) for field in fields if "=" in field)))
+    return calls
+
+
+def _fields(calls, name: str) -> list[dict[str, str]]:
+    return [fields for call, fields in calls if call == name]
+
+
+def _assert_kept_the_contract(calls, world: int) -> None:
+    """One process's log: framework NO_FW, one visible core at vnc 0, the collectives' root named
+    with several ranks, nothing leaked, nrt_close last."""
+    (init,) = _fields(calls, "nrt_init")
+    assert init["framework"] == "1"
+    assert init["visible_cores"].isdigit()  # one core
+    assert (init["root_comm_id"] != "-") == (world > 1)
+    loads = _fields(calls, "nrt_load_collectives")
+    assert loads and all(load["vnc"] == "0" and load["vnc_count"] == "1" and load["world"] == str(world)
+                         for load in loads)
+    assert not [call for call, _ in calls if call == "error:"], calls
+    assert _fields(calls, "nrt_execute")
+    assert len(_fields(calls, "nrt_unload")) == len(loads)
+    assert calls[-1] == ("nrt_close", {"leaked_tensors": "0", "leaked_models": "0", "leaked_tensor_sets": "0",
+                                       "leaked_tensor_infos": "0"})
+
+
+def _tokens(done) -> list[list[int]]:
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line)["output_ids"] for line in done.stdout.splitlines()]
+
+
+def test_one_rank_keeps_the_runtime_contract(finished, standin_libnrt, tmp_path):
+    """Framework NO_FW; its core only, as vnc 0; every NEFF tensor bound by its name (the stand-in
+    lists outputs last to first and names the pool's input `input<N>.must_alias_input`) at its
+    size; everything freed and nrt_close at exit. Zeros come out (recording mode)."""
+    done, logs = _run(finished(), standin_libnrt, tmp_path / "device", {"NEURON_RT_EXEC_TIMEOUT": "77"})
+    assert _tokens(done) == [[0, 0, 0, 0]]
+    (calls,) = logs
+    _assert_kept_the_contract(calls, world=1)
+    init = _fields(calls, "nrt_init")[0]
+    assert init["visible_cores"] == "0" and init["exec_timeout"] == "77"  # the user's timeout, untouched
+    assert init["fi_provider"] == "-"  # one host: no EFA
+
+
+@pytest.mark.multirank
+def test_two_ranks_under_the_launcher_each_take_one_core_as_vnc_0_with_the_root_named(finished, standin_libnrt,
+                                                                                       tmp_path):
+    """Without NEURON_RT_VISIBLE_CORES rank 0 would reserve every core and rank 1's nrt_init fail;
+    with the local rank as vnc rank 1's load would fail; without NEURON_RT_ROOT_COMM_ID the
+    collective programs would not load."""
+    done, logs = _run(finished(cp=2, ep=2), standin_libnrt, tmp_path / "device")
+    assert _tokens(done) == [[0, 0, 0, 0]]
+    assert len(logs) == 2
+    for calls in logs:
+        _assert_kept_the_contract(calls, world=2)
+    inits = [_fields(calls, "nrt_init")[0] for calls in logs]
+    assert sorted(init["visible_cores"] for init in inits) == ["0", "1"]
+    assert len({init["root_comm_id"] for init in inits}) == 1  # every rank names the same root
+    assert sorted(_fields(calls, "nrt_load_collectives")[0]["rank"] for calls in logs) == ["0", "1"]
+    assert all(_fields(calls, "loaded")[0]["collectives"] == "1" for calls in logs)
+
+
+@pytest.mark.multirank
+def test_a_runtime_error_status_reaches_the_user_in_one_line_naming_rank_call_and_status(finished, standin_libnrt,
+                                                                                         tmp_path):
+    done, _ = _run(finished(cp=2, ep=2), standin_libnrt, tmp_path / "device",
+                   {"GRAPHC_STANDIN_NRT_FAIL": "nrt_load_collectives:1:4"})
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "rank 1: nrt_load_collectives returned 4 (NRT_RESOURCE)" in errors[0], done.stderr
+    assert "the other ranks were stopped" in errors[0]
+
+
+@pytest.mark.multirank
+def test_a_rank_stuck_loading_names_itself_and_the_job_stops(finished, standin_libnrt, tmp_path):
+    done, _ = _run(finished(cp=2, ep=2), standin_libnrt, tmp_path / "device",
+                   {"GRAPHC_STANDIN_NRT_HANG": "1", "GRAPHC_NEURON_LOAD_TIMEOUT": "3"}, timeout=90)
+    assert done.returncode == 2
+    stuck = [line for line in done.stderr.splitlines() if "has not returned in 3 s" in line]
+    assert len(stuck) == 1 and stuck[0].startswith("rank 1: nrt_load_collectives of "), done.stderr
+    assert "error: rank 1 failed with exit code 1" in done.stderr
+
+
+@pytest.mark.slow  # its own MTP compile (~40 s); the plain step's binding is per commit
+def test_a_speculative_program_returns_its_verdict_at_its_shape(finished, standin_libnrt, tmp_path):
+    """An MTP step's tokens output is [rows, 2 + 2k] (the verdict), not the plain step's [rows]."""
+    done, logs = _run(finished(preset="trained", speculative=1), standin_libnrt, tmp_path / "device")
+    assert len(_tokens(done)[0]) == 4
+    _assert_kept_the_contract(logs[0], world=1)
+
+
+def test_a_neff_whose_tensors_do_not_match_the_program_is_refused_in_one_line(finished, standin_libnrt, tmp_path):
+    done, _ = _run(finished(broken="output1"), standin_libnrt, tmp_path / "device")
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 2 and done.stderr.startswith("loading "), done.stderr  # the echo, then one line
+    assert "the NEFF's output 'output1' (tokens) holds 8 bytes; the program's holds 4" in done.stderr
+
+
+def test_the_runtime_environment_of_a_rank():
+    # One core a process: the local rank's, or its entry of the cores the job was given.
+    assert runtime_environment({"GRAPHC_LOCAL_DEVICE": "1"}, 1, None) == {"NEURON_RT_VISIBLE_CORES": "1"}
+    assert runtime_environment({"GRAPHC_LOCAL_DEVICE": "1", "NEURON_RT_VISIBLE_CORES": "4-7"}, 2, 9)[
+        "NEURON_RT_VISIBLE_CORES"] == "5"
+    assert runtime_environment({"NEURON_RT_VISIBLE_CORES": "3,6"}, 1, None)["NEURON_RT_VISIBLE_CORES"] == "3"
+    # Several ranks: rank 0's host and port for the collectives' root, unless the user named one.
+    assert runtime_environment({"MASTER_ADDR": "10.0.0.5"}, 2, 29501)["NEURON_RT_ROOT_COMM_ID"] == "10.0.0.5:29501"
+    assert "NEURON_RT_ROOT_COMM_ID" not in runtime_environment({"NEURON_RT_ROOT_COMM_ID": "h:1"}, 2, 29501)
+    # EFA only when the job spans hosts, the user's values kept; NEURON_RT_EXEC_TIMEOUT never touched.
+    one_host = runtime_environment({"GROUP_WORLD_SIZE": "1", "NEURON_RT_EXEC_TIMEOUT": "5"}, 2, 1)
+    assert not set(EFA_ENVIRONMENT) & set(one_host) and "NEURON_RT_EXEC_TIMEOUT" not in one_host
+    hosts = runtime_environment({"GROUP_WORLD_SIZE": "2", "FI_EFA_FORK_SAFE": "0"}, 4, 1)
+    assert hosts["FI_PROVIDER"] == "efa" and hosts["FI_EFA_USE_DEVICE_RDMA"] == "1" and "FI_EFA_FORK_SAFE" not in hosts
+    # The logical core size the NEFFs were compiled at (the manifest's), which the runtime's must equal.
+    assert runtime_environment({}, 1, None, 2)["NEURON_LOGICAL_NC_CONFIG"] == "2"
+    assert runtime_environment({"NEURON_LOGICAL_NC_CONFIG": "2"}, 1, None, 2)["NEURON_LOGICAL_NC_CONFIG"] == "2"
+    with pytest.raises(GraphcError, match=r"^NEURON_LOGICAL_NC_CONFIG='1': the NEFFs were compiled at --lnc 2, and the "
+                                          r"runtime must run them at that logical core size; unset it, or run "
+                                          r"`graphc neuron-finish --lnc 1`$"):
+        runtime_environment({"NEURON_LOGICAL_NC_CONFIG": "1"}, 1, None, 2)
