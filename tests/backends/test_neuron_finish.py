@@ -144,6 +144,7 @@ def test_neuron_finish_adds_a_neff_to_every_program_and_rehashes(compiled, tmp_p
     with pytest.raises(GraphcError, match=r"GRAPHC_NEURON_DEVICE=1: the Neuron runtime \(libnrt.so.1\) is not "
                                           "installed on this host"):
         Engine(tmp_path / "finished")
+    assert not [key for key in os.environ if key.startswith("NEURON_")]  # the refusal left the environment alone
 
 
 def test_neuron_finish_for_trn1_passes_no_lnc_and_refuses_one(compiled, tmp_path, monkeypatch):

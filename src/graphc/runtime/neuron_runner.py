@@ -216,8 +216,8 @@ class _Runtime:
 
     def __init__(self, rank: int, world: int, lnc: int | None):
         self.rank = rank
+        self.library = _open_library()  # first: a host without the runtime keeps its environment as it was
         os.environ.update(runtime_environment(os.environ, world, _root_port(world), lnc))
-        self.library = _open_library()
         self.programs: list[_Program] = []
         self.tensors: list[ctypes.c_void_p] = []
         self.call("nrt_init", NRT_FRAMEWORK_TYPE_NO_FW, b"", b"")
