@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _posixshmem
 import os
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from graphc.buckets.selection import Bucket
-from graphc.runtime.channel import ChannelTimeout, StepChannel
+from graphc.runtime.channel import READY, ChannelTimeout, StepChannel
 
 WORLD, ROWS, WIDTH, BLOCKS = 2, 4, 8, 3
 PREFILL_8 = Bucket("prefill", 8)
@@ -91,12 +92,17 @@ def test_a_follower_waiting_for_a_dead_leader_times_out_naming_itself(endpoints)
         follower.receive(0)
 
 
+def _mark_ready(descriptor: int) -> None:
+    """Do what the leader does last once its header is set: write READY in the header's last word."""
+    os.pwrite(descriptor, READY.to_bytes(8, sys.byteorder, signed=True), 8 * (3 + 2 * WORLD))
+
+
 def test_a_follower_attaching_before_the_leader_sized_the_segment_waits_for_it():
     """The leader's segment exists empty between its shm_open and its ftruncate: a follower that
     maps it then must wait, not fail (seen in CI: "cannot mmap an empty file")."""
     name = f"graphc-test-{uuid.uuid4().hex[:12]}"
     descriptor = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-    sized = threading.Timer(0.2, os.ftruncate, (descriptor, 1 << 20))
+    sized = threading.Timer(0.2, lambda: (os.ftruncate(descriptor, 1 << 20), _mark_ready(descriptor)))
     sized.start()
     try:
         follower = StepChannel(name, WORLD, ROWS, WIDTH, BLOCKS, rank=1, timeout=5.0)
@@ -104,6 +110,24 @@ def test_a_follower_attaching_before_the_leader_sized_the_segment_waits_for_it()
         follower.segment.close()
     finally:
         sized.join()
+        os.close(descriptor)
+        _posixshmem.shm_unlink("/" + name)
+
+
+def test_a_follower_never_attaches_before_the_leader_has_set_the_header():
+    """A new segment is all zeros until the leader sets its header, and zeros read as "step 0
+    published, start-up metadata of 0 bytes": a follower that attached then ran garbage and the
+    leader timed out waiting for it (seen in CI, as a 30 s gloo timeout in the cross-host test)."""
+    name = f"graphc-test-{uuid.uuid4().hex[:12]}"
+    descriptor = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    try:
+        os.ftruncate(descriptor, 1 << 20)
+        with pytest.raises(ChannelTimeout, match="never appeared"):
+            StepChannel(name, WORLD, ROWS, WIDTH, BLOCKS, rank=1, timeout=0.3)
+        _mark_ready(descriptor)
+        follower = StepChannel(name, WORLD, ROWS, WIDTH, BLOCKS, rank=1, timeout=0.3)
+        follower.segment.close()
+    finally:
         os.close(descriptor)
         _posixshmem.shm_unlink("/" + name)
 

@@ -49,6 +49,9 @@ KINDS = ("prefill", "decode")
 """Bucket kinds by their number in a slot."""
 HEADER_WORDS = 3
 """A slot starts with the step's bucket: kind, size, tokens per row."""
+READY = 0x67726170686301
+"""The segment header's last word once the publisher has set the rest: a follower attaches only
+then (a new segment is all zeros, which read as "step 0 published, start-up metadata of 0 bytes")."""
 STEP_FIELDS = ("input_ids", "positions", "logits_index", "block_table", "slot_mapping",
                "temperature", "top_k", "top_p", "seed")
 """The step inputs the leader sends, each as [world, ...]: every rank's own."""
@@ -129,7 +132,7 @@ class StepChannel:
         self.readers = tuple(r for r in range(world) if r != publisher) if readers is None else readers
         self.max_rows, self.max_width, self.blocks_per_row = max_rows, max_width, blocks_per_row
         self.returned_width = returned_width
-        header = 3 + 2 * world
+        header = 3 + 2 * world + 1  # the last word: READY
         largest = self._shapes(max_rows, max_width)
         self.capacity = {name: math.prod(largest[name]) for name in STEP_FIELDS}
         """Words of each field in a slot: room for the largest step (computed once, not per step)."""
@@ -148,7 +151,8 @@ class StepChannel:
         self.slots = [words[slots + i * self.slot_words: slots + (i + 1) * self.slot_words] for i in range(2)]
         self.startup = np.ndarray((STARTUP_BYTES,), dtype=np.uint8, buffer=self.segment.buf, offset=8 * words.size)
         if rank == publisher:
-            self.header[:] = -1
+            self.header[:-1] = -1
+            self.header[-1] = READY  # last: what a follower waits for in `_attach`
 
     def _attach(self, name: str, size: int):
         deadline = time.monotonic() + (START_TIMEOUT_SECONDS if self.timeout is None else self.timeout)
@@ -159,7 +163,7 @@ class StepChannel:
                 # unlink would then fail in the tracker), and the tracker unlinks it only if
                 # every rank is gone without the leader having done so.
                 segment = shared_memory.SharedMemory(name=name)
-                if segment.size >= size:
+                if segment.size >= size and self._ready(segment):
                     return segment
                 segment.close()
             except (FileNotFoundError, ValueError):
@@ -167,8 +171,13 @@ class StepChannel:
                 # calls, and mapping the segment between them fails ("cannot mmap an empty file").
                 pass
             if time.monotonic() > deadline:
-                raise ChannelTimeout(f"rank {self.rank}: the leader's channel {name!r} never appeared") from None
+                raise ChannelTimeout(f"rank {self.rank}: the leader's channel {name!r} never appeared (or never became ready)") from None
             time.sleep(0.01)
+
+    def _ready(self, segment) -> bool:
+        """Whether the publisher has set `segment`'s header (its last word is READY)."""
+        offset = 8 * (3 + 2 * self.world)
+        return int(np.frombuffer(segment.buf, dtype=np.int64, count=1, offset=offset)[0]) == READY
 
     def _wait(self, ready, what: str) -> None:
         deadline, pause = time.monotonic() + (float("inf") if self.timeout is None else self.timeout), 0.0
