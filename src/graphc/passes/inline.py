@@ -5,7 +5,8 @@ the verifier, `torch.export.save` and the backends need)."""
 from __future__ import annotations
 
 import operator
-from typing import Callable
+import weakref
+from typing import Callable, Hashable
 
 import torch
 import torch.fx
@@ -15,20 +16,47 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from graphc.passes.manager import GraphInvariantError
 
 
-def _trace(node: torch.fx.Node, function: Callable) -> torch.fx.GraphModule:
-    """`function` traced on the node's fake tensor arguments, its other arguments baked in."""
+_TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per graph being rewritten: the traces made so far, by function and signature. A program calls
+the same op with the same shapes once a layer: traced once, inlined every time (`graph.node_copy`
+copies each node and its meta, leaving the trace as it was). Keyed by the graph, which no trace
+refers to, so an entry goes with its graph (a trace's fake tensors refer to their fake mode)."""
+
+
+def _signature(value) -> Hashable:
+    """What a trace depends on in one argument: a tensor's shape, stride and dtype (a size as its
+    expression where the capture left it symbolic: equal expressions, equal sizes); any other
+    value itself."""
+    if isinstance(value, torch.fx.Node):
+        fake = value.meta["val"]
+        if not isinstance(fake, torch.Tensor):
+            return ("symbol", str(fake))
+        return ("tensor", tuple(map(str, fake.shape)), tuple(map(str, fake.stride())), fake.dtype, str(fake.device))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *map(_signature, value))
+    return ("value", type(value).__name__, value)  # the type too: True == 1, and both hash alike
+
+
+def _trace(graph: torch.fx.Graph, node: torch.fx.Node, function: Callable) -> torch.fx.GraphModule:
+    """`function` traced on the node's fake tensor arguments, its other arguments baked in; once
+    per graph for each function and signature."""
     args = list(node.args)
     tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.fx.Node)]
-
-    def call(*tensors):
-        full = list(args)
-        for i, t in zip(tensor_positions, tensors):
-            full[i] = t
-        return function(*full)
-
     fakes = [args[i].meta["val"] for i in tensor_positions]
-    with detect_fake_mode(fakes):
-        return make_fx(call, tracing_mode="real")(*fakes)
+    fake_mode = detect_fake_mode(fakes)
+    key = (function, tuple(_signature(a) for a in args))
+    traces = _TRACED.setdefault(graph, {})
+    if key not in traces:
+
+        def call(*tensors):
+            full = list(args)
+            for i, t in zip(tensor_positions, tensors):
+                full[i] = t
+            return function(*full)
+
+        with fake_mode:
+            traces[key] = make_fx(call, tracing_mode="real")(*fakes)
+    return traces[key]
 
 
 def inline_function(graph: torch.fx.Graph, node: torch.fx.Node, function: Callable, **meta) -> None:
@@ -38,7 +66,7 @@ def inline_function(graph: torch.fx.Graph, node: torch.fx.Node, function: Callab
     (`meta["graphc_replaces"]`), so `graphc probe` can pair it with the captured graph's. A
     node with several outputs must be read only through getitems.
     """
-    traced = _trace(node, function)
+    traced = _trace(graph, node, function)
     env = dict(zip((n for n in traced.graph.nodes if n.op == "placeholder"),
                    (a for a in node.args if isinstance(a, torch.fx.Node))))
     with graph.inserting_before(node):
