@@ -4,9 +4,11 @@ guide", the "runtime developer guide") and records every call, one log a process
 from a neuronx-cc stand-in (standin_nrt/neuronx_cc.py) that writes each program's tensor table
 from its HLO, through `graphc neuron-finish`.
 
-Recording mode: the stand-in's nrt_execute fills the outputs with zeros, so these tests show what
-graphc asks of the runtime (framework, cores, vnc, root of the collectives, tensor names and
-sizes, frees), never numerics: the tokens are all 0.
+Recording mode (the default): the stand-in's nrt_execute fills the outputs with zeros, so those
+tests show what graphc asks of the runtime (framework, cores, vnc, root of the collectives, tensor
+names and sizes, frees): the tokens are all 0. Executing mode runs each NEFF's module on XLA:CPU
+over the stand-in's buffers (standin_nrt/nrt_standin_executor.py): tokens equal to graphc's own
+XLA:CPU runner's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -40,8 +43,10 @@ def standin_libnrt(tmp_path_factory) -> Path:
     if compiler is None:
         pytest.skip("no C compiler (cc) on this host to build the stand-in libnrt")
     folder = tmp_path_factory.mktemp("standin-libnrt")
-    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", str(folder / "libnrt.so.1"),
-                    str(STANDIN / "nrt_standin.c")], check=True, capture_output=True, text=True)
+    python_headers = sysconfig.get_paths()["include"]  # the executing mode calls into the rank's Python
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", f"-I{python_headers}", "-o",
+                    str(folder / "libnrt.so.1"), str(STANDIN / "nrt_standin.c")], check=True, capture_output=True,
+                   text=True)
     return folder
 
 
@@ -71,14 +76,19 @@ def finished(compiled, tmp_path_factory):
     return get
 
 
-def _run(artifacts: Path, libnrt: Path, device: Path, env: dict | None = None, timeout: float = 180):
-    """`graphc run` on the Neuron device path over the stand-in; (process, each process's log)."""
+SAMPLED = ("--temperature", "0.9", "--seed", "11")
+
+
+def _run(artifacts: Path, libnrt: Path | None, device: Path, env: dict | None = None, timeout: float = 180,
+         sampling: tuple[str, ...] = ()):
+    """`graphc run` on the Neuron device path over the stand-in (`libnrt` None: on graphc's XLA:CPU
+    runner instead); (process, each process's log)."""
     device.mkdir(exist_ok=True)
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}  # a job given no runtime settings
-    environment = {**inherited, "GRAPHC_NEURON_DEVICE": "1", "LD_LIBRARY_PATH": str(libnrt),
-                   "GRAPHC_STANDIN_NRT_DIR": str(device), **(env or {})}
-    command = [str(GRAPHC), "run", str(artifacts), "--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "4", "--ignore-eos",
-               "--json"]
+    environment = {**inherited, **({"GRAPHC_NEURON_DEVICE": "1", "LD_LIBRARY_PATH": str(libnrt)} if libnrt else {}),
+                   "GRAPHC_STANDIN_NRT_DIR": str(device), "PYTHONPATH": str(STANDIN), **(env or {})}
+    command = [str(GRAPHC), "run", str(artifacts), "--prompt-ids", "3,1,4,1,5", "--prompt-ids", "2,7,1,8",
+               "--max-new-tokens", "4", "--ignore-eos", "--json", *sampling]
     # Its own process group: a job that hangs is killed whole, ranks included, not left behind.
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
                           start_new_session=True) as process:
@@ -132,7 +142,7 @@ def test_one_rank_keeps_the_runtime_contract(finished, standin_libnrt, tmp_path)
     lists outputs last to first and names the pool's input `input<N>.must_alias_input`) at its
     size; everything freed and nrt_close at exit. Zeros come out (recording mode)."""
     done, logs = _run(finished(), standin_libnrt, tmp_path / "device", {"NEURON_RT_EXEC_TIMEOUT": "77"})
-    assert _tokens(done) == [[0, 0, 0, 0]]
+    assert _tokens(done) == [[0, 0, 0, 0]] * 2
     (calls,) = logs
     _assert_kept_the_contract(calls, world=1)
     init = _fields(calls, "nrt_init")[0]
@@ -147,7 +157,7 @@ def test_two_ranks_under_the_launcher_each_take_one_core_as_vnc_0_with_the_root_
     with the local rank as vnc rank 1's load would fail; without NEURON_RT_ROOT_COMM_ID the
     collective programs would not load."""
     done, logs = _run(finished(cp=2, ep=2), standin_libnrt, tmp_path / "device")
-    assert _tokens(done) == [[0, 0, 0, 0]]
+    assert _tokens(done) == [[0, 0, 0, 0]] * 2
     assert len(logs) == 2
     for calls in logs:
         _assert_kept_the_contract(calls, world=2)
@@ -156,6 +166,33 @@ def test_two_ranks_under_the_launcher_each_take_one_core_as_vnc_0_with_the_root_
     assert len({init["root_comm_id"] for init in inits}) == 1  # every rank names the same root
     assert sorted(_fields(calls, "nrt_load_collectives")[0]["rank"] for calls in logs) == ["0", "1"]
     assert all(_fields(calls, "loaded")[0]["collectives"] == "1" for calls in logs)
+
+
+EXECUTING = {"GRAPHC_STANDIN_NRT_EXECUTE": "1"}
+
+
+@pytest.mark.parametrize("sampling", [(), SAMPLED], ids=["greedy", "sampled"])
+def test_executing_the_neffs_gives_the_xla_cpu_runners_tokens(finished, standin_libnrt, tmp_path, sampling):
+    """Executing mode: each nrt_execute runs the NEFF's module on XLA:CPU over the stand-in's own
+    buffers, so the tokens come from what graphc wrote into the runtime's tensors and read back
+    (weights and pool at load, each step's inputs and noise), through the NEFF's tensor table."""
+    artifacts = finished()
+    done, logs = _run(artifacts, standin_libnrt, tmp_path / "device", EXECUTING, sampling=sampling)
+    reference, _ = _run(artifacts, None, tmp_path / "xla-cpu", sampling=sampling)
+    assert _tokens(done) == _tokens(reference)
+    assert any(token != 0 for tokens in _tokens(done) for token in tokens)
+    (calls,) = logs
+    _assert_kept_the_contract(calls, world=1)
+
+
+@pytest.mark.multirank
+def test_executing_two_ranks_with_collectives_gives_the_xla_cpu_runners_tokens(finished, standin_libnrt, tmp_path):
+    artifacts = finished(cp=2, ep=2)
+    done, logs = _run(artifacts, standin_libnrt, tmp_path / "device", EXECUTING, sampling=SAMPLED)
+    reference, _ = _run(artifacts, None, tmp_path / "xla-cpu", sampling=SAMPLED)
+    assert _tokens(done) == _tokens(reference)
+    for calls in logs:
+        _assert_kept_the_contract(calls, world=2)
 
 
 @pytest.mark.multirank

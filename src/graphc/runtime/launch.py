@@ -31,6 +31,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,9 @@ def _worker(artifacts: str, job, channel_name: str, trusted_key: str | None, lay
         # quietly, the launcher reports it once and removes the channel's segment. A job that ends
         # on a signal (a server) ignores it here: its leader drains, then stops the followers.
         signal.signal(signum, signal.SIG_IGN if job.ends_on_signal else lambda signum, frame: os._exit(128 + signum))
+    # The launcher prints the job's results; a rank's standard output is only what native
+    # libraries write there (XLA's gloo names its peers on it), which would interleave with them.
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ["LOCAL_WORLD_SIZE"])
     os.environ.update(GRAPHC_LOCAL_DEVICE=str(local_rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")

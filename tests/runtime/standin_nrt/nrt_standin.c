@@ -1,8 +1,13 @@
 /* A stand-in for the Neuron runtime (libnrt.so.1), for tests only: the functions graphc's binding
  * (src/graphc/runtime/neuron_runner.py) calls, with the C layouts it declares, enforcing the
  * contract the Neuron SDK documents (nrt.h; "Neuron Runtime configuration guide"; "runtime
- * developer guide") and recording every call. It runs nothing: nrt_execute fills the outputs with
- * zeros (recording mode), so it can show what graphc asks of the runtime, never numerics.
+ * developer guide") and recording every call. Two modes:
+ * - recording (the default): nrt_execute fills the outputs with zeros, so it shows what graphc asks
+ *   of the runtime, never numerics;
+ * - executing (GRAPHC_STANDIN_NRT_EXECUTE=1): nrt_execute runs the NEFF's module on XLA:CPU, on the
+ *   stand-in's own buffers, through the Python function nrt_standin_executor.execute (the process
+ *   is graphc's, a Python process; the module is found on its PYTHONPATH), collectives over gloo:
+ *   the whole ctypes path runs, and its tokens can be compared with graphc's XLA:CPU runner's.
  *
  * The contract enforced:
  * - nrt_init takes NRT_FRAMEWORK_TYPE_NO_FW (1) from a direct caller; anything else is an error.
@@ -21,6 +26,8 @@
  *     collectives <0|1>
  *     tensor <name> <usage: 0 input, 1 output> <bytes> <dtype> <ndim> <dims...>
  *     alias <output name> <input name>
+ *     module <bytes>
+ * and then that many bytes: the module, serialized, that the executing mode runs.
  *
  * Environment: GRAPHC_STANDIN_NRT_DIR (required: the device's lock files and the call logs,
  * calls-<pid>.log), GRAPHC_STANDIN_NRT_CORES (the device's cores, default 4),
@@ -28,6 +35,9 @@
  * GRAPHC_STANDIN_NRT_HANG=<rank> (that rank's nrt_load_collectives never returns, as when a peer
  * never loads).
  */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h> /* first, as Python's C API asks */
 
 #include <errno.h>
 #include <stdarg.h>
@@ -86,6 +96,8 @@ typedef struct {
     entry_t *entries;
     int count;
     uint32_t rank, world;
+    char *module; /* the module the executing mode runs */
+    size_t module_size;
 } nrt_model_t;
 
 static FILE *call_log;
@@ -226,7 +238,9 @@ __attribute__((destructor)) static void at_exit(void) {
         log_leaks("exit-without-nrt_close");
 }
 
-static int parse_neff(const char *text, nrt_model_t *model, int *collectives) {
+/* The NEFF's text part (`text`, NUL-terminated where its module begins) into `model`; the module's
+ * size in `*module_size`, its offset from the start in `*module_at`. */
+static int parse_neff(const char *text, nrt_model_t *model, int *collectives, size_t *module_size, size_t *module_at) {
     const char *line = text;
     int capacity = 0;
     if (strncmp(text, "STANDIN-NEFF 1\n", 15) != 0)
@@ -237,6 +251,10 @@ static int parse_neff(const char *text, nrt_model_t *model, int *collectives) {
         memset(&entry, 0, sizeof entry);
         if (sscanf(line, "collectives %d", collectives) == 1)
             continue;
+        if (sscanf(line, "module %zu%n", module_size, &consumed) == 1 && line[consumed] == '\n') {
+            *module_at = (size_t)(line + consumed + 1 - text);
+            return 0;
+        }
         if (sscanf(line, "alias %255s %255s", entry.name, entry.alias) == 2) {
             for (int i = 0; i < model->count; i++)
                 if (strcmp(model->entries[i].name, entry.name) == 0)
@@ -288,8 +306,16 @@ int nrt_load_collectives(const void *neff_bytes, size_t size, int32_t vnc, int32
     memcpy(text, neff_bytes, size);
     text[size] = 0;
     nrt_model_t *loaded = calloc(1, sizeof *loaded);
-    int parsed = parse_neff(text, loaded, &collectives);
+    size_t module_size = 0, module_at = size;
+    int parsed = parse_neff(text, loaded, &collectives, &module_size, &module_at);
     free(text);
+    if (parsed == 0 && module_at + module_size != size)
+        parsed = -1; /* a module cut short, or bytes after it */
+    if (parsed == 0 && module_size) {
+        loaded->module = malloc(module_size);
+        memcpy(loaded->module, (const char *)neff_bytes + module_at, module_size);
+        loaded->module_size = module_size;
+    }
     if (parsed != 0) {
         record("error: not a stand-in NEFF");
         free(loaded->entries);
@@ -315,6 +341,7 @@ int nrt_unload(nrt_model_t *model) {
     if (!model)
         return NRT_INVALID_HANDLE;
     free(model->entries);
+    free(model->module);
     free(model);
     live_models--;
     return NRT_SUCCESS;
@@ -454,6 +481,59 @@ static const entry_t *entry_of(const nrt_model_t *model, const char *name, int u
     return NULL;
 }
 
+/* The parameter or result number of a NEFF tensor named input<N>[.must_alias_input] / output<N>, or -1. */
+static int number_of(const entry_t *entry) {
+    unsigned number;
+    int consumed = 0;
+    const char *prefix = entry->usage ? "output%u%n" : "input%u%n";
+    if (sscanf(entry->name, prefix, &number, &consumed) != 1)
+        return -1;
+    const char *rest = entry->name + consumed;
+    return *rest == 0 || (!entry->usage && strcmp(rest, ".must_alias_input") == 0) ? (int)number : -1;
+}
+
+/* Executing mode: nrt_standin_executor.execute(module, rank, world, inputs, outputs), each tensor
+ * a writable memoryview of the stand-in's buffer, by parameter / result number. The Python call
+ * takes the GIL (ctypes released it for this call). */
+static int run_module(nrt_model_t *model, const nrt_tensor_set_t *inputs, nrt_tensor_set_t *outputs) {
+    int counts[2] = {0, 0}, status = NRT_FAILURE;
+    if (!model->module) {
+        record("error: nrt_execute: executing mode, but the NEFF holds no module");
+        return NRT_INVALID;
+    }
+    for (int i = 0; i < model->count; i++)
+        counts[model->entries[i].usage]++;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject *views[2] = {PyList_New(counts[0]), PyList_New(counts[1])}, *executor = NULL, *done = NULL;
+    for (int i = 0; i < model->count; i++) {
+        const entry_t *entry = &model->entries[i];
+        int number = number_of(entry);
+        if (number < 0 || number >= counts[entry->usage]) {
+            record("error: nrt_execute: NEFF tensor %s is not named input<N> / output<N>", entry->name);
+            goto out;
+        }
+        nrt_tensor_t *tensor = bound(entry->usage ? outputs : inputs, entry->name);
+        PyList_SetItem(views[entry->usage], number, PyMemoryView_FromMemory(tensor->data, tensor->size, PyBUF_WRITE));
+    }
+    executor = PyImport_ImportModule("nrt_standin_executor");
+    if (executor)
+        done = PyObject_CallMethod(executor, "execute", "y#IIOO", model->module, (Py_ssize_t)model->module_size,
+                                   model->rank, model->world, views[0], views[1]);
+    if (done)
+        status = NRT_SUCCESS;
+    else {
+        record("error: nrt_execute: the executor failed (its traceback is on stderr)");
+        PyErr_Print();
+    }
+out:
+    Py_XDECREF(done);
+    Py_XDECREF(executor);
+    Py_XDECREF(views[0]);
+    Py_XDECREF(views[1]);
+    PyGILState_Release(gil);
+    return status;
+}
+
 int nrt_execute(nrt_model_t *model, const nrt_tensor_set_t *inputs, nrt_tensor_set_t *outputs) {
     if (!model || !inputs || !outputs)
         return NRT_INVALID_HANDLE;
@@ -487,6 +567,8 @@ int nrt_execute(nrt_model_t *model, const nrt_tensor_set_t *inputs, nrt_tensor_s
             return NRT_INVALID;
         }
     }
+    if (strcmp(env_or("GRAPHC_STANDIN_NRT_EXECUTE", "0"), "1") == 0)
+        return run_module(model, inputs, outputs);
     for (int i = 0; i < model->count; i++) /* recording mode: outputs are zeros; an aliased one is kept */
         if (model->entries[i].usage == 1 && !model->entries[i].alias[0]) {
             nrt_tensor_t *tensor = bound(outputs, model->entries[i].name);
