@@ -28,6 +28,7 @@ from click.testing import CliRunner
 from graphc.cli import cli
 from graphc.errors import GraphcError
 from graphc.runtime.neuron_runner import EFA_ENVIRONMENT, runtime_environment
+from servers import Server
 
 pytestmark = [pytest.mark.compiles]
 
@@ -52,7 +53,7 @@ def standin_libnrt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def finished(compiled, tmp_path_factory):
-    """finished(cp=1, ep=1, buckets="small", preset=PRESET, speculative=0, broken=None): tiny neuron
+    """finished(cp=1, ep=1, buckets="small", preset=PRESET, speculative=0, broken=None, dp=1, tp=1): tiny neuron
     artifacts through `graphc neuron-finish` with the neuronx-cc stand-in (`broken`: the NEFF
     tensor it writes at a wrong size), once per session."""
     folder = tmp_path_factory.mktemp("standin-neuronx-cc")
@@ -61,10 +62,10 @@ def finished(compiled, tmp_path_factory):
     made: dict[tuple, Path] = {}
 
     def get(cp: int = 1, ep: int = 1, buckets: str = "small", preset: str = PRESET, speculative: int = 0,
-            broken: str | None = None) -> Path:
-        key = (cp, ep, buckets, preset, speculative, broken)
+            broken: str | None = None, dp: int = 1, tp: int = 1) -> Path:
+        key = (cp, ep, buckets, preset, speculative, broken, dp, tp)
         if key not in made:
-            artifacts = compiled(preset, "neuron", buckets, cp, ep, speculative=speculative)
+            artifacts = compiled(preset, "neuron", buckets, cp, ep, dp=dp, tp=tp, speculative=speculative)
             out = tmp_path_factory.mktemp("finished") / "artifacts"
             env = {"PATH": f"{folder}:{os.environ['PATH']}", "GRAPHC_STANDIN_NEURONX_CC_BREAK": broken}
             result = CliRunner().invoke(cli, ["neuron-finish", str(artifacts), "-o", str(out), "--target", "trn2"],
@@ -76,6 +77,7 @@ def finished(compiled, tmp_path_factory):
     return get
 
 
+PROMPTS = ([3, 1, 4, 1, 5], [2, 7, 1, 8])
 SAMPLED = ("--temperature", "0.9", "--seed", "11")
 
 
@@ -87,7 +89,7 @@ def _run(artifacts: Path, libnrt: Path | None, device: Path, env: dict | None = 
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_")}  # a job given no runtime settings
     environment = {**inherited, **({"GRAPHC_NEURON_DEVICE": "1", "LD_LIBRARY_PATH": str(libnrt)} if libnrt else {}),
                    "GRAPHC_STANDIN_NRT_DIR": str(device), "PYTHONPATH": str(STANDIN), **(env or {})}
-    command = [str(GRAPHC), "run", str(artifacts), "--prompt-ids", "3,1,4,1,5", "--prompt-ids", "2,7,1,8",
+    command = [str(GRAPHC), "run", str(artifacts), *(f"--prompt-ids={','.join(map(str, p))}" for p in PROMPTS),
                "--max-new-tokens", "4", "--ignore-eos", "--json", *sampling]
     # Its own process group: a job that hangs is killed whole, ranks included, not left behind.
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
@@ -193,6 +195,39 @@ def test_executing_two_ranks_with_collectives_gives_the_xla_cpu_runners_tokens(f
     assert _tokens(done) == _tokens(reference)
     for calls in logs:
         _assert_kept_the_contract(calls, world=2)
+
+
+@pytest.mark.slow  # a compile and two runs each; cp 2 x ep 2 is per commit
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", [dict(dp=2, ep=2, buckets="dp"), dict(tp=2, ep=2),
+                                    dict(preset="trained", speculative=1)], ids=["dp2xep2", "tp2xep2", "mtp"])
+def test_executing_other_layouts_and_drafts_gives_the_xla_cpu_runners_tokens(finished, standin_libnrt, tmp_path,
+                                                                             layout):
+    artifacts = finished(**layout)
+    for sampling in ((), SAMPLED):
+        done, logs = _run(artifacts, standin_libnrt, tmp_path / f"device{len(sampling)}", EXECUTING, sampling=sampling)
+        reference, _ = _run(artifacts, None, tmp_path / f"xla-cpu{len(sampling)}", sampling=sampling)
+        assert _tokens(done) == _tokens(reference)
+        for calls in logs:
+            _assert_kept_the_contract(calls, world=len(logs))
+
+
+def test_graphc_serve_on_the_device_path_gives_graphc_runs_tokens_to_the_openai_client(finished, standin_libnrt,
+                                                                                        tmp_path):
+    artifacts = finished()
+    reference, _ = _run(artifacts, None, tmp_path / "xla-cpu", sampling=SAMPLED)
+    (tmp_path / "device").mkdir()
+    server = Server(artifacts, env={**EXECUTING, "GRAPHC_NEURON_DEVICE": "1", "LD_LIBRARY_PATH": str(standin_libnrt),
+                                    "GRAPHC_STANDIN_NRT_DIR": str(tmp_path / "device"), "PYTHONPATH": str(STANDIN)})
+    try:
+        served = [server.client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0.9, seed=11,
+                                                   extra_body={"ignore_eos": True}).choices[0].model_extra["token_ids"]
+                  for prompt in PROMPTS]
+    finally:
+        assert server.stop() == 0, "".join(server.lines)
+    assert served == _tokens(reference)
+    (calls,) = [_calls(log) for log in (tmp_path / "device").glob("calls-*.log")]
+    assert _fields(calls, "nrt_init")[0]["framework"] == "1" and _fields(calls, "nrt_execute")
 
 
 @pytest.mark.multirank
