@@ -129,6 +129,44 @@ def test_sample_respects_top_k_and_top_p():
     assert set(picks.tolist()) == {0, 1, 2}
 
 
+def _full_vocabulary_sample(logits, temperature, top_k, top_p, seeds):
+    """The sampler without its candidate cap: top-k and top-p over the whole sorted vocabulary,
+    each token's Gumbel noise its own."""
+    scaled = logits / temperature
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    probs = ordered.softmax(-1)
+    rank = torch.arange(logits.shape[-1])
+    drop = ((top_k > 0) & (rank >= top_k)) | ((probs.cumsum(-1) - probs) >= top_p)
+    kept = torch.full_like(scaled, float("-inf")).scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+    noise = sampler.sampling_noise(seeds, logits.shape[-1])
+    return (kept - torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))).argmax(-1)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 1, 1.0), (1.0, 40, 1.0), (0.7, 256, 1.0), (0.8, 0, 0.9),
+                                                       (1.1, 100, 0.95)])
+def test_sampling_within_its_candidates_is_exact_where_top_k_or_the_nucleus_fits_them(temperature, top_k, top_p):
+    """At a vocabulary of 1,000: the tokens the uncapped sampler draws, wherever the row's top-k is
+    at most SAMPLER_CANDIDATES or its nucleus lies within them (peaked logits: it does)."""
+    rows, vocab = 64, 1000
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4)) * 4
+    seeds = torch.arange(rows) * 7919 + 3
+    assert sampler.SAMPLER_CANDIDATES < vocab
+    assert torch.equal(_sample(logits, temperature, top_k, top_p, seeds),
+                       _full_vocabulary_sample(logits, temperature, top_k, top_p, seeds))
+
+
+def test_a_row_without_limits_draws_from_its_candidates_only():
+    """top_k 0 and top_p 1 over flat logits: the uncapped sampler draws past the 256 most likely
+    tokens; the sampler never does (the documented cap)."""
+    rows, vocab = 256, 1000
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(5))
+    seeds = torch.arange(rows)
+    top = logits.topk(sampler.SAMPLER_CANDIDATES, dim=-1).indices
+    inside = lambda picks: (top == picks[:, None]).any(-1)  # noqa: E731
+    assert inside(_sample(logits, 1.0, 0, 1.0, seeds)).all()
+    assert not inside(_full_vocabulary_sample(logits, 1.0, 0, 1.0, seeds)).all()
+
+
 def test_sample_frequencies_follow_the_softmax():
     draws = 3000
     logits = torch.tensor([[1.0, 0.5, 0.0, -1.0]]).repeat(draws, 1)

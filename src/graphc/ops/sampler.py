@@ -27,6 +27,28 @@ def step_noise(seed: Tensor, temperature: Tensor, shape: list[int]) -> Tensor:
     return torch.stack([sampling_noise(seed + j, shape[-1]) for j in range(shape[1])], dim=1)
 
 
+SAMPLER_CANDIDATES = 256
+"""A sampling row draws from its `SAMPLER_CANDIDATES` most likely tokens (NxD Inference's global
+top-k, 256 by default): top-k and top-p then work within them, so no program sorts or scans the
+whole vocabulary (a sort of DeepSeek's 129,280 logits, and a cumulative sum that lowers to a
+reduce-window as wide as the vocabulary, quadratic on the device). Exact wherever the row's
+top-k is 1..256, or its top-p nucleus lies within them; otherwise the tail past them is never
+drawn (a top_k of 0 or above 256 means 256). Probabilities are the whole vocabulary's: the
+nucleus is measured against the full softmax, not the candidates'."""
+
+
+def candidates(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
+    """Scaled logits [..., V] (rows' parameters [...]) -> (the candidates' logits, descending, with
+    what top-k and top-p drop at -inf; their token ids): each [..., min(SAMPLER_CANDIDATES, V)]."""
+    values, ids = scaled.topk(min(SAMPLER_CANDIDATES, scaled.shape[-1]), dim=-1)
+    probs = (values - scaled.logsumexp(dim=-1, keepdim=True)).exp()
+    rank = torch.arange(values.shape[-1], device=scaled.device)
+    drop = (top_k[..., None] > 0) & (rank >= top_k[..., None])
+    # Nucleus: keep the smallest prefix whose probability reaches top_p (the first token always stays).
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[..., None]
+    return values.masked_fill(drop, float("-inf")), ids
+
+
 def _sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
             samples: Tensor | None = None) -> Tensor:
     """Pick one token per row: greedy where temperature is 0, else sampling with top-k / top-p.
@@ -53,17 +75,10 @@ def _sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, s
     if not bool((temperature > 0).any()):
         return greedy
     scaled = logits / temperature.clamp_min(1e-6)[:, None]  # [B, V]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, V]
-    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]  # [1, V]
-    drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
-    # Nucleus: keep the smallest prefix whose probability reaches top_p (the first token always stays).
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    noise = sampling_noise(seed, logits.shape[-1]).to(logits.device)  # [B, V]
+    kept, ids = candidates(scaled, top_k, top_p)  # [B, C]
+    noise = sampling_noise(seed, logits.shape[-1]).to(logits.device).gather(-1, ids)  # each token's own draw
     gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
-    sampled = order.gather(-1, (sorted_logits + gumbel).argmax(dim=-1, keepdim=True)).squeeze(-1)
+    sampled = ids.gather(-1, (kept + gumbel).argmax(dim=-1, keepdim=True)).squeeze(-1)
     return torch.where(temperature > 0, sampled, greedy)
 
 
@@ -76,15 +91,9 @@ sample = define_op("sample(Tensor logits, Tensor temperature, Tensor top_k, Tens
 
 def filtered_probabilities(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     """[N, V] fp32 logits of rows that sample (temperature > 0) -> the distribution `sample` draws
-    from: temperature, then top-k, then the nucleus of top-p (the first token always stays)."""
-    scaled = logits / temperature.clamp_min(1e-6)[:, None]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
-    probs = sorted_logits.softmax(dim=-1)
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    kept = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    return torch.zeros_like(kept).scatter(-1, order, kept)
+    from: temperature, then its candidates' top-k and top-p (`candidates`), renormalised."""
+    kept, ids = candidates(logits / temperature.clamp_min(1e-6)[:, None], top_k, top_p)
+    return torch.zeros_like(logits).scatter(-1, ids, kept.softmax(dim=-1))
 
 
 def _gumbel_pick(probabilities: Tensor, noise: Tensor) -> int:

@@ -19,7 +19,7 @@ from graphc.backends.xla import graphc_ops
 from graphc.backends.xla import ngram_hash as ngram_words
 from graphc.backends.xla.aten import Out
 from graphc.backends.xla.lower import Lowering
-from graphc.backends.xla.variants import CPU
+from graphc.backends.xla.variants import CPU, NEURON
 from graphc.errors import GraphcError
 from graphc.models.deepseek_v41.engram import EngramArgs, NgramHash
 from graphc.ops import all_to_all, collectives, hyper_connections, moe, paged_attention, sampler, sparse
@@ -56,11 +56,12 @@ def test_kv_write_writes_each_slot_and_sends_padding_to_the_scratch_block():
     assert any(torch.equal(scratch, kv.reshape(-1, 5)[i]) for i in (2, 3))
 
 
+@pytest.mark.parametrize("vocab", [50, 600])  # below and above SAMPLER_CANDIDATES
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.0, 0, 1.0), (0.8, 0, 1.0), (1.0, 5, 1.0), (0.7, 0, 0.9),
                                                        (1.3, 7, 0.5)])
-def test_sample_equals_the_torch_sampler_given_its_noise(temperature, top_k, top_p):
+def test_sample_equals_the_torch_sampler_given_its_noise(temperature, top_k, top_p, vocab):
     g = torch.Generator().manual_seed(1)
-    logits = torch.randn(6, 50, generator=g) * 3
+    logits = torch.randn(6, vocab, generator=g) * 3
     logits[0, 7] = float("-inf")
     rows = logits.shape[0]
     args = (torch.full((rows,), temperature), torch.full((rows,), top_k), torch.full((rows,), top_p),
@@ -74,12 +75,35 @@ def test_sample_equals_the_torch_sampler_given_its_noise(temperature, top_k, top
     assert not np.asarray(follower).any()
 
 
+@pytest.mark.parametrize("rule", ["sample", "verify_drafts"])
+def test_the_samplers_neuron_module_neither_sorts_nor_scans_deepseeks_vocabulary(rule):
+    """At DeepSeek's 129,280 tokens, the neuron variant takes its candidates with the compiler's
+    top-k call: no sort, and no cumulative sum (a reduce-window) wider than the candidates."""
+    rows, vocab = 4, 129_280
+    lowering = Lowering(Topology(1, 1), NEURON)
+    logits, drafts = jnp.zeros((rows, 3, vocab)), jnp.zeros((rows, 2), jnp.int32)
+    parameters = (jnp.ones(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows), jnp.zeros(rows, jnp.int32))
+
+    def step(logits, noise, *parameters):
+        lowering.noise = noise
+        if rule == "sample":
+            return graphc_ops.sample(lowering, Out((rows,), np.int32), logits[:, 0], *parameters)
+        return graphc_ops.verify_drafts(lowering, Out((rows, 4), np.int32), logits, drafts, parameters[1], *parameters)
+
+    noise = logits[:, 0] if rule == "sample" else logits
+    text = jax.jit(step).lower(logits, noise, *parameters).compiler_ir("hlo").as_hlo_text()
+    assert " sort(" not in text and "AwsNeuronTopK" in text
+    windows = [max(map(int, size.split("x"))) for size in re.findall(r"window=\{size=([\dx]+)", text)]
+    assert windows and max(windows) <= sampler.SAMPLER_CANDIDATES
+
+
+@pytest.mark.parametrize("vocab", [40, 600])  # below and above SAMPLER_CANDIDATES
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.0, 0, 1.0), (0.9, 0, 1.0), (1.2, 6, 1.0), (0.8, 0, 0.85)])
-def test_verify_drafts_equals_the_torch_verdict_given_its_noise(temperature, top_k, top_p):
+def test_verify_drafts_equals_the_torch_verdict_given_its_noise(temperature, top_k, top_p, vocab):
     """Rows with 0..3 drafts (k = 3), drafts the model's argmax, its runner-up or unlikely: the
     accepted count and the tokens, exactly, with position j's noise from seed + j."""
     g = torch.Generator().manual_seed(3)
-    rows, k, vocab = 64, 3, 40
+    rows, k = 64, 3
     logits = torch.randn(rows, 1 + k, vocab, generator=g) * 2.5
     ranked = logits.argsort(dim=-1, descending=True)[:, :k]  # [B, k, V] -> each position's ranking
     choice = torch.randint(0, 3, (rows, k), generator=g)  # 0: the argmax, 1: the runner-up, 2: any token

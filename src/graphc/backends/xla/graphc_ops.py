@@ -17,6 +17,7 @@ from graphc.backends.xla import collectives
 from graphc.backends.xla.ngram_hash import ngram_hash
 from graphc.backends.xla.aten import Out, first_argmax
 from graphc.errors import GraphcError
+from graphc.ops.sampler import SAMPLER_CANDIDATES
 from graphc.ops.sparse import NO_KEY
 
 SAMPLER_MIN_TEMPERATURE = 1e-6
@@ -35,19 +36,20 @@ def kv_write(lowering, out: Out, kv_pool, layer: int, kv, slot_mapping):
     return (None, kv_pool.at[layer].set(written.reshape(blocks, block_size, width)))
 
 
-def _sorted_kept(logits, temperature, top_k, top_p):
-    """Logits [..., V] (rows' parameters [...]) sorted descending, with what temperature, top-k
-    and top-p drop at -inf, and the sorting order: `graphc.ops.sampler`'s filtering."""
+def _candidates(lowering, logits, temperature, top_k, top_p):
+    """`graphc.ops.sampler.candidates` of the scaled logits [..., V] (rows' parameters [...]): the
+    kept candidates' logits at -inf where top-k and top-p drop them, and their token ids (int32),
+    each [..., min(SAMPLER_CANDIDATES, V)]; the top-k as the variant takes one (neuron: its custom
+    call), so no sort or scan spans the vocabulary."""
     scaled = logits / jnp.maximum(temperature, SAMPLER_MIN_TEMPERATURE)[..., None]
-    iota = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
-    negated, order = jax.lax.sort((-scaled, iota), dimension=scaled.ndim - 1, is_stable=True, num_keys=1)
-    sorted_logits = -negated
-    rank = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
+    count = min(SAMPLER_CANDIDATES, scaled.shape[-1])
+    top = lowering.variant.rules.get(torch.ops.aten.topk.default)
+    values, ids = top(None, scaled, count) if top is not None else jax.lax.top_k(scaled, count)
+    probs = jnp.exp(values - jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
+    rank = jax.lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
     drop = (top_k[..., None] > 0) & (rank >= top_k[..., None])
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    drop = drop | (mass_before >= top_p[..., None])
-    return jnp.where(drop, -jnp.inf, sorted_logits), order
+    drop = drop | (jnp.cumsum(probs, axis=-1) - probs >= top_p[..., None])
+    return jnp.where(drop, -jnp.inf, values), ids.astype(jnp.int32)
 
 
 def _gumbel(noise):
@@ -60,9 +62,9 @@ def sample(lowering, out: Out, logits, temperature, top_k, top_p, seed, samples=
     same token on every backend."""
     logits = logits.astype(jnp.float32)
     greedy = first_argmax(logits)
-    sorted_logits, order = _sorted_kept(logits, temperature, top_k, top_p)
-    pick = first_argmax(sorted_logits + _gumbel(lowering.noise))
-    sampled = jnp.take_along_axis(order, pick[:, None], axis=1)[:, 0]
+    kept, ids = _candidates(lowering, logits, temperature, top_k, top_p)
+    pick = first_argmax(kept + _gumbel(jnp.take_along_axis(lowering.noise, ids, axis=1)))
+    sampled = jnp.take_along_axis(ids, pick[:, None], axis=1)[:, 0]
     tokens = jnp.where(temperature > 0, sampled, greedy)
     return tokens if samples is None else jnp.where(samples != 0, tokens, 0)
 
@@ -75,10 +77,10 @@ def verify_drafts(lowering, out: Out, logits, drafts, draft_count, temperature, 
     k = positions - 1
     greedy = first_argmax(logits)  # [B, 1 + k]
     expand = lambda v: jnp.broadcast_to(v[:, None], (rows, positions))  # noqa: E731
-    sorted_logits, order = _sorted_kept(logits, expand(temperature), expand(top_k), expand(top_p))
-    # Back to vocabulary order: each token's kept logit (-inf where dropped), then its probability.
-    kept = jnp.zeros_like(sorted_logits).at[
-        jnp.arange(rows)[:, None, None], jnp.arange(positions)[None, :, None], order].set(sorted_logits)
+    candidate_logits, ids = _candidates(lowering, logits, expand(temperature), expand(top_k), expand(top_p))
+    # Back to vocabulary order: each candidate's kept logit, -inf for the rest; then probabilities.
+    kept = jnp.full_like(logits, -jnp.inf).at[
+        jnp.arange(rows)[:, None, None], jnp.arange(positions)[None, :, None], ids].set(candidate_logits)
     probabilities = jax.nn.softmax(kept, axis=-1)  # [B, 1 + k, V]
     noise = lowering.noise
     proposed = jnp.concatenate([drafts, jnp.zeros((rows, 1), drafts.dtype)], axis=1)  # [B, 1 + k]
