@@ -62,7 +62,9 @@ def test_default_max_new_tokens_is_clipped_to_the_context(prompt_tokens, expecte
 def test_run_and_serve_give_the_same_default_max_new_tokens(prompt_tokens):
     prompt = [5] * prompt_tokens
     ran, error = run_of(Asked(prompt, "prompt 0"))
-    served = generation_request(CompletionRequest(model="m", prompt=prompt), prompt, MANIFEST)
+    # A server given the manifest's seed (`graphc serve --seed`); without one it draws fresh noise.
+    served = generation_request(CompletionRequest(model="m", prompt=prompt), prompt, MANIFEST,
+                                MANIFEST.runtime.sampling.seed)
     assert error is None
     assert ran.max_new_tokens == served.max_new_tokens == default_max_new_tokens(MANIFEST, prompt_tokens)
     assert ran.sampling == served.sampling == MANIFEST.runtime.sampling

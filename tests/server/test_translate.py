@@ -23,9 +23,20 @@ def translated(prompt: list[int], **fields):
 
 
 def test_the_bodys_fields_become_the_engines_request():
-    request = translated([1, 2], max_tokens=5, temperature=0.5, ignore_eos=True, min_tokens=2)
+    request = translated([1, 2], max_tokens=5, temperature=0.5, ignore_eos=True, min_tokens=2, seed=3)
     assert (request.prompt, request.max_new_tokens, request.stop_at_eos, request.min_new_tokens) == ([1, 2], 5, False, 2)
-    assert request.sampling == Sampling(temperature=0.5, seed=9)
+    assert request.sampling == Sampling(temperature=0.5, seed=3)
+
+
+def test_a_body_without_a_seed_gets_fresh_noise_unless_the_server_sets_one():
+    """As OpenAI and vLLM: identical unseeded requests sample differently (not the manifest's seed
+    9, which made them return identical text); the server's --seed makes them reproducible."""
+    body = CompletionRequest(model="m", prompt=[1, 2], temperature=1.0)
+    seeds = {generation_request(body, [1, 2], MANIFEST).sampling.seed for _ in range(8)}
+    assert len(seeds) == 8 and 9 not in seeds
+    assert {generation_request(body, [1, 2], MANIFEST, default_seed=5).sampling.seed for _ in range(3)} == {5}
+    given = CompletionRequest(model="m", prompt=[1, 2], temperature=1.0, seed=0)
+    assert generation_request(given, [1, 2], MANIFEST, default_seed=5).sampling.seed == 0
 
 
 @pytest.mark.parametrize("prompt, fields, param, says", [

@@ -42,6 +42,8 @@ class HttpJob:
     model_name: str
     limits: RequestLimits = RequestLimits()
     api_key: str | None = None
+    default_seed: int | None = None
+    """The seed of a request that gives none; None: fresh noise per request."""
     follower_timeout: float | None = None  # followers idle between requests as long as the server does
     ends_on_signal: bool = True
 
@@ -58,7 +60,7 @@ class HttpJob:
         tokenizer = Tokenizer.from_file(str(Path(self.artifacts) / manifest.tokenizer)) if manifest.tokenizer else None
         online = OnlineEngine(engine, self.max_waiting)
         listener = listener or bound_listener(self.host, self.port)
-        app = create_app(online, manifest, tokenizer, self.model_name, self.limits, self.api_key)
+        app = create_app(online, manifest, tokenizer, self.model_name, self.limits, self.api_key, self.default_seed)
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=self.grace_seconds + CUT_SECONDS,
                                 lifespan="off")
         # uvicorn handles SIGTERM / SIGINT while it serves, then re-raises them: to a handler that
@@ -128,7 +130,7 @@ def bound_listener(host: str, port: int) -> socket.socket:
 def serve_http(artifacts: Path, host: str, port: int, max_waiting: int, grace_seconds: float,
                model_name: str | None = None, trusted_key: Path | None = None,
                limits: RequestLimits = RequestLimits(), api_key: str | None = None,
-               hosts: HostOptions = HostOptions()) -> None:
+               hosts: HostOptions = HostOptions(), default_seed: int | None = None) -> None:
     """Serve `artifacts` on (host, port) (0: any free port) until SIGTERM or Ctrl-C: in this
     process on one rank; with several, this process is torchrun's agent, the server runs in the
     leader rank's process and the followers run its steps. The address is bound (or refused)
@@ -143,7 +145,7 @@ def serve_http(artifacts: Path, host: str, port: int, max_waiting: int, grace_se
     manifest = read_manifest(artifacts, trusted_key)
     check_servable(Path(artifacts), manifest)  # before the address is bound or any rank starts
     job = HttpJob(str(artifacts), host, port, max_waiting, grace_seconds, model_name or Path(artifacts).resolve().name,
-                  limits, api_key)
+                  limits, api_key, default_seed)
     hosts.layout(manifest.topology.world)  # host options that do not fit: refused before anything starts
     if hosts.node_rank == 0:
         listener = bound_listener(host, port)

@@ -40,7 +40,8 @@ WORK_THREADS = 4
 
 
 def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: str,
-               limits: RequestLimits = RequestLimits(), api_key: str | None = None) -> FastAPI:
+               limits: RequestLimits = RequestLimits(), api_key: str | None = None,
+               default_seed: int | None = None) -> FastAPI:
     """The app: its routes and error handlers are closures over the engine and the manifest, so
     they read as one listing (hence one function of about 80 lines)."""
     app = FastAPI(title="graphc", docs_url=None, redoc_url=None)
@@ -106,7 +107,7 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
                                             "max_model_len": manifest.buckets.context_limit}]}
 
     async def respond(body, prompt: list[int], shape: Shape, http: Request):
-        request = await off_loop(generation_request, body, prompt, manifest)
+        request = await off_loop(generation_request, body, prompt, manifest, default_seed)
         refusal = online.refusal(request)
         if refusal:
             raise BadRequest(refusal, param="prompt")

@@ -35,7 +35,7 @@ class _Generation(_Strict):
     top_k: int | None = None
     """An extension (as vLLM's): keep the k most likely tokens; 0 keeps all."""
     seed: int | None = None
-    """Absent: the manifest's default seed (sampling is then reproducible across calls)."""
+    """Absent: the server's `--seed`, or fresh noise per request where it has none."""
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

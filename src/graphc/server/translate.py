@@ -6,12 +6,13 @@ Every refusal is a `BadRequest` naming the field."""
 from __future__ import annotations
 
 import json
+import secrets
 
 from graphc.artifacts.manifest import Manifest
 from graphc.errors import GraphcError
 from graphc.request import default_max_new_tokens, engine_request, first_sampling_error, vocabulary_error
 from graphc.runtime.scheduler import Request as GenerationRequest
-from graphc.sampling import SAMPLING_RULES
+from graphc.sampling import SAMPLING_RULES, SEED_MAX
 
 
 class BadRequest(GraphcError):
@@ -86,8 +87,10 @@ def _keeps_characters(step: dict | None, kinds: set[str]) -> bool:
     return step["type"] in kinds and step.get("behavior") != "Removed"
 
 
-def generation_request(body, prompt: list[int], manifest: Manifest) -> GenerationRequest:
-    """The engine's request for `body` (a completion or a chat), or BadRequest naming the field."""
+def generation_request(body, prompt: list[int], manifest: Manifest, default_seed: int | None = None) -> GenerationRequest:
+    """The engine's request for `body` (a completion or a chat), or BadRequest naming the field.
+    A body without `seed` gets `default_seed` (the server's `--seed`), or fresh noise where none is
+    set, as OpenAI and vLLM draw: identical unseeded requests then sample differently."""
     outside = vocabulary_error(prompt, manifest.model.vocab_size)
     if outside:
         raise BadRequest(outside, param="prompt")
@@ -95,6 +98,7 @@ def generation_request(body, prompt: list[int], manifest: Manifest) -> Generatio
     bad = first_sampling_error(given)
     if bad:
         raise BadRequest(f"{bad[0]}: {bad[1]}", param=bad[0])
+    given.setdefault("seed", secrets.randbelow(SEED_MAX + 1) if default_seed is None else default_seed)
     max_tokens = _max_tokens(body, len(prompt), manifest)
     if body.min_tokens > max_tokens:
         raise BadRequest(f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})", param="min_tokens")
