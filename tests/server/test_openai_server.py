@@ -98,7 +98,6 @@ def test_thirty_two_concurrent_streams_all_get_their_tokens(server, artifacts):
     ({"model": "tiny", "prompt": [5, 999]}, "token id 999 is outside the vocabulary"),
     ({"model": "tiny", "prompt": list(range(3, 3 + CONTEXT_LIMIT))}, "leaves no room under context_limit"),
     ({"model": "tiny", "prompt": [5, 6], "max_tokens": CONTEXT_LIMIT}, "maximum context length is 128 tokens"),
-    ({"model": "gpt-4", "prompt": [5, 6]}, "model 'gpt-4' does not exist"),
     ({"model": "tiny", "prompt": [5, 6], "n": 2}, "n"),
     ({"model": "tiny", "prompt": []}, "empty prompt"),
     ({"model": "tiny", "messages": []}, "messages"),
@@ -114,6 +113,33 @@ def test_bad_requests_get_400_with_an_openai_error_and_the_next_is_served(server
     with pytest.raises(openai.BadRequestError):  # the client sees it as the error it knows
         server.client.completions.create(model="tiny", prompt=[5, 6], max_tokens=4, temperature=-1)
     assert server.client.completions.create(model="tiny", prompt=[5, 6], max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_model_the_server_does_not_serve_is_404_model_not_found_as_openai_answers(server):
+    for path, body in (("/v1/completions", {"model": "gpt-4", "prompt": [5, 6]}),
+                       ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]})):
+        response = httpx2.post(f"{server.url}{path}", json=body)
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["code"] == "model_not_found"
+        assert "model 'gpt-4' does not exist" in response.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        server.client.models.retrieve("gpt-4")
+    assert server.client.models.retrieve("tiny").id == "tiny"
+
+
+def test_vllm_request_shapes_benchmark_clients_send(server):
+    """GuideLLM streams with vLLM's continuous_usage_stats (usage in every chunk); vLLM's top_k -1
+    keeps every token, as 0 does."""
+    chunks = list(server.client.completions.create(
+        model="tiny", prompt=[5, 6, 7], max_tokens=5, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counted = [chunk.usage.completion_tokens for chunk in chunks if chunk.choices]
+    assert counted == sorted(counted) and counted[-1] == 5 and all(c.usage.prompt_tokens == 3 for c in chunks)
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 5
+    sampled = [server.client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=6, temperature=1.0, seed=3,
+                                                extra_body={"top_k": top_k}).choices[0].model_extra["token_ids"]
+               for top_k in (-1, 0)]
+    assert sampled[0] == sampled[1]
 
 
 def test_models_health_and_metrics(server):

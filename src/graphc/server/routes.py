@@ -31,8 +31,8 @@ from graphc.server.metrics import ServerMetrics
 from graphc.server.schemas import ChatCompletionRequest, CompletionRequest, error_response
 from graphc.server.streaming import CHAT, TEXT, Generation, GenerationStream, Shape, complete, stream
 from graphc.server.templates import TemplateRenderer, TemplatesBusy, chat_line
-from graphc.server.translate import (BadRequest, check_model, encode, generation_request, prompt_char_limit,
-                                     prompt_ids, prompt_too_long)
+from graphc.server.translate import (BadRequest, ModelNotFound, check_model, encode, generation_request,
+                                     prompt_char_limit, prompt_ids, prompt_too_long)
 
 RETRY_AFTER_SECONDS = 1
 WORK_THREADS = 4
@@ -71,7 +71,8 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
 
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, error: BadRequest):
-        return error_response(400, str(error), param=error.param, code=error.code)
+        return error_response(404 if isinstance(error, ModelNotFound) else 400, str(error), param=error.param,
+                              code=error.code)
 
     @app.exception_handler(BodyTooLarge)
     async def too_large(request: Request, error: BodyTooLarge):
@@ -101,10 +102,17 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    served_model = {"id": model_name, "object": "model", "created": 0, "owned_by": "graphc",
+                    "max_model_len": manifest.buckets.context_limit}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "graphc",
-                                            "max_model_len": manifest.buckets.context_limit}]}
+        return {"object": "list", "data": [served_model]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        check_model(name, model_name)
+        return served_model
 
     async def respond(body, prompt: list[int], shape: Shape, http: Request):
         request = await off_loop(generation_request, body, prompt, manifest, default_seed)
@@ -115,8 +123,10 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         generation = Generation(online, metrics, request, tokenizer, stop)
         head = {"id": f"{shape.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return GenerationStream(generation, stream(generation, head, shape, include_usage))
+            options = body.stream_options
+            usage = "every chunk" if options and options.include_usage and options.continuous_usage_stats else \
+                "last chunk" if options and options.include_usage else None
+            return GenerationStream(generation, stream(generation, head, shape, usage))
         return await complete(generation, head, shape, http)
 
     @app.post("/v1/completions")

@@ -22,6 +22,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's extension (GuideLLM sends it): usage in every chunk, not only in a last one."""
 
 
 class _Generation(_Strict):
@@ -33,7 +35,12 @@ class _Generation(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    """An extension (as vLLM's): keep the k most likely tokens; 0 keeps all."""
+    """An extension (as vLLM's): keep the k most likely tokens; 0, or vLLM's -1, keeps all."""
+
+    @field_validator("top_k")
+    @classmethod
+    def _vllm_disabled(cls, top_k: int | None):
+        return 0 if top_k == -1 else top_k
     seed: int | None = None
     """Absent: the server's `--seed`, or fresh noise per request where it has none."""
     stop: str | list[str] | None = None

@@ -191,8 +191,9 @@ async def _collect(generation: Generation) -> None:
         pass
 
 
-async def stream(generation: Generation, head: dict, shape: Shape, include_usage: bool):
-    """Server-sent events in OpenAI's format."""
+async def stream(generation: Generation, head: dict, shape: Shape, usage: str | None):
+    """Server-sent events in OpenAI's format; `usage`: None, in a "last chunk" of its own (OpenAI's
+    `include_usage`), or also in "every chunk" (vLLM's `continuous_usage_stats`)."""
     first = True
     async for delta, ids in generation.deltas():
         if generation.error:
@@ -200,8 +201,9 @@ async def stream(generation: Generation, head: dict, shape: Shape, include_usage
             break
         choice = shape.choice(delta, ids, generation.finish_reason, first=first)
         first = False
-        yield _event({**head, "object": shape.chunk_object, "choices": [choice]})
-    if include_usage:
+        counts = {"usage": _usage(generation)} if usage == "every chunk" else {}
+        yield _event({**head, "object": shape.chunk_object, "choices": [choice], **counts})
+    if usage is not None:
         yield _event({**head, "object": shape.chunk_object, "choices": [], "usage": _usage(generation)})
     yield "data: [DONE]\n\n"
 

@@ -21,10 +21,14 @@ class BadRequest(GraphcError):
         self.param, self.code = param, code
 
 
+class ModelNotFound(BadRequest):
+    """A model this server does not serve: 404, as OpenAI answers."""
+
+
 def check_model(name: str, model_name: str) -> None:
     if name != model_name:
-        raise BadRequest(f"model {name!r} does not exist; this server serves {model_name!r}", param="model",
-                         code="model_not_found")
+        raise ModelNotFound(f"model {name!r} does not exist; this server serves {model_name!r}", param="model",
+                            code="model_not_found")
 
 
 def prompt_ids(prompt: str | list[int], tokenizer, char_limit: int | None, context_limit: int) -> list[int]:
