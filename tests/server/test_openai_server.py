@@ -142,6 +142,35 @@ def test_vllm_request_shapes_benchmark_clients_send(server):
     assert sampled[0] == sampled[1]
 
 
+def test_a_batch_of_prompts_gets_a_choice_each_in_order_as_lm_evaluation_harness_sends_it(server, artifacts):
+    """`prompt` as a list of token lists (lm-evaluation-harness) or of strings: choice i is prompt
+    i's, the tokens a request of its own would get; usage adds up; streamed chunks carry their index."""
+    batch = prompts(3)
+    want = expected(artifacts, [Request(p, 5) for p in batch])
+    done = server.client.completions.create(model="tiny", prompt=batch, max_tokens=5, temperature=0)
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in done.choices] == want
+    assert done.usage.prompt_tokens == sum(map(len, batch)) and done.usage.completion_tokens == sum(map(len, want))
+    streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for chunk in server.client.completions.create(model="tiny", prompt=batch, max_tokens=5, temperature=0, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.model_extra["token_ids"]
+    assert list(streamed.values()) == want
+    texts = server.client.completions.create(model="tiny", prompt=["Hello there", "Hello"], max_tokens=3, temperature=0)
+    alone = server.client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0)
+    assert texts.choices[1].text == alone.choices[0].text
+
+
+def test_a_batch_with_a_bad_prompt_is_refused_whole_naming_it(server):
+    before = server.metrics()
+    refused = httpx2.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": [[5, 6], [5, 999]]})
+    assert refused.status_code == 400 and refused.json()["error"]["message"].startswith("prompt 1: token id 999")
+    too_many = httpx2.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": [[5]] * 65})
+    assert too_many.status_code == 400 and "a batch of 65 prompts is more than the 64" in too_many.text
+    assert server.metrics().get('graphc_requests_total{finish_reason="length"}') == \
+        before.get('graphc_requests_total{finish_reason="length"}')  # nothing of either ran
+
+
 def test_models_health_and_metrics(server):
     assert [m.id for m in server.client.models.list().data] == ["tiny"]
     assert httpx2.get(f"{server.url}/health").json() == {"status": "ok"}

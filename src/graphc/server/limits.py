@@ -17,6 +17,9 @@ BODY_SECONDS = 30.0
 a second, as a slowloris attack does) holds a connection no longer than this."""
 TEMPLATE_SECONDS = 2.0
 """The default time a chat template may take to render a request: real ones take milliseconds."""
+MAX_PROMPTS = 64
+"""A completion request's batch of prompts: at most this many (each is a request of its own in the
+admission queue; lm-evaluation-harness sends a few to a few dozen)."""
 MAX_STOP_STRINGS = 32
 MAX_STOP_BYTES = 4096
 """A request's stop strings: at most this many, of at most this many UTF-8 bytes together

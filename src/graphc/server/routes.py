@@ -114,26 +114,47 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         check_model(name, model_name)
         return served_model
 
-    async def respond(body, prompt: list[int], shape: Shape, http: Request):
-        request = await off_loop(generation_request, body, prompt, manifest, default_seed)
-        refusal = online.refusal(request)
-        if refusal:
-            raise BadRequest(refusal, param="prompt")
+    async def respond(body, prompts: list[list[int]], shape: Shape, http: Request):
+        """A choice for each of `prompts`: every one checked before any is submitted, and none left
+        running if another cannot be (a full admission queue)."""
+        requests = []
+        for index, prompt in enumerate(prompts):
+            try:
+                request = await off_loop(generation_request, body, prompt, manifest, default_seed)
+                refusal = online.refusal(request)
+                if refusal:
+                    raise BadRequest(refusal, param="prompt")
+            except BadRequest as refused:
+                raise _of_prompt(refused, index, len(prompts)) from None
+            requests.append(request)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        generation = Generation(online, metrics, request, tokenizer, stop)
+        generations = []
+        try:
+            for request in requests:
+                generations.append(Generation(online, metrics, request, tokenizer, stop))
+        except QueueFull:
+            for generation in generations:
+                generation.cancel()
+            raise
         head = {"id": f"{shape.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
         if body.stream:
             options = body.stream_options
             usage = "every chunk" if options and options.include_usage and options.continuous_usage_stats else \
                 "last chunk" if options and options.include_usage else None
-            return GenerationStream(generation, stream(generation, head, shape, usage))
-        return await complete(generation, head, shape, http)
+            return GenerationStream(generations, stream(generations, head, shape, usage))
+        return await complete(generations, head, shape, http)
 
     @app.post("/v1/completions")
     async def completions(http: Request):
         body = await parsed(http, CompletionRequest)
-        return await respond(body, await off_loop(prompt_ids, body.prompt, tokenizer, char_limit, context_limit),
-                             TEXT, http)
+        batch = body.prompts()
+        prompts = []
+        for index, prompt in enumerate(batch):
+            try:
+                prompts.append(await off_loop(prompt_ids, prompt, tokenizer, char_limit, context_limit))
+            except BadRequest as refused:
+                raise _of_prompt(refused, index, len(batch)) from None
+        return await respond(body, prompts, TEXT, http)
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
@@ -145,9 +166,16 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         text = await renderer.render(await off_loop(chat_line, body.messages))
         ids = await off_loop(encode, text, tokenizer, char_limit, context_limit, "messages", False)
-        return await respond(body, ids, CHAT, http)
+        return await respond(body, [ids], CHAT, http)
 
     return app
+
+
+def _of_prompt(refused: BadRequest, index: int, count: int) -> BadRequest:
+    """`refused`, naming which prompt of a batch it is about."""
+    if count == 1:
+        return refused
+    return BadRequest(f"prompt {index}: {refused}", param=refused.param, code=refused.code)
 
 
 def _renderer(manifest: Manifest, seconds: float, body_bytes: int, char_limit: int | None) -> TemplateRenderer | None:

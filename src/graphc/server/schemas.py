@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from graphc.server.limits import MAX_STOP_BYTES, MAX_STOP_STRINGS
+from graphc.server.limits import MAX_PROMPTS, MAX_STOP_BYTES, MAX_STOP_STRINGS
 
 
 class _Strict(BaseModel):
@@ -68,8 +68,25 @@ class _Generation(_Strict):
 
 
 class CompletionRequest(_Generation):
-    prompt: str | list[int]
-    """Text (encoded with the artifacts' tokenizer) or token ids."""
+    prompt: str | list[int] | list[str] | list[list[int]]
+    """Text (encoded with the artifacts' tokenizer) or token ids; or a batch of either, one choice
+    each (`index` in order), as OpenAI's API defines it and lm-evaluation-harness sends it."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _batch_bounded(cls, prompt):
+        if _is_batch(prompt) and len(prompt) > MAX_PROMPTS:
+            raise PydanticCustomError("prompt_count", f"a batch of {len(prompt)} prompts is more than the {MAX_PROMPTS} "
+                                                      "a request may give; send the rest in other requests")
+        return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or each of its batch."""
+        return list(self.prompt) if _is_batch(self.prompt) else [self.prompt]
+
+
+def _is_batch(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
 
 
 class ToolCallFunction(_Strict):

@@ -132,12 +132,12 @@ class Shape:
     chunk_object: str
     chat: bool
 
-    def choice(self, text: str, ids: list[int], finish_reason: str | None, first: bool = False,
+    def choice(self, index: int, text: str, ids: list[int], finish_reason: str | None, first: bool = False,
                whole: bool = False) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "token_ids": ids}
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason, "token_ids": ids}
         content = {"role": "assistant", "content": text} if whole or first else ({"content": text} if text else {})
-        return {"index": 0, "message" if whole else "delta": content, "logprobs": None,
+        return {"index": index, "message" if whole else "delta": content, "logprobs": None,
                 "finish_reason": finish_reason, "token_ids": ids}
 
 
@@ -145,31 +145,35 @@ TEXT = Shape("cmpl", "text_completion", "text_completion", chat=False)
 CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
 
 
-def _usage(generation: Generation) -> dict:
-    prompt, completion = len(generation.request.prompt), len(generation.ids)
+def _usage(generations: list[Generation]) -> dict:
+    """OpenAI's usage of a request's choices together."""
+    prompt = sum(len(g.request.prompt) for g in generations)
+    completion = sum(len(g.ids) for g in generations)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": generation.ticket.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(g.ticket.cached_tokens for g in generations)}}
 
 
 class GenerationStream(StreamingResponse):
-    """The events of one generation, which is cancelled however the response ends early: a
+    """The events of a request's generations, each cancelled however the response ends early: a
     client that disconnects, even before the first event, or a server past its grace period."""
 
-    def __init__(self, generation: Generation, events):
+    def __init__(self, generations: list[Generation], events):
         super().__init__(events, media_type="text/event-stream")
-        self.generation = generation
+        self.generations = generations
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if self.generation.finish_reason is None:
-                self.generation.cancel()
+            for generation in self.generations:
+                if generation.finish_reason is None:
+                    generation.cancel()
 
 
-async def complete(generation: Generation, head: dict, shape: Shape, http: Request) -> JSONResponse:
-    """The whole completion; cancelled if the client goes away first (or the handler is)."""
-    collect = asyncio.ensure_future(_collect(generation))
+async def complete(generations: list[Generation], head: dict, shape: Shape, http: Request) -> JSONResponse:
+    """The whole completion, a choice a generation; cancelled if the client goes away first (or
+    the handler is)."""
+    collect = asyncio.ensure_future(asyncio.gather(*(_collect(g) for g in generations)))
     try:
         while not collect.done():
             await asyncio.wait([collect], timeout=0.25)
@@ -177,13 +181,15 @@ async def complete(generation: Generation, head: dict, shape: Shape, http: Reque
                 return JSONResponse({}, status_code=499)
     finally:
         if not collect.done():
-            generation.cancel()
+            for generation in generations:
+                generation.cancel()
             collect.cancel()
-    if generation.error:  # 503: the server is going away, which a client may retry elsewhere
-        return error_response(503 if generation.unavailable else 500, f"the request failed: {generation.error}",
+    failed = next((g for g in generations if g.error), None)
+    if failed:  # 503: the server is going away, which a client may retry elsewhere
+        return error_response(503 if failed.unavailable else 500, f"the request failed: {failed.error}",
                               kind="server_error")
-    choice = shape.choice(generation.text, generation.ids, generation.finish_reason, whole=True)
-    return JSONResponse({**head, "object": shape.object, "choices": [choice], "usage": _usage(generation)})
+    choices = [shape.choice(i, g.text, g.ids, g.finish_reason, whole=True) for i, g in enumerate(generations)]
+    return JSONResponse({**head, "object": shape.object, "choices": choices, "usage": _usage(generations)})
 
 
 async def _collect(generation: Generation) -> None:
@@ -191,23 +197,40 @@ async def _collect(generation: Generation) -> None:
         pass
 
 
-async def stream(generation: Generation, head: dict, shape: Shape, usage: str | None):
-    """Server-sent events in OpenAI's format; `usage`: None, in a "last chunk" of its own (OpenAI's
-    `include_usage`), or also in "every chunk" (vLLM's `continuous_usage_stats`)."""
-    first = True
-    async for delta, ids in generation.deltas():
-        if generation.error:
-            yield _event(error_body(f"the request failed: {generation.error}", kind="server_error"))
-            break
-        choice = shape.choice(delta, ids, generation.finish_reason, first=first)
-        first = False
-        counts = {"usage": _usage(generation)} if usage == "every chunk" else {}
-        yield _event({**head, "object": shape.chunk_object, "choices": [choice], **counts})
+async def stream(generations: list[Generation], head: dict, shape: Shape, usage: str | None):
+    """Server-sent events in OpenAI's format, each generation's chunks under its choice's index as
+    they come; `usage`: None, in a "last chunk" of its own (OpenAI's `include_usage`), or also in
+    "every chunk" (vLLM's `continuous_usage_stats`)."""
+    deltas: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        async for delta, ids in generation.deltas():
+            await deltas.put((index, delta, ids))
+        await deltas.put((index, None, None))
+
+    pumps = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+    first, running = set(range(len(generations))), len(generations)
+    try:
+        while running:
+            index, delta, ids = await deltas.get()
+            generation = generations[index]
+            if delta is None:
+                running -= 1
+                continue
+            if generation.error:
+                yield _event(error_body(f"the request failed: {generation.error}", kind="server_error"))
+                return
+            choice = shape.choice(index, delta, ids, generation.finish_reason, first=index in first)
+            first.discard(index)
+            counts = {"usage": _usage(generations)} if usage == "every chunk" else {}
+            yield _event({**head, "object": shape.chunk_object, "choices": [choice], **counts})
+    finally:
+        for task in pumps:
+            task.cancel()
     if usage is not None:
-        yield _event({**head, "object": shape.chunk_object, "choices": [], "usage": _usage(generation)})
+        yield _event({**head, "object": shape.chunk_object, "choices": [], "usage": _usage(generations)})
     yield "data: [DONE]\n\n"
 
 
 def _event(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
-
