@@ -12,6 +12,7 @@ import torch
 
 from graphc.weights.tiny import (PRESETS, TRAINED_PRESET, TRANSFORMERS_PRESETS, make_tiny_checkpoint, preset_config,
                                 write_random_checkpoint)
+from nightly import NIGHTLY, check_listed
 from support import (FP8_BLOCK, FP8_PRESETS, SKEWED, SPARSE_TOPK, SPARSE_V32, TEST_BUCKETS, V4_FP4_EXPERTS, model_yaml,
                      randomise_v4_zero_inits, rewrite_config, skew_routes_to_first_experts)
 
@@ -24,13 +25,18 @@ def report():
     return _REPORT.append
 
 
-def pytest_collection_modifyitems(items):
+@pytest.hookimpl(tryfirst=True)  # before -m and -k deselect: they must see the nightly marks, and the check every test
+def pytest_collection_modifyitems(config, items):
     # A test that takes the backend as a parameter compiles with AOTInductor (about 20 s a graph
     # on two cores) exactly when that parameter is "inductor": mark those cases, not the others.
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "inductor" in params.values():
             item.add_marker(pytest.mark.inductor)
+        if item.nodeid in NIGHTLY:
+            item.add_marker(pytest.mark.slow)
+    if not config.args or config.args == ["tests"]:  # the whole suite: every listed test must exist
+        check_listed({item.nodeid for item in items})
 
 
 def pytest_terminal_summary(terminalreporter):

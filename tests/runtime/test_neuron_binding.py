@@ -179,22 +179,33 @@ def test_executing_the_neffs_gives_the_xla_cpu_runners_tokens(finished, standin_
     buffers, so the tokens come from what graphc wrote into the runtime's tensors and read back
     (weights and pool at load, each step's inputs and noise), through the NEFF's tensor table."""
     artifacts = finished()
-    done, logs = _run(artifacts, standin_libnrt, tmp_path / "device", EXECUTING, sampling=sampling)
+    done, logs = _run(artifacts, standin_libnrt, tmp_path / "device", {**EXECUTING, "NEURON_RT_EXEC_TIMEOUT": "77"},
+                      sampling=sampling)
     reference, _ = _run(artifacts, None, tmp_path / "xla-cpu", sampling=sampling)
     assert _tokens(done) == _tokens(reference)
     assert any(token != 0 for tokens in _tokens(done) for token in tokens)
     (calls,) = logs
     _assert_kept_the_contract(calls, world=1)
+    init = _fields(calls, "nrt_init")[0]
+    assert init["visible_cores"] == "0" and init["exec_timeout"] == "77"  # the user's timeout, untouched
+    assert init["fi_provider"] == "-"  # one host: no EFA
 
 
 @pytest.mark.multirank
 def test_executing_two_ranks_with_collectives_gives_the_xla_cpu_runners_tokens(finished, standin_libnrt, tmp_path):
+    """Also the two-rank contract, as the recording test checks it (one core a rank as vnc 0, the
+    same root named in both)."""
     artifacts = finished(cp=2, ep=2)
     done, logs = _run(artifacts, standin_libnrt, tmp_path / "device", EXECUTING, sampling=SAMPLED)
     reference, _ = _run(artifacts, None, tmp_path / "xla-cpu", sampling=SAMPLED)
     assert _tokens(done) == _tokens(reference)
+    assert len(logs) == 2
     for calls in logs:
         _assert_kept_the_contract(calls, world=2)
+    inits = [_fields(calls, "nrt_init")[0] for calls in logs]
+    assert sorted(init["visible_cores"] for init in inits) == ["0", "1"]
+    assert len({init["root_comm_id"] for init in inits}) == 1
+    assert sorted(_fields(calls, "nrt_load_collectives")[0]["rank"] for calls in logs) == ["0", "1"]
 
 
 @pytest.mark.slow  # a compile and two runs each; cp 2 x ep 2 is per commit
