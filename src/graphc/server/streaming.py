@@ -219,7 +219,7 @@ async def stream(generations: list[Generation], head: dict, shape: Shape, usage:
                 continue
             if generation.error:
                 yield _event(error_body(f"the request failed: {generation.error}", kind="server_error"))
-                return
+                break
             choice = shape.choice(index, delta, ids, generation.finish_reason, first=index in first)
             first.discard(index)
             counts = {"usage": _usage(generations)} if usage == "every chunk" else {}
