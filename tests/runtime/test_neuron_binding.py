@@ -134,6 +134,26 @@ def _assert_kept_the_contract(calls, world: int) -> None:
                                        "leaked_tensor_infos": "0"})
 
 
+def _assert_one_rank_kept_the_contract(logs) -> None:
+    """The contract, and its core only with the user's NEURON_RT_EXEC_TIMEOUT=77 untouched and no EFA."""
+    (calls,) = logs
+    _assert_kept_the_contract(calls, world=1)
+    init = _fields(calls, "nrt_init")[0]
+    assert init["visible_cores"] == "0" and init["exec_timeout"] == "77"  # the user's timeout, untouched
+    assert init["fi_provider"] == "-"  # one host: no EFA
+
+
+def _assert_two_ranks_kept_the_contract(logs) -> None:
+    """The contract in both processes: cores 0 and 1, each its vnc 0, the same root named, ranks 0 and 1."""
+    assert len(logs) == 2
+    for calls in logs:
+        _assert_kept_the_contract(calls, world=2)
+    inits = [_fields(calls, "nrt_init")[0] for calls in logs]
+    assert sorted(init["visible_cores"] for init in inits) == ["0", "1"]
+    assert len({init["root_comm_id"] for init in inits}) == 1  # every rank names the same root
+    assert sorted(_fields(calls, "nrt_load_collectives")[0]["rank"] for calls in logs) == ["0", "1"]
+
+
 def _tokens(done) -> list[list[int]]:
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line)["output_ids"] for line in done.stdout.splitlines()]
@@ -145,11 +165,7 @@ def test_one_rank_keeps_the_runtime_contract(finished, standin_libnrt, tmp_path)
     size; everything freed and nrt_close at exit. Zeros come out (recording mode)."""
     done, logs = _run(finished(), standin_libnrt, tmp_path / "device", {"NEURON_RT_EXEC_TIMEOUT": "77"})
     assert _tokens(done) == [[0, 0, 0, 0]] * 2
-    (calls,) = logs
-    _assert_kept_the_contract(calls, world=1)
-    init = _fields(calls, "nrt_init")[0]
-    assert init["visible_cores"] == "0" and init["exec_timeout"] == "77"  # the user's timeout, untouched
-    assert init["fi_provider"] == "-"  # one host: no EFA
+    _assert_one_rank_kept_the_contract(logs)
 
 
 @pytest.mark.multirank
@@ -160,13 +176,7 @@ def test_two_ranks_under_the_launcher_each_take_one_core_as_vnc_0_with_the_root_
     collective programs would not load."""
     done, logs = _run(finished(cp=2, ep=2), standin_libnrt, tmp_path / "device")
     assert _tokens(done) == [[0, 0, 0, 0]] * 2
-    assert len(logs) == 2
-    for calls in logs:
-        _assert_kept_the_contract(calls, world=2)
-    inits = [_fields(calls, "nrt_init")[0] for calls in logs]
-    assert sorted(init["visible_cores"] for init in inits) == ["0", "1"]
-    assert len({init["root_comm_id"] for init in inits}) == 1  # every rank names the same root
-    assert sorted(_fields(calls, "nrt_load_collectives")[0]["rank"] for calls in logs) == ["0", "1"]
+    _assert_two_ranks_kept_the_contract(logs)
     assert all(_fields(calls, "loaded")[0]["collectives"] == "1" for calls in logs)
 
 
@@ -184,11 +194,7 @@ def test_executing_the_neffs_gives_the_xla_cpu_runners_tokens(finished, standin_
     reference, _ = _run(artifacts, None, tmp_path / "xla-cpu", sampling=sampling)
     assert _tokens(done) == _tokens(reference)
     assert any(token != 0 for tokens in _tokens(done) for token in tokens)
-    (calls,) = logs
-    _assert_kept_the_contract(calls, world=1)
-    init = _fields(calls, "nrt_init")[0]
-    assert init["visible_cores"] == "0" and init["exec_timeout"] == "77"  # the user's timeout, untouched
-    assert init["fi_provider"] == "-"  # one host: no EFA
+    _assert_one_rank_kept_the_contract(logs)
 
 
 @pytest.mark.multirank
@@ -199,13 +205,7 @@ def test_executing_two_ranks_with_collectives_gives_the_xla_cpu_runners_tokens(f
     done, logs = _run(artifacts, standin_libnrt, tmp_path / "device", EXECUTING, sampling=SAMPLED)
     reference, _ = _run(artifacts, None, tmp_path / "xla-cpu", sampling=SAMPLED)
     assert _tokens(done) == _tokens(reference)
-    assert len(logs) == 2
-    for calls in logs:
-        _assert_kept_the_contract(calls, world=2)
-    inits = [_fields(calls, "nrt_init")[0] for calls in logs]
-    assert sorted(init["visible_cores"] for init in inits) == ["0", "1"]
-    assert len({init["root_comm_id"] for init in inits}) == 1
-    assert sorted(_fields(calls, "nrt_load_collectives")[0]["rank"] for calls in logs) == ["0", "1"]
+    _assert_two_ranks_kept_the_contract(logs)
 
 
 @pytest.mark.slow  # a compile and two runs each; cp 2 x ep 2 is per commit
