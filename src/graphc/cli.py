@@ -461,7 +461,10 @@ def inspect(artifacts: Path, lint: bool, memory: bool) -> None:
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path),
               help="Write a PNG of the lengths, buckets and waste (with --workload) and of a rank's memory (with --device).")
 @click.option("--device", "device_name", type=str, default=None,
-              help="Per rank on this device (trn1, trn2, trn3): weights, KV, activations, fits, decode roofline.")
+              help="Per rank on this device (trn1, trn2, trn2-lnc1, trn3): weights, KV, activations, fits, decode "
+                   "roofline, and each bucket's step time by the step model.")
+@click.option("--device-file", type=click.Path(path_type=Path), default=None,
+              help="A device file of your own (the shipped ones' form: every value with its provenance and source).")
 @click.option("--device-memory", type=float, default=None, help="A rank's memory in GiB (a custom device, or overriding --device's).")
 @click.option("--device-bandwidth", type=float, default=None,
               help="A rank's HBM bandwidth in GB/s (a custom device, or overriding --device's).")
@@ -469,7 +472,8 @@ def inspect(artifacts: Path, lint: bool, memory: bool) -> None:
               help="This config's compiled artifacts (neuron): activations from their programs' buffer assignment, "
                    "not the estimate (with --device; seconds to minutes a program).")
 @click.option("--json", "as_json", is_flag=True, help="Print the device plan as JSON on stdout (with --device).")
-def plan(model_yaml, workload, plot_path, device_name, device_memory, device_bandwidth, artifacts, as_json) -> None:
+def plan(model_yaml, workload, plot_path, device_name, device_file, device_memory, device_bandwidth, artifacts,
+         as_json) -> None:
     """Dry run before any capture: the bucket table, expected padding, graphs per rank and in
     all, the collectives each rank issues per step; with --device, what a rank holds and reads."""
     import json
@@ -479,8 +483,8 @@ def plan(model_yaml, workload, plot_path, device_name, device_memory, device_ban
     from graphc.buckets.planner import read_workload
     from graphc.config import load_config
 
-    on_device = device_name is not None or device_memory is not None or device_bandwidth is not None
-    target = device_plan.device(device_name, device_memory, device_bandwidth) if on_device else None
+    on_device = any(v is not None for v in (device_name, device_file, device_memory, device_bandwidth))
+    target = device_plan.device(device_name, device_memory, device_bandwidth, device_file) if on_device else None
     for flag, given in (("--json prints", as_json), ("--artifacts measures", artifacts is not None)):
         if given and target is None:
             raise GraphcError(f"{flag} the device plan: pass --device (or --device-memory and --device-bandwidth)")

@@ -158,10 +158,12 @@ def test_a_device_that_holds_the_tiny_model_fits_and_plots(tiny_checkpoints, tmp
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--device", "trn9"], "error: --device 'trn9': unknown device; devices: trn1, trn2, trn3 (or --device-memory "
-                           "and --device-bandwidth for another)"),
+    (["--device", "trn9"], "error: --device 'trn9': unknown device; devices: trn1, trn2, trn2-lnc1, trn3 (or "
+                           "--device-file F, or --device-memory and --device-bandwidth for another)"),
     (["--device-memory", "16"], "error: a custom device needs both --device-memory (GiB) and --device-bandwidth "
-                                "(GB/s); or --device trn1 | trn2 | trn3"),
+                                "(GB/s); or --device trn1 | trn2 | trn2-lnc1 | trn3, or --device-file F"),
+    (["--device", "trn2", "--device-file", "trn2.yaml"], "error: --device and --device-file: pass one"),
+    (["--device-file", "no-such.yaml"], "error: --device-file 'no-such.yaml': cannot read it: No such file"),
     (["--device", "trn2", "--device-bandwidth", "0"], "error: --device-bandwidth 0.0: must be a positive number"),
     (["--json"], "error: --json prints the device plan: pass --device (or --device-memory and --device-bandwidth)"),
     (["--artifacts", "build"],

@@ -43,21 +43,22 @@ from pathlib import Path
 import torch
 
 from graphc.backends import backend
-from graphc.buckets.selection import all_buckets
+from graphc.buckets.selection import Bucket, all_buckets, chunk_lengths, max_prefill_chunk, smallest_fitting
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
 from graphc.weights import fp4
 from graphc.weights.checkpoint import build_model
-from graphc.weights.abstract import StoredTensor, released_fp8_block, stored_tensors
+from graphc.weights.abstract import released_fp8_block
 from graphc.models.layers import STACKED_EXPERT
 from graphc.models.registry import family_of
 from graphc.models.step_model import ModelArgs
+from graphc.perf.device import DeviceModel, Sourced, load_device, shipped
+from graphc.perf.step_time import StepTime, step_time
+from graphc.perf.work import EMBEDDING, HEAD, config_work, draft_tensor_names, rank_tensors
 from graphc.step import blocks_per_row, kv_pool_shape
 from graphc.tools.plan import draft_passes, format_bytes as size, step_collectives
 
 GiB = 2**30
-EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
-"""Every family's token embedding in graphc's module: a step reads one row of it a token."""
 
 
 @dataclass(frozen=True)
@@ -69,47 +70,43 @@ class Device:
     bandwidth: float
     """HBM bytes/s."""
     describes: str
-    """The chip and instance behind the numbers, with the Neuron documentation page they come from."""
+    """The chip and instance behind the numbers (the device file cites its pages)."""
+    model: DeviceModel | None = None
+    """The device's file, for the step model (None: a custom device of memory and bandwidth alone)."""
 
 
-DEVICES = {
-    "trn1": Device("trn1", 16 * GiB, 820 * GiB / 2,
-                   "a NeuronCore-v2 of a Trainium chip (2 a chip: 32 GiB, 820 GiB/s; trn1.32xlarge: 16 chips, "
-                   "32 ranks; Neuron docs, 'Trainium Architecture')"),
-    "trn2": Device("trn2", 96 * GiB // 4, 2.9e12 / 4,
-                   "a logical NeuronCore of a Trainium2 chip at LNC 2 (4 a chip: 96 GiB, 2.9 TB/s; trn2.48xlarge: "
-                   "16 chips, 64 ranks; Neuron docs, 'Trainium2 Architecture')"),
-    "trn3": Device("trn3", 144 * GiB // 4, 4.9e12 / 4,
-                   "a logical NeuronCore of a Trainium3 chip at LNC 2 (4 a chip: 144 GiB, 4.9 TB/s; Neuron docs, "
-                   "'Trainium3 Architecture')"),
-}
-"""Per rank, before the runtime's own reservation (not modelled)."""
+def _from_model(model: DeviceModel) -> Device:
+    return Device(model.name, int(model.memory.value), model.hbm.value, model.describes, model)
 
 
-def device(name: str | None, memory_gib: float | None = None, bandwidth_gbs: float | None = None) -> Device:
-    """A device of `DEVICES`, or a custom one (`--device-memory` GiB, `--device-bandwidth` GB/s),
-    each of which also overrides a named device's figure."""
+DEVICES = {name: _from_model(load_device(name)) for name in shipped()}
+"""Per rank, before the runtime's own reservation (not modelled): the files graphc ships (`perf/devices`)."""
+
+
+def device(name: str | None, memory_gib: float | None = None, bandwidth_gbs: float | None = None,
+           device_file: Path | None = None) -> Device:
+    """A shipped device, a device file, or a custom one (`--device-memory` GiB, `--device-bandwidth`
+    GB/s, which also override a named device's or a file's figures: the step model then reads
+    the overridden bandwidth)."""
+    if name is not None and device_file is not None:
+        raise GraphcError("--device and --device-file: pass one")
     if name is not None and name not in DEVICES:
-        raise GraphcError(f"--device {name!r}: unknown device; devices: {', '.join(DEVICES)} (or --device-memory "
-                          "and --device-bandwidth for another)")
+        raise GraphcError(f"--device {name!r}: unknown device; devices: {', '.join(DEVICES)} (or --device-file F, "
+                          "or --device-memory and --device-bandwidth for another)")
     for flag, value in (("--device-memory", memory_gib), ("--device-bandwidth", bandwidth_gbs)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise GraphcError(f"{flag} {value}: must be a positive number")
-    if name is None:
+    if name is None and device_file is None:
         if memory_gib is None or bandwidth_gbs is None:
             raise GraphcError("a custom device needs both --device-memory (GiB) and --device-bandwidth (GB/s); "
-                              f"or --device {' | '.join(DEVICES)}")
+                              f"or --device {' | '.join(DEVICES)}, or --device-file F")
         return Device("custom", int(memory_gib * GiB), bandwidth_gbs * 1e9, "custom")
-    known = DEVICES[name]
-    return Device(name, int(memory_gib * GiB) if memory_gib is not None else known.memory_bytes,
-                  bandwidth_gbs * 1e9 if bandwidth_gbs is not None else known.bandwidth, known.describes)
-
-
-def rank_tensors(config: GraphcConfig) -> list[StoredTensor]:
-    """Every tensor of one rank's weights file (`abstract.stored_tensors`)."""
-    topology = config.topology
-    return stored_tensors(config.model_args, config.model.checkpoint, getattr(torch, config.model.dtype),
-                          config.model.weights == "as-stored", topology.ep, topology.tp)
+    model = load_device(path=device_file) if device_file is not None else DEVICES[name].model
+    if memory_gib is not None:
+        model = dataclasses.replace(model, memory=Sourced(memory_gib * GiB, "assumed", "--device-memory"))
+    if bandwidth_gbs is not None:
+        model = dataclasses.replace(model, hbm=Sourced(bandwidth_gbs * 1e9, "assumed", "--device-bandwidth"))
+    return _from_model(model)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -156,9 +153,15 @@ class DevicePlan:
     decode: list[DecodeStep]
     cp: int
     """The KV shards of a replica: it holds cp times a rank's `kv_tokens_fit` (its tp ranks share them)."""
+    steps: list[StepTime]
+    """Every bucket's predicted step on the busiest rank (`perf.step_time`); none for a custom device."""
+    ttft_ms: dict[int, float]
+    """Predicted time to first token by prompt length: its chunks' prefill steps (`ttft`)."""
 
     def to_json(self) -> dict:
-        return {**asdict(self), "weights_total_bytes": sum(self.weights_bytes.values())}
+        out = {**asdict(self), "weights_total_bytes": sum(self.weights_bytes.values())}
+        out["steps"] = [s.to_json() for s in self.steps]
+        return out
 
 
 def _dtype_bytes(dtype: str) -> int:
@@ -231,7 +234,8 @@ def plan_device(config: GraphcConfig, target: Device, measured: MeasuredActivati
     args = config.model_args
     topology = config.topology
     kv = config.kv_cache
-    tensors, draft = rank_tensors(config), _draft_tensors(config)
+    tensors, draft = rank_tensors(config), draft_tensor_names(config)
+    steps = [step_time(w, target.model) for w in config_work(config, target.model)] if target.model else []
     by_dtype: dict[str, int] = {}
     for t in tensors:
         by_dtype[_dtype_name(t.dtype)] = by_dtype.get(_dtype_name(t.dtype), 0) + t.nbytes
@@ -259,24 +263,27 @@ def plan_device(config: GraphcConfig, target: Device, measured: MeasuredActivati
                       activations, measured.source if measured else "estimate", total,
                       total <= target.memory_bytes, reason,
                       [_decode_step(config, args, topology, tensors, target, size, per_token, draft)
-                       for size in config.buckets.decode], topology.cp)
+                       for size in config.buckets.decode], topology.cp,
+                      steps, {n: ttft(config, steps, n) * 1e3 for n in _ttft_prompts(config)} if steps else {})
 
 
-def _draft_tensors(config: GraphcConfig) -> set[str]:
-    """The names of the tensors of the draft layers served (none without speculation)."""
-    if not config.draft_tokens:
-        return set()
-    topology = config.topology
-    plain = dataclasses.replace(config.model_args, draft_layers=0)
-    main = stored_tensors(plain, config.model.checkpoint, getattr(torch, config.model.dtype),
-                          config.model.weights == "as-stored", topology.ep, topology.tp)
-    return {t.name for t in rank_tensors(config)} - {t.name for t in main}
+def ttft(config: GraphcConfig, steps: list[StepTime], prompt: int) -> float:
+    """Seconds to a `prompt`-token prompt's first token: the runtime's prefill chunks of it, each
+    padded into the smallest prefill bucket that holds it (the first token is sampled at the last)."""
+    b = config.buckets
+    by_bucket = {t.bucket: t.step for t in steps}
+    chunks = chunk_lengths(prompt, max_prefill_chunk(b.prefill, config.runtime.max_num_prefilling_tokens))
+    return sum(by_bucket[Bucket("prefill", smallest_fitting(sorted(b.prefill), n)).name] for n in chunks)
+
+
+def _ttft_prompts(config: GraphcConfig) -> list[int]:
+    """A prompt of one full chunk, and one of half the context."""
+    b = config.buckets
+    return sorted({max_prefill_chunk(b.prefill, config.runtime.max_num_prefilling_tokens), b.context_limit // 2})
 
 
 def _decode_step(config, args, topology, tensors, target: Device, rows: int, per_token: int,
                  draft: set[str]) -> DecodeStep:
-    from graphc.buckets.selection import Bucket
-
     family, k = family_of(args), config.draft_tokens
     experts = [t for t in tensors if STACKED_EXPERT.match(t.name)]
     expert_bytes = sum(t.nbytes for t in experts if t.name not in draft)
@@ -340,6 +347,26 @@ def describe(plan: DevicePlan) -> list[str]:
         accepted = f" {d.tokens_per_second_accepted:9.1f}" if speculative else ""
         lines.append(f"  {d.bucket:10s} {cells} {d.step_ms:8.2f} {d.tokens_per_second:9.1f}{accepted} "
                      f"{size(d.collective_bytes):>11s}")
+    return lines + _step_lines(plan)
+
+
+def _step_lines(plan: DevicePlan) -> list[str]:
+    """The step model's table (`perf.step_time`), and where its constants come from."""
+    if not plan.steps:
+        return ["step model: none for a custom device (pass --device or --device-file for its constants)"]
+    lines = ["step model on the busiest rank (ms; max(memory, flops) + fixed + collectives, then straggler "
+             "and host):",
+             f"  {'bucket':14s} {'tok/s':>9s} {'step':>8s} {'memory':>8s} {'flops':>8s} {'fixed':>8s} {'collect.':>8s} "
+             f"{'calls':>6s} {'straggl.':>8s} {'host':>6s}"]
+    for t in plan.steps:
+        lines.append(f"  {t.bucket:14s} {t.tokens_per_step / t.step:9.1f} {t.step * 1e3:8.2f} {t.memory * 1e3:8.2f} {t.flops * 1e3:8.2f} "
+                     f"{t.fixed * 1e3:8.2f} {t.collectives * 1e3:8.2f} {t.collective_calls:6d} "
+                     f"{t.straggler * 1e3:8.2f} {t.host * 1e3:6.2f}")
+    lines.append("  TTFT " + ", ".join(f"{ms:.1f} ms for a {n}-token prompt" for n, ms in plan.ttft_ms.items()))
+    model = DEVICES[plan.device].model if plan.device in DEVICES else None
+    if model is not None:
+        lines.append(f"  constants ({model.name}):")
+        lines += [f"    {name:28s} {value.provenance:13s} {value.source}" for name, value in model.sourced().items()]
     return lines
 
 
