@@ -204,3 +204,19 @@ def test_real_kernels_return_the_contiguous_layout_their_fakes_promise():
         for r, f in zip(real, fake):
             assert r.is_contiguous(), name
             assert r.stride() == f.stride(), name
+
+
+def test_merging_gathered_partials_is_the_attention_over_every_ranks_keys():
+    """`merge_partials` (the all-gather form of `attention_combine`): each rank's softmax over its
+    own keys, weighed by its log-sum-exp, is the softmax over all of them; a rank that saw no key
+    (lse -inf) adds nothing."""
+    g = torch.Generator().manual_seed(5)
+    scores, values = torch.randn(3, 2, 6, generator=g), torch.randn(3, 6, 5, generator=g)  # [H, Q, S], [H, S, R]
+    full = torch.softmax(scores, -1) @ values  # [H, Q, R]
+    partials = []
+    for keys in (slice(0, 2), slice(2, 6), slice(6, 6)):
+        s, v = scores[..., keys], values[:, keys]
+        lse = torch.logsumexp(s, -1) if s.shape[-1] else torch.full(s.shape[:-1], -torch.inf)
+        out = torch.softmax(s, -1) @ v if s.shape[-1] else torch.zeros(3, 2, 5)
+        partials.append(torch.cat([out, lse[..., None]], -1))
+    torch.testing.assert_close(collectives.merge_partials(torch.stack(partials)), full, rtol=1e-6, atol=1e-6)

@@ -130,3 +130,24 @@ def test_v41_heads_output_groups_and_index_heads_split_over_tp_give_single_rank_
     topology = Topology(cp, ep, 1, tp)
     results = run_ranks(topology, generate_on_rank, checkpoint, "static", [PROMPT])
     _check_against_single_rank(results, topology, [PROMPT], {tuple(PROMPT): single})
+
+
+def _combine_on_rank(rank: int, topology: Topology, tokens: int):
+    """Each cp rank's partial of the same attention (its shard of the keys) combined over the group."""
+    from graphc.ops import collectives
+
+    g = torch.Generator().manual_seed(2)
+    scores, values = torch.randn(1, tokens, 4, 12, generator=g), torch.randn(1, tokens, 4, 12, 31, generator=g)
+    keys = slice(6 * rank, 6 * rank + 6)
+    shard = scores[..., keys]
+    out = (torch.softmax(shard, -1)[..., None] * values[..., keys, :]).sum(-2)  # [B, Q, H, R]
+    combined = collectives.attention_combine(out, torch.logsumexp(shard, -1), "cp")
+    full = (torch.softmax(scores, -1)[..., None] * values).sum(-2)
+    return (combined - full).abs().max().item(), collectives.combine_gathers(out[..., :1].numel() * 32 * 4, 2)
+
+
+@pytest.mark.parametrize("tokens, gathers", [(8, True), (4096, False)])
+def test_both_attention_combine_forms_give_the_attention_over_every_ranks_keys(tokens, gathers):
+    """A small payload's one all-gather and a large one's two all-reduces, on real gloo ranks."""
+    for error, gathered in run_ranks(Topology(2, 1), _combine_on_rank, tokens):
+        assert gathered is gathers and error < 1e-5

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from graphc.weights.hf_config import RopeArgs, yarn_mscale
-from graphc.models.moe_forms import moe_form_for, shared_experts_reduced_with_routed
+from graphc.models.moe_forms import contributes_shared_partial, moe_form_for, shared_experts_reduced_with_routed
 from graphc.models.step_model import ModelArgs, StepInputs
 from graphc.ops import all_to_all, collectives, moe
 from graphc.step import PADDING_SLOT
@@ -268,8 +268,12 @@ class MoE(nn.Module):
             weights, ids = self.route(tokens, step)  # [T, K]
             ids, weights = moe.expert_routes(ids, weights, experts, parallel.expert_shard(), parallel.ep)
             routed = self.experts(tokens, weights, ids, self._form(tokens, step))  # [T, D]
-            if shared_experts_reduced_with_routed(parallel.moe_exchange, parallel.ep, self.shared_experts.tp):
-                return collectives.all_reduce(routed + self.shared_experts.partial(tokens), "ep").view_as(x)
+            tp = self.shared_experts.tp
+            if shared_experts_reduced_with_routed(parallel.moe_exchange, parallel.ep, tp):
+                shared = self.shared_experts.partial(tokens)
+                if parallel.ep > tp:  # the group's other cp coordinates hold copies of this partial
+                    shared = shared * contributes_shared_partial(parallel.kv_shard(), parallel.ep, tp).to(shared.dtype)
+                return collectives.all_reduce(routed + shared, "ep").view_as(x)
             if parallel.moe_exchange == "static":
                 routed = collectives.all_reduce(routed, "ep")
         elif parallel.moe_exchange == "ag_rs":

@@ -72,9 +72,19 @@ def moe_lowering_for(group_size: int, lowerings: tuple[str, ...] | None = None) 
 
 def shared_experts_reduced_with_routed(exchange: str, ep: int, tp: int) -> bool:
     """Whether the static MoE's all-reduce over the EP group also sums the shared experts'
-    tensor-parallel partials: when the EP groups are the tp groups (ep = tp, both consecutive
-    ranks), one all-reduce of their sum replaces two, a collective fewer per MoE layer and step."""
-    return exchange == "static" and ep == tp > 1
+    tensor-parallel partials: when each EP group is whole tp groups (ep a multiple of tp > 1,
+    inside one replica as the static form is), one all-reduce of their sum replaces two, a
+    collective fewer per MoE layer and step. Where ep > tp the group holds ep / tp copies of each
+    tp partial (its cp coordinates compute the same tokens): one copy, the lowest cp coordinate's,
+    is added and the others add zeros (`contributes_shared_partial`)."""
+    return exchange == "static" and tp > 1 and ep % tp == 0
+
+
+def contributes_shared_partial(cp_rank, ep: int, tp: int):
+    """Whether a rank at context-parallel coordinate `cp_rank` (an int, or a 0-d tensor in a step
+    graph) adds its shared experts' partial to the fused all-reduce: one cp coordinate of each EP
+    group's ep / tp (its lowest)."""
+    return cp_rank % (ep // tp) == 0
 
 
 def moe_exchange(choice: str, ep: int, tokens_replicated: bool, static_enabled: bool = True,

@@ -21,15 +21,37 @@ def all_gather_group(tensor: Tensor, pg) -> Tensor:
     return gathered.view(pg.size(), *tensor.shape)
 
 
+GATHER_LIMIT = 1 << 20
+"""Bytes a rank may receive from an attention combine's all-gather. Below it the collective is
+latency-bound (the Neuron runtime runs its mesh algorithm below 1 MB; gloo's ring, a round a
+call), so one all-gather costs less than two all-reduces; above it the all-reduces move less."""
+
+
+def combine_gathers(payload_bytes: int, group_size: int) -> bool:
+    """Whether `attention_combine` of a [B, Q, H, R + 1] fp32 `payload_bytes` over `group_size`
+    ranks all-gathers the partials (one collective) rather than all-reducing them (two): a pure
+    rule of the shapes, so every rank, backend and `graphc plan` pick the same form."""
+    return payload_bytes * group_size <= GATHER_LIMIT
+
+
+def merge_partials(gathered: Tensor) -> Tensor:
+    """[G, B, Q, H, R + 1] every rank's fp32 partial output with its lse as the last channel ->
+    [B, Q, H, R] the attention over every rank's keys (module docstring of `_attention_combine`)."""
+    lse = gathered[..., -1:]
+    weights = torch.exp(lse - lse.amax(dim=0))  # [G, B, Q, H, 1]; 0 where a rank saw no key
+    return (weights * gathered[..., :-1]).sum(dim=0) / weights.sum(dim=0)
+
+
 def _attention_combine(out: Tensor, lse: Tensor, group: str) -> Tensor:
     """Combine the partial attentions of a context-parallel `group` exactly.
 
     Each rank attended over its own shard of the keys; with M the maximum over ranks of lse and
-    w_r = exp(lse_r - M), the full attention is sum_r w_r out_r / sum_r w_r. Two all-reduces (the
-    maximum of lse, then the weighted outputs with their weights as one more channel), so a rank
-    holds one [B, Q, H, R + 1] sum whatever the group's size: all-gathered, every rank's partial
-    output was held at once (4 GiB for a 256-token chunk of DeepSeek-V3 at cp = 64). On one
-    device the identity.
+    w_r = exp(lse_r - M), the full attention is sum_r w_r out_r / sum_r w_r. Two forms, by
+    `combine_gathers`: for a small payload one all-gather of every rank's [B, Q, H, R + 1] partial
+    and lse, merged locally; else two all-reduces (the maximum of lse, then the weighted outputs
+    with their weights as one more channel), so a rank holds one [B, Q, H, R + 1] sum whatever the
+    group's size (all-gathered, a 256-token chunk of DeepSeek-V3 at cp = 64 would hold 4 GiB).
+    On one device the identity.
 
     Args:
         out: [B, Q, H, R] this rank's partial output.
@@ -43,6 +65,9 @@ def _attention_combine(out: Tensor, lse: Tensor, group: str) -> Tensor:
     pg = process_group(group)
     if pg is None:
         return out.clone(memory_format=torch.contiguous_format)
+    payload = torch.cat([out.float(), lse[..., None]], dim=-1)  # [B, Q, H, R + 1]
+    if combine_gathers(payload.numel() * 4, pg.size()):
+        return merge_partials(all_gather_group(payload, pg)).to(out.dtype).contiguous()
     top = lse.clone(memory_format=torch.contiguous_format)
     torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=pg)
     weights = torch.exp(lse - top)[..., None]  # [B, Q, H, 1]; 0 where this rank saw no key

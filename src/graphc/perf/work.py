@@ -31,6 +31,7 @@ from graphc.models.layers import STACKED_EXPERT
 from graphc.models.moe_forms import step_moe_form
 from graphc.models.registry import family_of
 from graphc.models.step_model import ModelArgs
+from graphc.ops.collectives import combine_gathers
 from graphc.perf.device import DeviceModel
 from graphc.perf.routing import busiest_rank
 from graphc.perf.step_time import Matmul, RuntimeCollective, StepWork
@@ -62,7 +63,6 @@ expert's weights read by index (NxD Inference's dropless context encoding)."""
 RUNTIME_CALLS = {
     "all_reduce": (("all_reduce", 1.0),),
     "all_reduce_max": (("all_reduce", 1.0),),
-    "attention_combine": (("all_reduce", 0.0), ("all_reduce", 1.0)),  # the lse's max (tiny), then the sum
     "index_topk_combine": (("all_gather", 8 / 12), ("all_gather", 4 / 12)),  # int64 positions, fp32 scores
     "gather_columns": (("all_gather", 1.0),),
     "moe_dispatch": (("all_gather", 1.0),),
@@ -70,10 +70,14 @@ RUNTIME_CALLS = {
     "moe_a2a_combine": (("all_to_all", 1.0),),
 }
 """The runtime collectives a predicted collective op lowers to, each with its share of the op's
-bytes (`moe_a2a_dispatch` below: its form depends on the lowering)."""
+bytes (`runtime_calls`: the ops whose form depends on more than their name)."""
 
 
-def runtime_calls(op: str, exchange: str) -> tuple[tuple[str, float], ...]:
+def runtime_calls(op: str, exchange: str, payload: int, group_size: int) -> tuple[tuple[str, float], ...]:
+    if op == "attention_combine":  # one all-gather of every rank's payload, or the lse's max (tiny), then the sum
+        if combine_gathers(payload, group_size):
+            return (("all_gather", 1.0),)
+        return (("all_reduce", 0.0), ("all_reduce", 1.0))
     if op == "moe_a2a_dispatch":  # the rows, then the routes; a2a_v all-gathers its split counts first
         return (("all_to_all", 1.0), ("all_to_all", 0.0)) + ((("all_gather", 0.0),) if exchange == "a2a_v" else ())
     if op not in RUNTIME_CALLS:
@@ -203,6 +207,7 @@ def config_work(config: GraphcConfig, device: DeviceModel) -> list[StepWork]:
                                      block_size=config.kv_cache.block_size, draft_tokens=config.draft_tokens)
         calls = tuple(RuntimeCollective(kind, topology.group_size(c.group),
                                         device.span(topology.group_ranks(c.group, 0)), c.bytes_in * share, c.count)
-                      for c in predicted for kind, share in runtime_calls(c.op, exchange))
+                      for c in predicted
+                      for kind, share in runtime_calls(c.op, exchange, c.bytes_in, topology.group_size(c.group)))
         works.append(step_work(args, tensors, draft, layout, bucket, config.model.dtype, config.draft_tokens, calls))
     return works

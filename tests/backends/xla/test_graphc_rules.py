@@ -21,6 +21,7 @@ from graphc.backends.xla.aten import Out
 from graphc.backends.xla.lower import Lowering
 from graphc.backends.xla.variants import CPU, NEURON
 from graphc.errors import GraphcError
+from graphc.ops.collectives import combine_gathers
 from graphc.models.deepseek_v41.engram import EngramArgs, NgramHash
 from graphc.ops import all_to_all, collectives, hyper_connections, moe, paged_attention, sampler, sparse
 from graphc.ops import engram as engram_ops
@@ -278,3 +279,16 @@ def test_64_bit_products_and_remainders_in_32_bit_words_are_pythons_integers():
 def test_ngram_hash_refuses_a_table_past_int32_row_ids():
     with pytest.raises(GraphcError, match=r"an Engram table of 2147483648 rows; row ids are int32 here"):
         graphc_ops.ngram_hash(_lowering(), None, jnp.zeros((1, 2), jnp.int32), [1, 3], [2**31 - 7], [7], 1)
+
+
+@pytest.mark.parametrize("tokens, collectives_in_module", [(2, {"all-gather": 1}), (4096, {"all-reduce": 2})])
+def test_the_attention_combine_gathers_a_small_payload_and_all_reduces_a_large_one(tokens, collectives_in_module):
+    """One all-gather merged locally while the gathered partials are latency-bound
+    (`combine_gathers`), the two all-reduces above that."""
+    lowering = Lowering(Topology(2, 1), CPU)
+    out, lse = jnp.zeros((1, tokens, 4, 31)), jnp.zeros((1, tokens, 4))
+    text = jax.jit(lambda o, s: graphc_ops.attention_combine(lowering, Out(out.shape, np.float32), o, s, "cp")
+                   ).lower(out, lse).compiler_ir("hlo").as_hlo_text()
+    found = {op: len(re.findall(rf"\s{op}\(", text)) for op in ("all-gather", "all-reduce")}
+    assert {op: n for op, n in found.items() if n} == collectives_in_module
+    assert combine_gathers(1 * tokens * 4 * 32 * 4, 2) == ("all-gather" in collectives_in_module)

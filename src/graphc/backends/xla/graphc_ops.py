@@ -17,6 +17,7 @@ from graphc.backends.xla import collectives
 from graphc.backends.xla.ngram_hash import ngram_hash
 from graphc.backends.xla.aten import Out, first_argmax
 from graphc.errors import GraphcError
+from graphc.ops.collectives import combine_gathers
 from graphc.ops.sampler import SAMPLER_CANDIDATES
 from graphc.ops.sparse import NO_KEY
 
@@ -116,8 +117,14 @@ def grouped_mm(lowering, out: Out, rows, weights, offsets):
 
 
 def attention_combine(lowering, out: Out, partial, lse, group: str):
-    """`graphc.ops.collectives._attention_combine`'s two all-reduces: nothing a group's size holds."""
+    """`graphc.ops.collectives._attention_combine`: one all-gather merged locally for a small
+    payload (`combine_gathers`), else two all-reduces (nothing a group's size holds)."""
     groups = lowering.groups(group)
+    payload = jnp.concatenate([partial.astype(jnp.float32), lse[..., None]], axis=-1)  # [B, Q, H, R + 1]
+    if combine_gathers(payload.size * 4, len(groups[0])):
+        gathered = collectives.all_gather(payload, groups)  # [G, B, Q, H, R + 1]
+        weights = jnp.exp(gathered[..., -1:] - gathered[..., -1:].max(axis=0))
+        return ((weights * gathered[..., :-1]).sum(axis=0) / weights.sum(axis=0)).astype(out.dtype)
     weights = jnp.exp(lse - collectives.all_reduce_max(lse, groups))[..., None]  # [B, Q, H, 1]
     summed = collectives.all_reduce(jnp.concatenate([weights * partial.astype(jnp.float32), weights], axis=-1), groups)
     return (summed[..., :-1] / summed[..., -1:]).astype(out.dtype)
