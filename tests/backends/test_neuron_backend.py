@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import zipfile
 
 import numpy as np
@@ -19,9 +20,13 @@ from click.testing import CliRunner
 
 from graphc.artifacts.directory import read_manifest
 from graphc.backends import BACKENDS
-from graphc.backends.neuron_archive import program_contexts, read_archive
+from graphc.backends.neuron_archive import NEURON_HLO, program_contexts, read_archive
+from graphc.backends.xla import graphc_ops
+from graphc.backends.xla.lint import module_text
 from graphc.backends.xla.memory import program_memory
 from graphc.cli import cli
+from graphc.compiler.pipeline import CompileOptions, compile
+from graphc.config import load_config
 from graphc.errors import GraphcError
 from graphc.runtime import Engine, Request
 from graphc.runtime.launch import serve
@@ -29,7 +34,7 @@ from graphc.runtime.loader import load_rank
 from graphc.sampling import Sampling
 from graphc.step import PADDING_SLOT
 from graphc.tools.lint import lint_artifacts
-from support import SPARSE_V32
+from support import SPARSE_V32, TEST_BUCKETS, model_yaml
 
 pytestmark = [pytest.mark.compiles]
 
@@ -217,3 +222,21 @@ def test_inspect_memory_and_the_device_plan_read_each_programs_buffer_assignment
                                        str(artifacts)])
     assert refused.exit_code == 2 and refused.output.startswith(f"error: --artifacts {str(artifacts)!r}: compiled "
                                                                 "with buckets.context_limit ")
+
+def test_the_blocked_grouped_gemm_serves_the_export_tokens(compiled, tiny_checkpoints, tmp_path, monkeypatch):
+    """Blocks of 4 rows forced on every grouped GEMM (the tiny shapes' costs pick expert-major; the
+    released models' prefill chunks pick blocks): the export tokens, every program linted."""
+    monkeypatch.setenv("GRAPHC_CACHE_DIR", str(tmp_path / "cache"))  # not the session's programs
+    monkeypatch.setattr(graphc_ops, "neuron_grouped_block", lambda *shapes: 4)  # compiled in this process (workers=1)
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(model_yaml(tiny_checkpoints["wide-16e"],
+                                                                   TEST_BUCKETS[MULTI_RANK_BUCKETS], "neuron")))
+    compile(load_config(tmp_path / "model.yaml"), tmp_path / "artifacts", CompileOptions(show_progress=False, workers=1))
+    requests = _requests()
+    expected = Engine(compiled("wide-16e", "export", MULTI_RANK_BUCKETS)).generate(requests)
+    assert [r.output_ids for r in Engine(tmp_path / "artifacts").generate(requests)] == [r.output_ids for r in expected]
+    assert lint_artifacts(tmp_path / "artifacts", read_manifest(tmp_path / "artifacts")) == []
+    prefill = next(g.file for g in read_manifest(tmp_path / "artifacts").ranks[0].graphs if g.bucket.kind == "prefill")
+    with zipfile.ZipFile(tmp_path / "artifacts" / prefill) as archive:
+        text = module_text(archive.read(NEURON_HLO))
+    # 8 tokens of 4 routes over 16 experts: 32 rows in ceil(32 / 4) + 15 = 23 blocks of 4, a matrix read a block.
+    assert re.search(r"f32\[23,4,64\]\S* dot\(", text) and not re.search(r"f32\[16,64,32\]\S* dot\(", text)

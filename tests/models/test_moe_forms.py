@@ -14,7 +14,8 @@ from graphc.artifacts.directory import read_manifest
 from graphc.compiler.pipeline import CompileOptions, compile
 from graphc.config import load_config
 from graphc.weights.checkpoint import load_model
-from graphc.models.moe_forms import MOE_FORMS, moe_form_for, step_moe_form
+from graphc.models.moe_forms import (BLOCK_SIZES, MOE_FORMS, expert_blocks, grouped_block, local_rows_bound,
+                                      moe_form_for, step_moe_form)
 from graphc.weights.tiny import PRESETS
 from graphc.ops.moe import expert_routes, expert_routes_reference, grouped_mm
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
@@ -147,3 +148,24 @@ def test_each_bucket_runs_the_form_its_manifest_names(choice, tmp_path, tiny_che
     assert named == (expected if choice == "auto" else dict.fromkeys(expected, "dense"))
     for g in graphs:
         assert _routed_form_of(torch.export.load(str(out / g.file)), rank.weight_names) == g.moe_form, g
+
+
+def test_the_grouped_gemms_form_is_the_cheaper_by_the_step_models_cost():
+    """Blocks of B rows: ceil(L / B) + E' - 1 of them bound every split of L rows over E' experts;
+    memory-bound calls read as few matrices as blocks allow, compute-bound ones pad the fewest rows."""
+    for counts in ([7, 0, 0, 0], [1, 1, 1, 4], [2, 2, 2, 1], [0, 0, 0, 0]):
+        for block in BLOCK_SIZES[:4]:
+            assert sum(-(-c // block) for c in counts) <= expert_blocks(7, 4, block)
+    matrix, row = 7168 * 4096 * 2, 2 * 7168 * 4096
+    # Decode, 1 token of K = 8 at E' = 4 (memory-bound): 4 blocks of 4, today's 4 reads at half the rows.
+    assert grouped_block(local_rows_bound(1, 8, 4), 8, 4, matrix, row, 725e9, 166.75e12) == 4
+    # Batch 64 at E' = 4: the cheapest of every form (here blocks of 256: 4 reads, 1024 rows, where
+    # expert-major computes 4 x 512 and blocks of 128 read 5 matrices).
+    local = local_rows_bound(64, 8, 4)
+    block = grouped_block(local, 512, 4, matrix, row, 725e9, 166.75e12)
+    priced = {b: max(expert_blocks(local, 4, b) * matrix / 725e9, expert_blocks(local, 4, b) * b * row / 166.75e12)
+              for b in BLOCK_SIZES}
+    assert block == 256 and priced[block] == min(priced.values()) < max(4 * matrix / 725e9, 4 * 512 * row / 166.75e12)
+    # Two experts, every row possibly local: blocks read no fewer matrices nor compute fewer rows;
+    # on a tie expert-major (no gathered matrices) is kept.
+    assert grouped_block(64, 64, 2, matrix, row, 1e9, 1e18) == 0

@@ -99,7 +99,7 @@ def test_the_calibrated_layer_cost_is_the_fit_on_nxd_inferences_tpot():
     assert work.collective_calls == 123 and work.layers == 61
 
 
-def test_the_released_v3_decode_reads_every_local_expert_as_the_neuron_lowering_does():
+def test_the_released_v3s_expert_work_is_the_neuron_grouped_gemms_form():
     config = load_config(RELEASED / "v3-trn2-tp16.yaml")
     [prefill, decode, *_] = config_work(config, TRN2)
     # cp 4 x tp 16 x ep 64: 4 local experts of 58 MoE layers, FP8 gate-up and down with fp32 scales.
@@ -109,8 +109,11 @@ def test_the_released_v3_decode_reads_every_local_expert_as_the_neuron_lowering_
     # ep all-reduce), 58 ep all-reduces, the embedding's and the logits' gathers: 185 a decode step
     # (each combine one all-gather); a 256-token chunk's combines are two all-reduces each (246).
     assert decode.collective_calls == 185 and prefill.collective_calls == 246
-    # The grouped GEMM computes every local expert over every route: E' x T x K rows a layer.
-    assert prefill.matmuls[-1].rows == 4 * 256 * 8
+    # The grouped GEMM in blocks (`grouped_block`): decode-1's 4 routes a rank can hold in 4 blocks
+    # of 4 (every local expert read once, 16 rows where expert-major computed E' x T x K = 32); a
+    # 256-token chunk's 1,024 in 7 blocks of 256 (7 reads, 1,792 rows; expert-major 8,192).
+    assert [m.rows for m in decode.matmuls[-2:]] == [16, 16] and [m.rows for m in prefill.matmuls[-2:]] == [1792, 1792]
+    assert prefill.expert_bytes == pytest.approx(7 * 58 * expert, rel=0.01)
 
 
 def test_plan_prints_each_buckets_time_split_and_its_constants():

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from graphc.weights.hf_config import RopeArgs, yarn_mscale
-from graphc.models.moe_forms import contributes_shared_partial, moe_form_for, shared_experts_reduced_with_routed
+from graphc.models.moe_forms import (contributes_shared_partial, local_rows_bound, moe_form_for,
+                                      shared_experts_reduced_with_routed)
 from graphc.models.step_model import ModelArgs, StepInputs
 from graphc.ops import all_to_all, collectives, moe
 from graphc.step import PADDING_SLOT
@@ -230,10 +231,11 @@ class RoutedExperts(nn.Module):
             counts = counts.scatter_add(0, routes, torch.ones_like(routes))[:-1]  # [E'] routes per local expert
             offsets = counts.cumsum(0).to(torch.int32)  # [E']
             rows = x[order // per_token]  # [M, D] each route's token
-            gate, up = moe.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offsets).split(width, dim=-1)  # [M, I]
+            local = local_rows_bound(tokens, per_token, self.local_experts)  # a static bound on offsets[-1]
+            gate, up = moe.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offsets, local).split(width, dim=-1)
             hidden = (self._weighed(gate, up, weights.reshape(-1)[order]) if self.weigh_before_down
                       else swiglu(gate, up, self.swiglu_limit))
-            out = moe.grouped_mm(hidden, self.down_proj.transpose(1, 2), offsets)  # [M, D]; 0 off-shard
+            out = moe.grouped_mm(hidden, self.down_proj.transpose(1, 2), offsets, local)  # [M, D]; 0 off-shard
             unsort = torch.zeros_like(order).scatter(0, order, torch.arange(order.shape[0], device=x.device))  # [M]
             routed = out[unsort].view(tokens, per_token, -1)  # [T, K, D]
         if self.weigh_before_down:

@@ -42,6 +42,44 @@ def step_moe_form(choice: str, tokens: int, experts_per_token: int, experts: int
     return moe_form_for(rows, experts_per_token, experts // ep)
 
 
+BLOCK_SIZES = tuple(2**i for i in range(10))
+"""The blocked grouped GEMM's candidate rows a block (1 to 512)."""
+
+
+def local_rows_bound(rows: int, experts_per_token: int, local_experts: int) -> int:
+    """The most routes `rows` rows can send to a rank's `local_experts` experts: a row's K routes
+    go to K distinct experts, so at most min(K, E') of them are local."""
+    return rows * min(experts_per_token, local_experts)
+
+
+def expert_blocks(local_rows: int, local_experts: int, block: int) -> int:
+    """The static block count of the blocked grouped GEMM: each expert's rows padded to whole
+    blocks fit in ceil(L / B) + E' - 1 blocks (the sum of ceil(c_e / B) over the experts)."""
+    return -(-local_rows // block) + local_experts - 1
+
+
+def grouped_block(local_rows: int, rows: int, local_experts: int, matrix_bytes: int, row_flops: int,
+                  bandwidth: float, flops: float) -> int:
+    """The grouped GEMM's form for one call, by the step model's cost (the larger of its weight
+    reads' and its FLOPs' times): a block size B of `BLOCK_SIZES` (each block one GEMM of B rows
+    against its expert's matrix, read by index), or 0 for expert-major (every local expert's
+    matrix once, over every one of the `rows` rows). Ties go to fewer computed rows.
+
+    Args:
+        local_rows: `local_rows_bound` of the call's rows. rows: all of them (off-shard included).
+        matrix_bytes, row_flops: one expert's matrix and a row's FLOPs through it.
+        bandwidth, flops: the device's bytes/s and FLOP/s.
+    """
+    def cost(reads: int, computed: int) -> tuple[float, int]:
+        return max(reads * matrix_bytes / bandwidth, computed * row_flops / flops), computed
+
+    best = (cost(local_experts, local_experts * rows), 0)
+    for block in BLOCK_SIZES:
+        blocks = expert_blocks(local_rows, local_experts, block)
+        best = min(best, (cost(blocks, blocks * block), block))
+    return best[1]
+
+
 MOE_LOWERINGS = ("ag_rs", "a2a_even", "a2a_v")
 """How tokens that are not replicated over their EP group reach their experts' ranks and come
 back; all give the same values (`graphc.ops.all_to_all` describes the all-to-all ones):

@@ -5,7 +5,8 @@
 - `grouped_mm`: one GEMM per expert over expert-sorted rows. It stays an op on every backend: its
   CPU kernel is ATen's `_grouped_mm`, which computes fp32 on the CPU but whose meta function
   admits only bf16, so it cannot be traced as itself; the neuron backend lowers it with its own XLA
-  rule (each row's expert matrix gathered: validation, not yet a blockwise MoE kernel).
+  rule (a blocked GEMM over the routes' rows, or one over every local expert: whichever the step
+  model prices lower for the call's shapes).
 
 Shape letters: T tokens, K experts per token, E routed experts (of the whole model), E' = E /
 num_shards this rank's, D hidden size, I expert width, F = 2I (gate and up fused), M = T*K rows.
@@ -58,7 +59,7 @@ def _aten_computes(rows: Tensor, weights: Tensor) -> bool:
             and all(w * rows.element_size() % 16 == 0 for w in widths))
 
 
-def _grouped_mm(rows: Tensor, weights: Tensor, offsets: Tensor) -> Tensor:
+def _grouped_mm(rows: Tensor, weights: Tensor, offsets: Tensor, local_rows: int = -1) -> Tensor:
     """rows [M, D] sorted by expert @ weights [E', D, F] of each row's expert -> [M, F].
 
     Args:
@@ -66,6 +67,8 @@ def _grouped_mm(rows: Tensor, weights: Tensor, offsets: Tensor) -> Tensor:
         weights: [E', D, F] one matrix per local expert (any strides: a transposed view of the
             stored [E', F, D] is read in place).
         offsets: [E'] int32 inclusive prefix sums of each expert's row count.
+        local_rows: a static bound on offsets[-1] (`moe_forms.local_rows_bound`), -1 for M: a
+            static-shape lowering sizes its blocks by it (this kernel needs none).
 
     Returns:
         [M, F] each row times its expert's matrix; rows past offsets[-1] (routes to experts this
@@ -81,5 +84,6 @@ def _grouped_mm(rows: Tensor, weights: Tensor, offsets: Tensor) -> Tensor:
     return out
 
 
-grouped_mm = define_op("grouped_mm(Tensor rows, Tensor weights, Tensor offsets) -> Tensor", _grouped_mm,
-                       lambda rows, weights, offsets: rows.new_empty((rows.shape[0], weights.shape[-1])))
+grouped_mm = define_op("grouped_mm(Tensor rows, Tensor weights, Tensor offsets, int local_rows=-1) -> Tensor",
+                       _grouped_mm,
+                       lambda rows, weights, offsets, local_rows=-1: rows.new_empty((rows.shape[0], weights.shape[-1])))

@@ -8,6 +8,7 @@ groups). Every value is `{value, provenance, source}`: provenance is one of `PRO
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from graphc.errors import GraphcError
+from graphc.models.moe_forms import grouped_block
 
 PROVENANCES = ("specification", "published", "derived", "assumed", "calibrated", "measured")
 """specification: a vendor's data sheet; published: someone's measurement, cited; derived:
@@ -28,6 +30,11 @@ DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
 """The compute dtypes a device file gives a rate for (FP4 weights compute in bf16)."""
 
 SHIPPED = Path(__file__).parent / "devices"
+
+PROGRAM_TARGET = "trn2"
+"""The device whose costs shape a neuron program where a lowering chooses by cost (the grouped
+GEMM's form): graphc's default neuronx-cc target (`neuron_archive.NEURON_TARGET`), as a program is
+lowered before any target is named."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,19 @@ class DeviceModel:
         for span, link in self.links.items():
             out[f"links.{span}.latency_us"], out[f"links.{span}.gbs"] = link.latency, link.bandwidth
         return out
+
+
+@functools.cache
+def program_target() -> "DeviceModel":
+    return load_device(PROGRAM_TARGET)
+
+
+def neuron_grouped_block(local_rows: int, rows: int, experts: int, dim: int, width: int, itemsize: int) -> int:
+    """The grouped GEMM's form in a neuron program (`moe_forms.grouped_block` on `PROGRAM_TARGET`'s
+    costs) for rows [rows, dim] through E' = `experts` matrices [dim, width] of `itemsize` bytes."""
+    device = program_target()
+    rate = device.flops["float32" if itemsize == 4 else "bfloat16"].value
+    return grouped_block(local_rows, rows, experts, dim * width * itemsize, 2 * dim * width, device.hbm.value, rate)
 
 
 def shipped() -> list[str]:

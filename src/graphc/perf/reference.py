@@ -37,7 +37,7 @@ def nxd_v3_work(args: ModelArgs, checkpoint: Path, bucket: Bucket) -> StepWork:
     token generation for a decode bucket, context encoding for a prefill one."""
     tensors = stored_tensors(args, checkpoint, torch.bfloat16, as_stored=False, ep=1, tp=TP)
     decode = bucket.kind == "decode"
-    layout = Layout(Topology(tp=TP), "selective" if decode else "blockwise", "local", etp=TP,
+    layout = Layout(Topology(tp=TP), "gather" if decode else "blockwise", "local", etp=TP,
                     context_slots=NXD_V3["sequence"], block_size=1)
     tokens = bucket.rows * bucket.width
     hidden = tokens * args.hidden_size * 2

@@ -20,7 +20,7 @@ Every constant comes from the device file with its provenance (`perf.device`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from graphc.perf.device import DeviceModel
 
@@ -33,6 +33,8 @@ class Matmul:
     inner: int
     outer: int
     count: int = 1
+    routed: bool = False
+    """A routed expert's matrix (the MoE lowering's FLOPs)."""
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,6 @@ class StepWork:
     kv_bytes: float
     matmuls: tuple[Matmul, ...]
     collectives: tuple[RuntimeCollective, ...]
-    notes: tuple[str, ...] = field(default=())
-    """How the work was counted (the MoE form, its reads), for the report."""
 
     @property
     def bytes_read(self) -> float:
@@ -90,6 +90,10 @@ class StepWork:
     @property
     def flops(self) -> float:
         return sum(2 * m.rows * m.inner * m.outer * m.count for m in self.matmuls)
+
+    @property
+    def routed_flops(self) -> float:
+        return sum(2 * m.rows * m.inner * m.outer * m.count for m in self.matmuls if m.routed)
 
 
 @dataclass(frozen=True)

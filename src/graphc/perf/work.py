@@ -28,11 +28,11 @@ from graphc.buckets.selection import Bucket, all_buckets
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
 from graphc.models.layers import STACKED_EXPERT
-from graphc.models.moe_forms import step_moe_form
+from graphc.models.moe_forms import expert_blocks, local_rows_bound, step_moe_form
 from graphc.models.registry import family_of
 from graphc.models.step_model import ModelArgs
 from graphc.ops.collectives import combine_gathers
-from graphc.perf.device import DeviceModel
+from graphc.perf.device import DeviceModel, neuron_grouped_block
 from graphc.perf.routing import busiest_rank
 from graphc.perf.step_time import Matmul, RuntimeCollective, StepWork
 from graphc.step import blocks_per_row
@@ -45,20 +45,22 @@ EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 EXPERT_LOWERINGS = {
     "dense": ("all", "experts x rows"),
-    "grouped-xla": ("all", "experts x routes"),
+    "expert-major": ("all", "experts x routes"),
+    "blockwise": ("blocks", "blocks x block"),
     "grouped": ("hit", "routes"),
     "gather": ("routes", "routes"),
-    "selective": ("hit", "routes"),
-    "blockwise": ("blocks", "blocks x block"),
 }
 """What a lowering of the routed experts reads (every local expert, each one the routes hit once,
-or one per route) and computes (every local expert over every row or every route, or the routes'
-rows alone), by name: the MoE forms of `RoutedExperts`, with `grouped` as the neuron backend
-lowers it (`grouped-xla`: one batched GEMM over every local expert, each route's row taken from
-its expert's) and as ATen's grouped GEMM runs it on the CPU; `selective` loads only the experts
-the routes hit (NxD Inference's token generation); `blockwise` sorts the routes into blocks of
-`Layout.block` rows, a static ceil(routes / block) + E' - 1 of them, each one GEMM against its
-expert's weights read by index (NxD Inference's dropless context encoding)."""
+one per route, or one per block) and computes (every local expert over every row or every route,
+the blocks' padded rows, or the routes' rows alone), by name:
+- `dense`, `gather`: the MoE forms of `RoutedExperts` (`gather` is also NxD Inference's selective
+  loading for token generation: each route's expert slice read by index);
+- `grouped` as ATen's grouped GEMM runs it on the CPU (dynamic: only the experts hit, only their rows);
+- `grouped-neuron`: the neuron backend's rule, per call the cheaper by the step model on the
+  program's target (`device.neuron_grouped_block`) of `expert-major` (one batched GEMM over every
+  local expert and every route) and `blockwise` (routes sorted into blocks of `Layout.block`
+  rows, a static ceil(L / B) + E' - 1 of them for L = `local_rows_bound`, each one GEMM against
+  its expert's matrix read by index; also NxD Inference's dropless context encoding)."""
 
 RUNTIME_CALLS = {
     "all_reduce": (("all_reduce", 1.0),),
@@ -143,24 +145,26 @@ def step_work(args: ModelArgs, tensors: list[StoredTensor], draft: set[str], lay
             weights += t.nbytes
             if len(t.shape) == 2 and t.dtype.is_floating_point:
                 matmuls.append(Matmul(head_rows if t.name == HEAD else through, t.shape[1], t.shape[0]))
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     main = _expert_work(args, [t for t in tensors if STACKED_EXPERT.match(t.name) and t.name not in draft],
-                        layout, tokens)
+                        layout, tokens, itemsize)
     drafted = [_expert_work(family.drafter.layer(args), [t for t in tensors if STACKED_EXPERT.match(t.name)
-                                                         and t.name in draft], layout, passed)
+                                                         and t.name in draft], layout, passed, itemsize)
                for passed, _ in passes]
     for reads, products in (main, *drafted):
         expert_bytes += reads
         matmuls += products
     context = math.ceil(layout.context_slots / layout.block_size / layout.topology.cp) * layout.block_size
-    kv = bucket.rows * context * args.cache_layers * args.kv_cache_dim * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    kv = bucket.rows * context * args.cache_layers * args.kv_cache_dim * itemsize
     layers = args.num_hidden_layers + len(passes) * family.drafter.layer(args).num_hidden_layers if passes else args.num_hidden_layers
-    return StepWork(bucket.name, bucket.rows if bucket.kind == "decode" else tokens, tokens, layers, dtype, weights, expert_bytes, kv, tuple(matmuls), collectives,
-                    (f"routed experts: {layout.expert_lowering} ({' / '.join(EXPERT_LOWERINGS[layout.expert_lowering])})",))
+    return StepWork(bucket.name, bucket.rows if bucket.kind == "decode" else tokens, tokens, layers, dtype, weights,
+                    expert_bytes, kv, tuple(matmuls), collectives)
 
 
-def _expert_work(args: ModelArgs, experts: list[StoredTensor], layout: Layout, tokens: int
+def _expert_work(args: ModelArgs, experts: list[StoredTensor], layout: Layout, tokens: int, itemsize: int
                  ) -> tuple[float, list[Matmul]]:
-    """(bytes read, matmuls) of the routed experts of the MoE layers of `args` on the busiest rank."""
+    """(bytes read, matmuls) of the routed experts of the MoE layers of `args` on the busiest rank;
+    `itemsize` the compute dtype's bytes (what the neuron grouped GEMM's choice sees)."""
     moe_layers = args.num_hidden_layers - args.first_k_dense_replace
     if not experts or not moe_layers or not tokens:
         return 0.0, []
@@ -169,24 +173,28 @@ def _expert_work(args: ModelArgs, experts: list[StoredTensor], layout: Layout, t
     ep = args.n_routed_experts // local
     group_tokens = tokens * max(1, ep // topology.replica) if not topology.tokens_replicated else tokens
     rows = tokens if layout.exchange in ("local", "static") else tokens * ep  # what reaches a rank's experts
-    busiest = busiest_rank(group_tokens, args.n_routed_experts, args.num_experts_per_tok,
-                           getattr(args, "n_group", 1) or 1, getattr(args, "topk_group", 1) or 1, ep)
-    reads, computes = EXPERT_LOWERINGS[layout.expert_lowering]
-    routes = rows * args.num_experts_per_tok
-    blocks = math.ceil(routes / layout.block) + local - 1
-    expert_reads = {"all": local, "hit": busiest.experts, "routes": routes, "blocks": blocks}[reads]
-    row_count = {"experts x rows": local * rows, "experts x routes": local * routes, "blocks x block": blocks * layout.block,
-                 "routes": busiest.routes if reads == "hit" else routes}[computes]
-    layer_bytes = sum(t.nbytes for t in experts) / (len(experts) // 2)
-    reads_bytes = layer_bytes / local * expert_reads / etp * moe_layers
-    matmuls = []
+    per_token = args.num_experts_per_tok
+    routes, bound = rows * per_token, local_rows_bound(rows, per_token, local)
+    busiest = busiest_rank(group_tokens, args.n_routed_experts, per_token, getattr(args, "n_group", 1) or 1,
+                           getattr(args, "topk_group", 1) or 1, ep)
+    reads_bytes, matmuls = 0.0, []
     for t in experts[:2]:  # one MoE layer's gate-up [E', F, D] and down [E', D, I], every layer alike
         out_dim, in_dim = t.shape[1], t.shape[2]
         if t.name.endswith("gate_up_proj"):
             out_dim //= etp
         else:
             in_dim //= etp
-        matmuls.append(Matmul(row_count, in_dim, out_dim, moe_layers))
+        lowering, block = layout.expert_lowering, layout.block
+        if lowering == "grouped-neuron":
+            block = neuron_grouped_block(bound, routes, local, in_dim, out_dim, itemsize)
+            lowering = "blockwise" if block else "expert-major"
+        reads, computes = EXPERT_LOWERINGS[lowering]
+        blocks = expert_blocks(bound, local, block) if lowering == "blockwise" else 0
+        expert_reads = {"all": local, "hit": busiest.experts, "routes": routes, "blocks": blocks}[reads]
+        row_count = {"experts x rows": local * rows, "experts x routes": local * routes,
+                     "blocks x block": blocks * block, "routes": busiest.routes if reads == "hit" else routes}[computes]
+        reads_bytes += t.nbytes / local / etp * expert_reads * moe_layers
+        matmuls.append(Matmul(row_count, in_dim, out_dim, moe_layers, routed=True))
     return reads_bytes, matmuls
 
 
@@ -201,7 +209,7 @@ def config_work(config: GraphcConfig, device: DeviceModel) -> list[StepWork]:
     for bucket in all_buckets(b.prefill, b.decode, b.prompt_as_decode, config.draft_tokens):
         form = step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
                              args.n_routed_experts, topology.ep, exchange)
-        lowering = "grouped-xla" if form == "grouped" and config.backend == "neuron" else form
+        lowering = "grouped-neuron" if form == "grouped" and config.backend == "neuron" else form
         layout = Layout(topology, lowering, exchange, context_slots=slots, block_size=config.kv_cache.block_size)
         predicted = step_collectives(args, topology, bucket, config.model.dtype, exchange, context_slots=slots,
                                      block_size=config.kv_cache.block_size, draft_tokens=config.draft_tokens)

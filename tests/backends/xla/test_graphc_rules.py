@@ -121,12 +121,15 @@ def test_verify_drafts_equals_the_torch_verdict_given_its_noise(temperature, top
     assert 0 < int(expected[:, 0].sum()) < int(count.sum())  # some drafts accepted, some rejected
 
 
-def test_grouped_mm_equals_the_op_and_zeroes_rows_past_the_last_expert():
+@pytest.mark.parametrize("block", [0, 1, 2, 4, 16])  # expert-major, then blocks of 1 to 16 rows
+@pytest.mark.parametrize("local_rows", [-1, 7])  # no bound, and the exact one
+def test_grouped_mm_equals_the_op_and_zeroes_rows_past_the_last_expert(monkeypatch, block, local_rows):
+    monkeypatch.setattr(graphc_ops, "neuron_grouped_block", lambda *args: block)
     g = torch.Generator().manual_seed(2)
     rows, weights = torch.randn(10, 16, generator=g), torch.randn(3, 16, 8, generator=g)
     offsets = torch.tensor([2, 2, 7], dtype=torch.int32)  # expert 1 has no rows; rows 7.. are off-shard
     expected = moe.grouped_mm(rows, weights, offsets)
-    out = graphc_ops.grouped_mm(_lowering(), _out(expected), _jax(rows), _jax(weights), _jax(offsets))
+    out = graphc_ops.grouped_mm(_lowering(), _out(expected), _jax(rows), _jax(weights), _jax(offsets), local_rows)
     np.testing.assert_allclose(np.asarray(out), expected.numpy(), rtol=0, atol=1e-5)
     assert not np.asarray(out)[7:].any()
 

@@ -17,7 +17,9 @@ from graphc.backends.xla import collectives
 from graphc.backends.xla.ngram_hash import ngram_hash
 from graphc.backends.xla.aten import Out, first_argmax
 from graphc.errors import GraphcError
+from graphc.models.moe_forms import expert_blocks
 from graphc.ops.collectives import combine_gathers
+from graphc.perf.device import neuron_grouped_block
 from graphc.ops.sampler import SAMPLER_CANDIDATES
 from graphc.ops.sparse import NO_KEY
 
@@ -101,19 +103,42 @@ def verify_drafts(lowering, out: Out, logits, drafts, draft_count, temperature, 
     return jnp.concatenate([accepted[:, None], tokens], axis=1).astype(jnp.int32)
 
 
-def grouped_mm(lowering, out: Out, rows, weights, offsets):
+def grouped_mm(lowering, out: Out, rows, weights, offsets, local_rows: int = -1):
     """rows [M, D] sorted by expert @ their expert's weights [E', D, F] -> [M, F]; rows past
-    offsets[-1] (routes to other ranks' experts) are 0. Every row times every local expert's
-    weights in one batched GEMM ([E', M, F]), each row's result taken from its expert's: every
-    weight is read once and no per-row matrix is gathered (gathered, the gate-up and down matrices
-    of a 256-token chunk at DeepSeek-V3's width are 168 GiB), at E' times the rows' multiply-adds;
-    a reference lowering, not a Neuron kernel."""
-    # Compare-all, not a binary search: no while loop in the module.
-    expert = jnp.searchsorted(offsets, jnp.arange(rows.shape[0]), side="right", method="compare_all")  # [M]
-    products = jnp.einsum("md,edf->emf", rows, weights, precision=jax.lax.Precision.HIGHEST,
-                          preferred_element_type=jnp.float32)  # [E', M, F]
-    mine = expert[None, :, None] == jnp.arange(weights.shape[0])[:, None, None]  # [E', M, 1]
-    return jnp.where(mine, products, 0).sum(axis=0).astype(out.dtype)
+    offsets[-1] (routes to other ranks' experts) are 0. Two static-shape forms, the one the step
+    model prices lower for these shapes on graphc's default Neuron target (`perf.device.neuron_grouped_block`):
+    - blocked: each expert's rows in blocks of B, ceil(L / B) + E' - 1 blocks (L the call's bound
+      on local rows), each one GEMM of B rows against its expert's matrix read by index, the
+      results put back at their rows: FLOPs grow with the routed rows plus bounded padding;
+    - expert-major: every row times every local expert's weights in one batched GEMM ([E', M, F]),
+      each row's result taken from its expert's: each weight read once, E' times the rows' FLOPs.
+    Never a matrix gathered per row (at DeepSeek-V3's width a 256-token chunk's would be 168 GiB)."""
+    experts, dim, width = weights.shape
+    total = rows.shape[0]
+    local = total if local_rows < 0 else min(local_rows, total)
+    block = neuron_grouped_block(local, total, experts, dim, width, weights.dtype.itemsize)
+    if block == 0:
+        # Compare-all, not a binary search: no while loop in the module.
+        expert = jnp.searchsorted(offsets, jnp.arange(total), side="right", method="compare_all")  # [M]
+        products = jnp.einsum("md,edf->emf", rows, weights, precision=jax.lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)  # [E', M, F]
+        mine = expert[None, :, None] == jnp.arange(experts)[:, None, None]  # [E', M, 1]
+        return jnp.where(mine, products, 0).sum(axis=0).astype(out.dtype)
+    blocks = expert_blocks(local, experts, block)
+    ends = offsets.astype(jnp.int32)  # [E'] inclusive ends of each expert's rows
+    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]])
+    block_ends = jnp.cumsum((ends - starts + block - 1) // block)  # [E'] blocks through each expert
+    index = jnp.arange(blocks, dtype=jnp.int32)
+    owner = jnp.minimum(jnp.searchsorted(block_ends, index, side="right", method="compare_all"), experts - 1)  # [N]
+    first_block = block_ends[owner] - (ends[owner] - starts[owner] + block - 1) // block
+    row = starts[owner][:, None] + (index - first_block)[:, None] * block + jnp.arange(block)[None, :]  # [N, B]
+    valid = row < ends[owner][:, None]
+    target = jnp.where(valid, row, total)  # the rows past every expert's go to one spare row
+    taken = jnp.where(valid[..., None], rows[jnp.minimum(target, total - 1)], 0)  # [N, B, D]
+    products = jnp.einsum("nbd,ndf->nbf", taken, weights[owner], precision=jax.lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)  # [N, B, F]
+    placed = jnp.zeros((total + 1, width), jnp.float32).at[target.reshape(-1)].set(products.reshape(-1, width))
+    return placed[:total].astype(out.dtype)
 
 
 def attention_combine(lowering, out: Out, partial, lse, group: str):
