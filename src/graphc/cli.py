@@ -472,10 +472,26 @@ def inspect(artifacts: Path, lint: bool, memory: bool) -> None:
               help="This config's compiled artifacts (neuron): activations from their programs' buffer assignment, "
                    "not the estimate (with --device; seconds to minutes a program).")
 @click.option("--json", "as_json", is_flag=True, help="Print the device plan as JSON on stdout (with --device).")
+@click.option("--search", "search_layouts", is_flag=True,
+              help="Price every layout on whole instances of the device (with --device or --device-file): the Pareto "
+                   "front of tok/s an instance against tok/s a user, and the layout the objective picks.")
+@click.option("--objective", type=click.Choice(["latency", "throughput"]), default="latency", show_default=True,
+              help="--search: the lowest TPOT, or the most tok/s an instance within the limits.")
+@click.option("--tpot-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="--search: TPOT at most this.")
+@click.option("--ttft-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="--search: TTFT (a prompt of half the context) at most this.")
+@click.option("--context", type=click.IntRange(min=1), default=None,
+              help="--search: tokens a sequence holds (default: buckets.context_limit).")
+@click.option("--batch", type=click.IntRange(min=1), default=64, show_default=True,
+              help="--search: the largest decode batch a replica runs (powers of two up to it).")
+@click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True, help="--search: instances.")
+@click.option("--write-yaml", type=click.Path(path_type=Path), default=None,
+              help="--search: write model.yaml with the chosen layout here (it compiles as written).")
 def plan(model_yaml, workload, plot_path, device_name, device_file, device_memory, device_bandwidth, artifacts,
-         as_json) -> None:
+         as_json, search_layouts, objective, tpot_ms, ttft_ms, context, batch, instances, write_yaml) -> None:
     """Dry run before any capture: the bucket table, expected padding, graphs per rank and in
-    all, the collectives each rank issues per step; with --device, what a rank holds and reads."""
+    all, the collectives each rank issues per step; with --device, what a rank holds and reads,
+    and each bucket's step time; with --search, the layouts worth compiling."""
     import json
 
     from graphc.tools import device_plan
@@ -485,6 +501,9 @@ def plan(model_yaml, workload, plot_path, device_name, device_file, device_memor
 
     on_device = any(v is not None for v in (device_name, device_file, device_memory, device_bandwidth))
     target = device_plan.device(device_name, device_memory, device_bandwidth, device_file) if on_device else None
+    if search_layouts:
+        return _plan_search(model_yaml, target, objective, tpot_ms, ttft_ms, context, batch, instances, write_yaml,
+                            as_json)
     for flag, given in (("--json prints", as_json), ("--artifacts measures", artifacts is not None)):
         if given and target is None:
             raise GraphcError(f"{flag} the device plan: pass --device (or --device-memory and --device-bandwidth)")
@@ -616,6 +635,44 @@ def sweep(model_yaml, topologies, backends, out, new_tokens, **host_options) -> 
         failed = sum(bool(r.failures) for s in stages for r in s.cases)
         click.echo(f"sweep failed: {failed} case(s) differ (see {paths['markdown']})", err=True)
         raise SystemExit(1)
+
+
+def _plan_search(model_yaml: Path, target, objective: str, tpot_ms, ttft_ms, context, batch: int, instances: int,
+                 write_yaml: Path | None, as_json: bool) -> None:
+    """`graphc plan --search` (`perf.search`)."""
+    import yaml
+
+    from graphc.config import load_config
+    from graphc.perf import search
+    from graphc.tools.plan import format_bytes
+
+    if target is None or target.model is None:
+        raise GraphcError("--search prices layouts with a device's constants: pass --device or --device-file")
+    config = load_config(model_yaml)
+    limits = search.Limits(context or config.buckets.context_limit, batch, tpot_ms, ttft_ms)
+    found = search.search(config, target.model, limits, instances)
+    front, chosen = search.pareto(found, instances), search.choose(found, objective, instances)
+    if write_yaml is not None:
+        data = search.layout_yaml(yaml.safe_load(model_yaml.read_text()), chosen, limits.context)
+        write_yaml.write_text(yaml.safe_dump(data, sort_keys=False))
+    if as_json:
+        click.echo(json.dumps({"chosen": chosen.to_json(instances), "pareto": [c.to_json(instances) for c in front],
+                               "feasible": len(found)}, indent=2))
+        return
+    world = int(target.model.ranks_per_chip.value * target.model.chips_per_node.value) * instances
+    click.echo(f"search: {len(found)} feasible layouts x batches of {config.model_args.architecture} on {instances} "
+               f"{target.name} instance(s) ({world} ranks), context {limits.context}; the Pareto front:")
+    click.echo(f"  {'dp':>3s} {'cp':>3s} {'tp':>3s} {'ep':>3s} {'moe':8s} {'batch':>5s} {'TPOT ms':>8s} {'tok/s/user':>10s} "
+               f"{'tok/s/inst':>10s} {'TTFT ms':>9s} {'rank mem':>9s} {'calls':>5s}")
+    for c in front:
+        t = c.topology
+        click.echo(f"  {t.dp:3d} {t.cp:3d} {t.tp:3d} {t.ep:3d} {c.exchange:8s} {c.batch:5d} {c.tpot_ms:8.2f} "
+                   f"{c.user_tokens_per_second:10.1f} {c.instance_tokens_per_second(instances):10.1f} {c.ttft_ms:9.1f} "
+                   f"{format_bytes(c.rank_bytes):>9s} {c.collective_calls:5d}" + ("  <- chosen" if c == chosen else ""))
+    t = chosen.topology
+    click.echo(f"chosen for {objective}: dp={t.dp} cp={t.cp} tp={t.tp} ep={t.ep} batch {chosen.batch}: TPOT "
+               f"{chosen.tpot_ms:.2f} ms, {chosen.instance_tokens_per_second(instances):.0f} tok/s an instance, TTFT "
+               f"{chosen.ttft_ms:.0f} ms" + (f"; wrote {write_yaml}" if write_yaml else ""))
 
 
 def _describe_config(config, backend: str | None = None) -> str:

@@ -59,6 +59,9 @@ class Backend:
     buffer assignment (`graphc inspect --memory`); None where the backend has none to read."""
     neuron_finish: bool = False
     """Whether `graphc neuron-finish` takes its artifacts (adds each program's NEFF on a Neuron host)."""
+    grouped_gemm: str = "grouped"
+    """How it runs the routed experts' grouped GEMM, as the step model counts it
+    (`perf.work.EXPERT_LOWERINGS`): ATen's dynamic kernel, or neuron's static-shape rule."""
     lowerings: tuple[str, ...] | None = None
     """The MoE lowerings it compiles (`moe_forms.MOE_LOWERINGS`' names); None: every one."""
     stand_ins: dict[str, tuple[str, str]] = field(default_factory=dict)
@@ -137,7 +140,7 @@ BACKENDS = {backend.name: backend for backend in (
             fixed_pool=True, toolchain="graphc.backends.neuron_archive:toolchain",
             manifest_extras="graphc.backends.neuron_archive:manifest_extras",
             linter="graphc.backends.xla.lint:lint_archives", neuron_finish=True,
-            memory_report="graphc.backends.xla.memory:program_memory",
+            memory_report="graphc.backends.xla.memory:program_memory", grouped_gemm="grouped-neuron",
             lowerings=("ag_rs", "a2a_even"),
             stand_ins={"a2a_v": ("a2a_even", "the padded even form: a2a_v's variable-size exchange, XLA's "
                                              "ragged-all-to-all, does not run on XLA:CPU, so it could not be checked "

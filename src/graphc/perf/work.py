@@ -198,10 +198,12 @@ def _expert_work(args: ModelArgs, experts: list[StoredTensor], layout: Layout, t
     return reads_bytes, matmuls
 
 
-def config_work(config: GraphcConfig, device: DeviceModel) -> list[StepWork]:
-    """Every bucket's step of `config` as graphc compiles it, on the busiest rank."""
+def config_work(config: GraphcConfig, device: DeviceModel, tensors: list[StoredTensor] | None = None
+                ) -> list[StepWork]:
+    """Every bucket's step of `config` as graphc compiles it, on the busiest rank (`tensors`: the
+    rank's, when known)."""
     args, topology = config.model_args, config.topology
-    tensors, draft = rank_tensors(config), draft_tensor_names(config)
+    tensors, draft = tensors if tensors is not None else rank_tensors(config), draft_tensor_names(config)
     exchange, _ = backend(config.backend).exchange(config.model.moe_lowering, topology)
     slots = blocks_per_row(config.buckets.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
     b = config.buckets
@@ -209,7 +211,7 @@ def config_work(config: GraphcConfig, device: DeviceModel) -> list[StepWork]:
     for bucket in all_buckets(b.prefill, b.decode, b.prompt_as_decode, config.draft_tokens):
         form = step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
                              args.n_routed_experts, topology.ep, exchange)
-        lowering = "grouped-neuron" if form == "grouped" and config.backend == "neuron" else form
+        lowering = backend(config.backend).grouped_gemm if form == "grouped" else form
         layout = Layout(topology, lowering, exchange, context_slots=slots, block_size=config.kv_cache.block_size)
         predicted = step_collectives(args, topology, bucket, config.model.dtype, exchange, context_slots=slots,
                                      block_size=config.kv_cache.block_size, draft_tokens=config.draft_tokens)

@@ -47,8 +47,7 @@ from graphc.buckets.selection import Bucket, all_buckets, chunk_lengths, max_pre
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
 from graphc.weights import fp4
-from graphc.weights.checkpoint import build_model
-from graphc.weights.abstract import released_fp8_block
+from graphc.weights.abstract import StoredTensor, released_fp8_block
 from graphc.models.layers import STACKED_EXPERT
 from graphc.models.registry import family_of
 from graphc.models.step_model import ModelArgs
@@ -168,16 +167,14 @@ def _dtype_bytes(dtype: str) -> int:
     return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
-def activation_bytes(config: GraphcConfig, args: ModelArgs) -> int:
-    """The estimate of the module docstring for the largest bucket."""
+def activation_bytes(config: GraphcConfig, args: ModelArgs, tensors: list[StoredTensor]) -> int:
+    """The estimate of the module docstring for the largest bucket (`tensors`: the rank's)."""
     b = config.buckets
     slots = blocks_per_row(b.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
     width = _dtype_bytes(config.model.dtype)
     topology = config.topology
-    with torch.device("meta"):
-        model = build_model(args, args.n_routed_experts // topology.ep, tp=topology.tp)
-    widest = max((t.shape[-2] for n, t in model.state_dict().items() if t.dim() >= 2 and "embed" not in n
-                  and n != "lm_head.weight"), default=args.hidden_size)
+    widest = max((t.shape[-2] for t in tensors if len(t.shape) >= 2 and "embed" not in t.name and t.name != HEAD),
+                 default=args.hidden_size)
     heads = getattr(args, "num_attention_heads", 1) // topology.tp
     peak = 0
     for bucket in all_buckets(b.prefill, b.decode, b.prompt_as_decode, config.draft_tokens):
@@ -243,7 +240,7 @@ def plan_device(config: GraphcConfig, target: Device, measured: MeasuredActivati
     width = _dtype_bytes(config.model.dtype)
     per_token = args.cache_layers * args.kv_cache_dim * width
     pool = math.prod(kv_pool_shape(args.cache_layers, kv.num_blocks, kv.block_size, args.kv_cache_dim)) * width
-    activations = measured.bytes if measured else activation_bytes(config, args)
+    activations = measured.bytes if measured else activation_bytes(config, args, tensors)
     left = target.memory_bytes - weights - activations
     total = weights + pool + activations
     if weights > target.memory_bytes:
