@@ -154,6 +154,8 @@ def test_run_json_equals_the_engine(cli_compiled, engine):
     assert {r["finish_reason"] for r in lines[2:]} == {"length"}
     assert all(len(r["output_ids"]) == 10 for r in lines[2:])
     assert all("error" not in r for r in lines)
+    # Each request's TTFT (from the start of serving) and time per output token after the first.
+    assert all(r["ttft_ms"] > 0 and r["tpot_ms"] > 0 for r in lines[2:])
 
 
 def test_run_default_max_new_tokens_is_the_manifests(artifacts, engine):

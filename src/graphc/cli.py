@@ -349,7 +349,7 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
         text = tokenizer.decode(result.output_ids) if tokenizer and result.error is None else None
         if as_json:
             record = {"prompt_ids": result.request.prompt, "output_ids": result.output_ids,
-                      "finish_reason": result.finish_reason}
+                      "finish_reason": result.finish_reason, **_latencies(result)}
             record.update({"text": text} if text is not None else {})
             record.update({"error": result.error} if result.error else {})
             click.echo(json.dumps(record))
@@ -363,6 +363,13 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
         click.echo(f"speculative decoding: drafts accepted {rates} (draft position)", err=True)
     if failed:
         raise click.exceptions.Exit(EXIT_BAD_INPUT)
+
+
+def _latencies(result) -> dict:
+    """A result's TTFT (from the start of serving) and time per output token, in ms, where measured."""
+    tpot = result.time_per_output_token
+    return {**({"ttft_ms": result.first_token_seconds * 1e3} if result.first_token_seconds is not None else {}),
+            **({"tpot_ms": tpot * 1e3} if tpot is not None else {})}
 
 
 def _named(result, where: str):

@@ -82,6 +82,15 @@ class Result:
     first generated token."""
     cached_tokens: int = 0
     """Prompt tokens read from the prefix cache instead of computed."""
+    last_token_seconds: float | None = None
+    """From the scheduler's start to this request's last generated token."""
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Seconds between generated tokens after the first (None with fewer than two)."""
+        if self.first_token_seconds is None or self.last_token_seconds is None or len(self.output_ids) < 2:
+            return None
+        return (self.last_token_seconds - self.first_token_seconds) / (len(self.output_ids) - 1)
 
 
 @dataclass
@@ -403,7 +412,8 @@ class Scheduler:
             allocator.release(sequence.blocks.shard_blocks(shard))
         self.results[sequence.index] = Result(sequence.request, sequence.output, reason,
                                               first_token_seconds=sequence.first_token_seconds,
-                                              cached_tokens=sequence.cached_tokens)
+                                              cached_tokens=sequence.cached_tokens,
+                                              last_token_seconds=time.perf_counter() - self.started)
 
     def _finish_reason(self, sequence: Sequence) -> str | None:
         request = sequence.request
