@@ -545,6 +545,63 @@ def plan(model_yaml, workload, plot_path, device_name, device_file, device_memor
 
 
 @cli.command()
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
+              help="The device file to write (give it to graphc plan --device-file and graphc profile).")
+@click.option("--ranks", type=click.IntRange(min=2), default=2, show_default=True,
+              help="Processes the collective timings run over.")
+def calibrate(out: Path, ranks: int) -> None:
+    """Measure this host as a device: a rank's memory bandwidth and GEMM rates, gloo's collectives'
+    latency and bandwidth; its fixed cost a layer is left to graphc profile --fit."""
+    from graphc.perf.calibrate import host_device, write_device
+
+    data = host_device(ranks)
+    write_device(data, out)
+    click.echo(f"wrote {out}: {data['hbm_gbs']['value']:.1f} GB/s, fp32 {data['tflops']['float32']['value']:.3f} / "
+               f"bf16 {data['tflops']['bfloat16']['value']:.3f} TFLOPS, all-reduce "
+               f"{data['links']['chip']['latency_us']['value']:.0f} us + bytes / {data['links']['chip']['gbs']['value']:.2f} GB/s")
+
+
+@cli.command()
+@click.argument("model_yaml", type=click.Path(path_type=Path))
+@click.argument("artifacts", type=click.Path(path_type=Path))
+@click.option("--device-file", type=click.Path(path_type=Path), required=True,
+              help="This host's device file (graphc calibrate).")
+@click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True, help="Timed calls a program.")
+@click.option("--fit", is_flag=True,
+              help="Fit the device file's layer_fixed_us on these programs' times and write it back (calibrated).")
+@click.option("--json", "as_json", is_flag=True, help="Print each bucket's measured and predicted ms as JSON.")
+def profile(model_yaml: Path, artifacts: Path, device_file: Path, repeats: int, fit: bool, as_json: bool) -> None:
+    """Time each bucket's program of a one-rank compile of MODEL_YAML (ARTIFACTS) here, beside the
+    step model's prediction with the device file's constants, and the error."""
+    import yaml
+
+    from graphc.config import load_config
+    from graphc.perf import profile as profiling
+    from graphc.perf.device import load_device
+
+    config = load_config(model_yaml)
+    device = load_device(path=device_file)
+    profiled = profiling.profile(config, artifacts, device, repeats)
+    if fit:
+        fixed = profiling.fit_layer_fixed(profiled)
+        data = yaml.safe_load(device_file.read_text())
+        data["layer_fixed_us"] = {"value": fixed * 1e6, "provenance": "calibrated",
+                                  "source": f"graphc profile --fit on {artifacts} ({', '.join(p.bucket for p in profiled)})"}
+        device_file.write_text(yaml.safe_dump(data, sort_keys=False))
+        device = load_device(path=device_file)
+        profiled = [profiling.Profiled(p.bucket, p.measured_ms, p.unfixed_ms + p.layers * fixed * 1e3, p.layers,
+                                       p.unfixed_ms) for p in profiled]
+    if as_json:
+        click.echo(json.dumps([p.to_json() for p in profiled], indent=2))
+        return
+    click.echo(f"{'bucket':14s} {'measured ms':>12s} {'predicted ms':>13s} {'error':>7s}")
+    for p in profiled:
+        click.echo(f"{p.bucket:14s} {p.measured_ms:12.3f} {p.predicted_ms:13.3f} {p.error:+7.0%}")
+    if fit:
+        click.echo(f"layer_fixed_us = {device.layer_fixed.value * 1e6:.1f} (fitted), written to {device_file}")
+
+
+@cli.command()
 @click.argument("model_yaml", type=click.Path(path_type=Path))
 @click.option("--layer", type=int, required=True, help="Decoder layer to probe (0-based).")
 @click.option("--tokens", type=click.IntRange(min=1), default=None,

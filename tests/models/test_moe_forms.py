@@ -27,6 +27,9 @@ from support import model_yaml
 @given(st.integers(1, 4096), st.integers(1, 16), st.integers(1, 512))
 def test_the_rule_gathers_while_routes_are_at_most_the_local_experts(rows, per_token, local):
     assert moe_form_for(rows, per_token, local) == ("gather" if rows * per_token <= local else "grouped")
+    # Where the gather is not fused into its products (the export backend), only a single row gathers.
+    unfused = "gather" if rows == 1 and per_token <= local else "grouped"
+    assert moe_form_for(rows, per_token, local, fuses_gather=False) == unfused
 
 
 def test_a_step_counts_the_rows_that_reach_the_ranks_experts():
@@ -35,6 +38,7 @@ def test_a_step_counts_the_rows_that_reach_the_ranks_experts():
     for lowering in ("ag_rs", "a2a_even", "a2a_v"):
         assert step_moe_form("auto", 4, 2, 16, 2, lowering) == "grouped"  # dispatched: 8 rows x 2 > 8
     assert step_moe_form("auto", 4, 2, 16, 1, "local") == "gather"  # ep 1 dispatches nothing
+    assert step_moe_form("auto", 4, 2, 16, 1, "local", fuses_gather=False) == "grouped"
     for form in MOE_FORMS:  # a fixed choice is kept whatever the size
         assert step_moe_form(form, 1000, 8, 16, 1, "local") == form
 
@@ -143,8 +147,9 @@ def test_each_bucket_runs_the_form_its_manifest_names(choice, tmp_path, tiny_che
     rank = read_manifest(out).ranks[0]
     graphs = rank.graphs
     named = {f"{g.kind}-{g.size}": g.moe_form for g in graphs}
-    # 8 experts, 2 per token: gather while rows x 2 <= 8.
-    expected = {"prefill-8": "grouped", "decode-1": "gather", "decode-4": "gather", "decode-8": "grouped"}
+    # 8 experts, 2 per token: gather while rows x 2 <= 8 where the gather fuses; the export backend's
+    # does not, so only the one-row step gathers.
+    expected = {"prefill-8": "grouped", "decode-1": "gather", "decode-4": "grouped", "decode-8": "grouped"}
     assert named == (expected if choice == "auto" else dict.fromkeys(expected, "dense"))
     for g in graphs:
         assert _routed_form_of(torch.export.load(str(out / g.file)), rank.weight_names) == g.moe_form, g

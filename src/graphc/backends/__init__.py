@@ -59,6 +59,9 @@ class Backend:
     buffer assignment (`graphc inspect --memory`); None where the backend has none to read."""
     neuron_finish: bool = False
     """Whether `graphc neuron-finish` takes its artifacts (adds each program's NEFF on a Neuron host)."""
+    fuses_gather: bool = True
+    """Whether its compiler fuses the gather form's per-route matrix reads into their products
+    (`moe_forms.moe_form_for`); the export backend's ATen ops copy them first."""
     grouped_gemm: str = "grouped"
     """How it runs the routed experts' grouped GEMM, as the step model counts it
     (`perf.work.EXPERT_LOWERINGS`): ATen's dynamic kernel, or neuron's static-shape rule."""
@@ -126,7 +129,7 @@ def _imported(hook: str) -> Callable:
 
 
 BACKENDS = {backend.name: backend for backend in (
-    Backend("export", "pt2", parallel_compile=False, serves_here=True,
+    Backend("export", "pt2", parallel_compile=False, serves_here=True, fuses_gather=False,
             compiler="graphc.backends.export:compile_program", loader="graphc.runtime.graph_loaders:load_export"),
     Backend("inductor", "aoti.pt2", parallel_compile=True, serves_here=True,
             compiler="graphc.backends.inductor:compile_program", loader="graphc.runtime.graph_loaders:load_inductor"),

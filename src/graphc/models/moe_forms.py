@@ -17,29 +17,37 @@ MOE_FORM_CHOICES = ("auto", *MOE_FORMS)
 MoeFormChoice = Literal[MOE_FORM_CHOICES]  # noqa: typed.build reads the choices from this Literal
 
 
-def moe_form_for(rows: int, experts_per_token: int, local_experts: int) -> str:
+def moe_form_for(rows: int, experts_per_token: int, local_experts: int, fuses_gather: bool = True) -> str:
     """The cheapest form for `rows` tokens entering a rank's `local_experts` (E') experts.
 
     The cost that bounds a step on a memory-bound device is the expert weight bytes it reads.
     `gather` reads one expert per route: R*K reads, no sort. `grouped` reads each local expert
     that has routes once, at most min(E', R*K), but sorts the routes and runs one GEMM per
     expert, which costs more than the gather's fused loop while the routes are few (measured
-    in bench/bench_scale.py). `dense` reads all E' and computes every expert on every row.
-    So `gather` while R*K <= E' (it reads no more than one pass over the rank's experts), else
-    `grouped`. `dense` is never chosen: it is the reference.
+    in bench/bench_scale.py, AOTInductor). `dense` reads all E' and computes every expert on
+    every row. So `gather` while R*K <= E' (it reads no more than one pass over the rank's
+    experts), else `grouped`. `dense` is never chosen: it is the reference.
+
+    Where the backend runs the gather unfused (`fuses_gather` False: the export backend's ATen
+    ops copy every route's matrices, then multiply), `gather` only for one row: at the 140 M
+    ladder model's size, fp32, decode-8 took 557 ms gathered and 152 ms grouped, decode-1 36 and
+    41 ms (`graphc profile`, bench/bench_step_model.py).
     """
-    return "gather" if rows * experts_per_token <= local_experts else "grouped"
+    if rows * experts_per_token > local_experts or (not fuses_gather and rows > 1):
+        return "grouped"
+    return "gather"
 
 
-def step_moe_form(choice: str, tokens: int, experts_per_token: int, experts: int, ep: int, exchange: str) -> str:
+def step_moe_form(choice: str, tokens: int, experts_per_token: int, experts: int, ep: int, exchange: str,
+                  fuses_gather: bool = True) -> str:
     """The form of a step of `tokens` tokens on one rank: `choice` itself, or for `auto` the
     rule's pick for the rows that reach the rank's experts (its own tokens when nothing is
     exchanged or they are replicated over the EP group; the group's ep * tokens rows after a
-    dispatch, `MOE_EXCHANGES`)."""
+    dispatch, `MOE_EXCHANGES`) on a backend that does or does not fuse the gather."""
     if choice != "auto":
         return choice
     rows = tokens if exchange in ("local", "static") else tokens * ep
-    return moe_form_for(rows, experts_per_token, experts // ep)
+    return moe_form_for(rows, experts_per_token, experts // ep, fuses_gather)
 
 
 BLOCK_SIZES = tuple(2**i for i in range(10))

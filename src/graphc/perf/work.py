@@ -210,7 +210,8 @@ def config_work(config: GraphcConfig, device: DeviceModel, tensors: list[StoredT
     works = []
     for bucket in all_buckets(b.prefill, b.decode, b.prompt_as_decode, config.draft_tokens):
         form = step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
-                             args.n_routed_experts, topology.ep, exchange)
+                             args.n_routed_experts, topology.ep, exchange,
+                             backend(config.backend).fuses_gather)
         lowering = backend(config.backend).grouped_gemm if form == "grouped" else form
         layout = Layout(topology, lowering, exchange, context_slots=slots, block_size=config.kv_cache.block_size)
         predicted = step_collectives(args, topology, bucket, config.model.dtype, exchange, context_slots=slots,

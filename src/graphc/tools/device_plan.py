@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from graphc.artifacts.manifest import Manifest
 from graphc.backends import backend
 from graphc.buckets.selection import Bucket, all_buckets, chunk_lengths, max_prefill_chunk, smallest_fitting
 from graphc.config import GraphcConfig
@@ -194,13 +195,12 @@ class MeasuredActivations:
     source: str
 
 
-def measured_activations(config: GraphcConfig, artifacts: Path) -> MeasuredActivations:
-    """The artifacts' largest program temporaries (`Backend.memory`), once they are shown to be
-    the config's compile: same architecture, dtype, topology, buckets and KV pool.
+def check_compiled_from(config: GraphcConfig, artifacts: Path) -> Manifest:
+    """The artifacts' manifest, once they are shown to be the config's compile: same architecture,
+    dtype, topology, buckets and KV pool.
 
     Raises:
-        GraphcError: they were compiled from another config (naming the first field that differs),
-            or their backend has no buffer assignment to read.
+        GraphcError: they were compiled from another config (naming the first field that differs).
     """
     from graphc.artifacts.directory import read_manifest
 
@@ -220,8 +220,23 @@ def measured_activations(config: GraphcConfig, artifacts: Path) -> MeasuredActiv
     }
     for field, (compiled, configured) in expected.items():
         if compiled != configured:
-            raise GraphcError(f"--artifacts {str(artifacts)!r}: compiled with {field} {compiled}, the config has "
-                              f"{configured}; compile this config (graphc compile) to plan with its buffer assignment")
+            raise GraphcError(f"{str(artifacts)!r}: compiled with {field} {compiled}, the config has "
+                              f"{configured}; compile this config (graphc compile) first")
+    return manifest
+
+
+def measured_activations(config: GraphcConfig, artifacts: Path) -> MeasuredActivations:
+    """The artifacts' largest program temporaries (`Backend.memory`), once they are shown to be
+    the config's compile (`check_compiled_from`).
+
+    Raises:
+        GraphcError: they were compiled from another config, or their backend has no buffer
+            assignment to read.
+    """
+    try:
+        manifest = check_compiled_from(config, artifacts)
+    except GraphcError as e:
+        raise GraphcError(f"--artifacts {e}") from None
     programs = backend(manifest.backend).memory(artifacts, manifest)
     return MeasuredActivations(max(p.temporaries for p in programs.values()),
                                f"buffer assignment of {artifacts}'s largest program ({manifest.backend})")

@@ -140,7 +140,8 @@ def describe(config: GraphcConfig, workload: Histogram | None) -> list[str]:
                                  block_size=config.kv_cache.block_size, draft_tokens=config.draft_tokens)
         text = ", ".join(f"{c.count} x {c.op}({c.group}) of {format_bytes(c.bytes_in)}" for c in calls) or "none"
         form = step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
-                             args.n_routed_experts, topology.ep, exchange)
+                             args.n_routed_experts, topology.ep, exchange,
+                             backend(config.backend).fuses_gather)
         lines.append(f"  {bucket.name:14s} MoE {form:8s} {text}")
     return lines
 
