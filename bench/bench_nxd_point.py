@@ -49,7 +49,8 @@ def main() -> None:
         print(f"  {label:22s} {predicted:10.1f} {measured:10.1f} {predicted / measured - 1:+8.0%}")
     shares = tpot.shares()
     for part, measured in NXD_V3["shares"].items():
-        print(f"  {part + ' share':22s} {shares[part]:10.0%} {measured:10.0%} {(shares[part] - measured) * 100:+7.0f}pt")
+        points = (shares[part] - measured) * 100
+        print(f"  {part + ' share':22s} {shares[part]:10.0%} {measured:10.0%} {points:+7.0f}pt")
     print(f"  {'(host share)':22s} {shares['host']:10.0%} {'-':>10s}")
     print(f"  decode work: {decode.bytes_read / 1e9:.2f} GB read ({decode.expert_bytes / 1e9:.2f} GB of experts), "
           f"{decode.flops / 1e9:.1f} GFLOP, {decode.collective_calls} collectives; context encoding "
@@ -61,8 +62,9 @@ def main() -> None:
         plan = plan_device(layout, device(options.device))
         for t in plan.steps:
             if t.bucket.startswith("decode") and "x" not in t.bucket:
+                ratio, fits = NXD_V3["tpot_ms"] / (t.step * 1e3), "yes" if plan.fits else "no"
                 print(f"  {name:22s} {t.bucket:12s} {t.step * 1e3:8.2f} {t.tokens_per_step / t.step:8.1f} "
-                      f"{t.collective_calls:6d} {NXD_V3['tpot_ms'] / (t.step * 1e3):6.2f}x {'yes' if plan.fits else 'no':>5s}")
+                      f"{t.collective_calls:6d} {ratio:6.2f}x {fits:>5s}")
         print(f"  {name:22s} TTFT " + ", ".join(f"{ms:.0f} ms ({n} tokens)" for n, ms in plan.ttft_ms.items()))
 
 

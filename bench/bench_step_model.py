@@ -5,7 +5,8 @@ fitted on half the configurations, its predictions tested on the other half agai
 
 Configurations: the `bench_scale.py` ladder's sizes x dtypes, each compiled for one rank on the
 export backend with a prefill chunk of 64 and decode batches of 1 and 8 at context 512. The fit
-half alternates along the ladder (tiny fp32, 140m bf16, ...), the test half is the rest; then one change: the test half's first configuration with its context doubled, measured
+half alternates along the ladder (tiny fp32, 140m bf16, ...), the test half is the rest; then one
+change: the test half's first configuration with its context doubled, measured
 against predicted. Prints each program's measured and predicted ms with the error, and the test
 half's median and largest |error|. Measure on a quiet machine: nothing else running.
 """
@@ -63,12 +64,13 @@ def main() -> None:
         device_file = work / "host.yaml"
         write_device(host_device(), device_file)
         device = load_device(path=device_file)
-        print(f"host: {device.hbm.value / 1e9:.1f} GB/s, fp32 {device.flops['float32'].value / 1e9:.1f} / bf16 "
-              f"{device.flops['bfloat16'].value / 1e9:.1f} GFLOP/s, all-reduce {device.links['chip'].latency.value * 1e6:.0f}"
-              f" us (graphc calibrate)")
+        rates = f"fp32 {device.flops['float32'].value / 1e9:.1f} / bf16 {device.flops['bfloat16'].value / 1e9:.1f}"
+        print(f"host: {device.hbm.value / 1e9:.1f} GB/s, {rates} GFLOP/s, all-reduce "
+              f"{device.links['chip'].latency.value * 1e6:.0f} us (graphc calibrate)")
         runs = [(f"{size} {dtype}", configuration(work, size, dtype))
                 for size in options.sizes.split(",") for dtype in options.dtypes.split(",")]
-        measured = {name: profile(load_config(path), artifacts, device, options.repeats) for name, (path, artifacts) in runs}
+        measured = {name: profile(load_config(path), artifacts, device, options.repeats)
+                    for name, (path, artifacts) in runs}
         # Alternate along the ladder so that each half holds every size and dtype once where it can.
         names = [n for n, _ in runs]
         fit_names = [n for i, n in enumerate(names) if (i + i // len(options.dtypes.split(","))) % 2 == 0]

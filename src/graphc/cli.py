@@ -484,7 +484,8 @@ def inspect(artifacts: Path, lint: bool, memory: bool) -> None:
                    "front of tok/s an instance against tok/s a user, and the layout the objective picks.")
 @click.option("--objective", type=click.Choice(["latency", "throughput"]), default="latency", show_default=True,
               help="--search: the lowest TPOT, or the most tok/s an instance within the limits.")
-@click.option("--tpot-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="--search: TPOT at most this.")
+@click.option("--tpot-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="--search: TPOT at most this.")
 @click.option("--ttft-ms", type=click.FloatRange(min=0, min_open=True), default=None,
               help="--search: TTFT (a prompt of half the context) at most this.")
 @click.option("--context", type=click.IntRange(min=1), default=None,
@@ -556,9 +557,10 @@ def calibrate(out: Path, ranks: int) -> None:
 
     data = host_device(ranks)
     write_device(data, out)
+    link = data["links"]["chip"]
     click.echo(f"wrote {out}: {data['hbm_gbs']['value']:.1f} GB/s, fp32 {data['tflops']['float32']['value']:.3f} / "
                f"bf16 {data['tflops']['bfloat16']['value']:.3f} TFLOPS, all-reduce "
-               f"{data['links']['chip']['latency_us']['value']:.0f} us + bytes / {data['links']['chip']['gbs']['value']:.2f} GB/s")
+               f"{link['latency_us']['value']:.0f} us + bytes / {link['gbs']['value']:.2f} GB/s")
 
 
 @cli.command()
@@ -585,8 +587,9 @@ def profile(model_yaml: Path, artifacts: Path, device_file: Path, repeats: int, 
     if fit:
         fixed = profiling.fit_layer_fixed(profiled)
         data = yaml.safe_load(device_file.read_text())
+        buckets = ", ".join(p.bucket for p in profiled)
         data["layer_fixed_us"] = {"value": fixed * 1e6, "provenance": "calibrated",
-                                  "source": f"graphc profile --fit on {artifacts} ({', '.join(p.bucket for p in profiled)})"}
+                                  "source": f"graphc profile --fit on {artifacts} ({buckets})"}
         device_file.write_text(yaml.safe_dump(data, sort_keys=False))
         device = load_device(path=device_file)
         profiled = [profiling.Profiled(p.bucket, p.measured_ms, p.unfixed_ms + p.layers * fixed * 1e3, p.layers,
@@ -726,8 +729,8 @@ def _plan_search(model_yaml: Path, target, objective: str, tpot_ms, ttft_ms, con
     world = int(target.model.ranks_per_chip.value * target.model.chips_per_node.value) * instances
     click.echo(f"search: {len(found)} feasible layouts x batches of {config.model_args.architecture} on {instances} "
                f"{target.name} instance(s) ({world} ranks), context {limits.context}; the Pareto front:")
-    click.echo(f"  {'dp':>3s} {'cp':>3s} {'tp':>3s} {'ep':>3s} {'moe':8s} {'batch':>5s} {'TPOT ms':>8s} {'tok/s/user':>10s} "
-               f"{'tok/s/inst':>10s} {'TTFT ms':>9s} {'rank mem':>9s} {'calls':>5s}")
+    click.echo(f"  {'dp':>3s} {'cp':>3s} {'tp':>3s} {'ep':>3s} {'moe':8s} {'batch':>5s} {'TPOT ms':>8s} "
+               f"{'tok/s/user':>10s} {'tok/s/inst':>10s} {'TTFT ms':>9s} {'rank mem':>9s} {'calls':>5s}")
     for c in front:
         t = c.topology
         click.echo(f"  {t.dp:3d} {t.cp:3d} {t.tp:3d} {t.ep:3d} {c.exchange:8s} {c.batch:5d} {c.tpot_ms:8.2f} "

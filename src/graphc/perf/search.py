@@ -131,8 +131,8 @@ def search(config: GraphcConfig, device: DeviceModel, limits: Limits, instances:
             fit += 1
             steps = {t.bucket: t for t in (step_time(w, device) for w in config_work(candidate, device, tensors))}
             decode, prefill = steps[f"decode-{batch}"], steps[f"prefill-{chunk}"]
-            found.append(Candidate(topology, lowering, exchange, batch, decode.step * 1e3, prefill.step * 1e3 * prompt_chunks,
-                                   rank_bytes, decode.collective_calls))
+            found.append(Candidate(topology, lowering, exchange, batch, decode.step * 1e3,
+                                   prefill.step * 1e3 * prompt_chunks, rank_bytes, decode.collective_calls))
     if not fit:
         raise GraphcError(f"--search: no layout of {config.model_args.architecture} fits {instances} instance(s) of "
                           f"{device.name} ({world} ranks of {device.memory.value / 2**30:.1f} GiB) at --context "
@@ -195,7 +195,8 @@ def _kv_bytes(config: GraphcConfig, batch: int) -> int:
     """A rank's share of its replica's `batch` sequences at the context limit (its cp shard's blocks)."""
     args, block = config.model_args, config.kv_cache.block_size
     blocks = batch * -(-blocks_per_row(config.buckets.context_limit, block) // config.topology.cp)
-    return blocks * block * args.cache_layers * args.kv_cache_dim * torch.empty(0, dtype=getattr(torch, config.model.dtype)).element_size()
+    width = torch.empty(0, dtype=getattr(torch, config.model.dtype)).element_size()
+    return blocks * block * args.cache_layers * args.kv_cache_dim * width
 
 
 def _activations(config: GraphcConfig, tensors: list[StoredTensor]) -> int:

@@ -126,7 +126,8 @@ class StepTime:
         return {name: value / self.step for name, value in parts.items()}
 
     def to_json(self) -> dict:
-        return {"bucket": self.bucket, "tokens_per_second": self.tokens_per_step / self.step, "step_ms": self.step * 1e3, "memory_ms": self.memory * 1e3,
+        return {"bucket": self.bucket, "tokens_per_second": self.tokens_per_step / self.step,
+                "step_ms": self.step * 1e3, "memory_ms": self.memory * 1e3,
                 "flops_ms": self.flops * 1e3, "fixed_ms": self.fixed * 1e3,
                 "collectives_ms": self.collectives * 1e3, "straggler_ms": self.straggler * 1e3,
                 "host_ms": self.host * 1e3, "collective_calls": self.collective_calls, "shares": self.shares()}
@@ -152,8 +153,8 @@ def step_time(work: StepWork, device: DeviceModel) -> StepTime:
     collectives = sum(collective_seconds(c, device) for c in work.collectives)
     device_time = max(memory, flops) + fixed + collectives
     share = device.straggler_share.value
-    return StepTime(work.bucket, work.tokens_per_step, memory, flops, fixed, collectives, device_time * share / (1 - share),
-                    device.host_step.value, work.collective_calls)
+    return StepTime(work.bucket, work.tokens_per_step, memory, flops, fixed, collectives,
+                    device_time * share / (1 - share), device.host_step.value, work.collective_calls)
 
 
 def fit_layer_fixed(work: StepWork, device: DeviceModel, measured_step: float) -> float:

@@ -1,8 +1,9 @@
 """The work of one step on the busiest rank (`step_time.StepWork`), from a layout's weights.
 
 A layout is graphc's compiled one (`config_work`: the config's topology, backend and MoE form per
-bucket) or one described before graphc compiles it (`described_work`: another engine's, such as
-NxD Inference's expert tensor parallelism), both counted by the same rules:
+bucket) or one described before graphc compiles it (`step_work` over a `Layout` of its own:
+`perf.reference`'s NxD Inference layout, with expert tensor parallelism), both counted by the same
+rules:
 
 - weights: every tensor the rank holds but the routed experts, the embedding (one row a token)
   and the row-sharded lookup tables (a few rows a token, not counted), each in its stored dtype.
@@ -156,7 +157,9 @@ def step_work(args: ModelArgs, tensors: list[StoredTensor], draft: set[str], lay
         matmuls += products
     context = math.ceil(layout.context_slots / layout.block_size / layout.topology.cp) * layout.block_size
     kv = bucket.rows * context * args.cache_layers * args.kv_cache_dim * itemsize
-    layers = args.num_hidden_layers + len(passes) * family.drafter.layer(args).num_hidden_layers if passes else args.num_hidden_layers
+    layers = args.num_hidden_layers
+    if passes:
+        layers += len(passes) * family.drafter.layer(args).num_hidden_layers
     return StepWork(bucket.name, bucket.rows if bucket.kind == "decode" else tokens, tokens, layers, dtype, weights,
                     expert_bytes, kv, tuple(matmuls), collectives)
 

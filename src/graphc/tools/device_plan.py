@@ -157,6 +157,8 @@ class DevicePlan:
     """Every bucket's predicted step on the busiest rank (`perf.step_time`); none for a custom device."""
     ttft_ms: dict[int, float]
     """Predicted time to first token by prompt length: its chunks' prefill steps (`ttft`)."""
+    constants: dict[str, Sourced]
+    """The step model's constants by the device file's keys, each with its provenance and source."""
 
     def to_json(self) -> dict:
         out = {**asdict(self), "weights_total_bytes": sum(self.weights_bytes.values())}
@@ -276,7 +278,8 @@ def plan_device(config: GraphcConfig, target: Device, measured: MeasuredActivati
                       total <= target.memory_bytes, reason,
                       [_decode_step(config, args, topology, tensors, target, size, per_token, draft)
                        for size in config.buckets.decode], topology.cp,
-                      steps, {n: ttft(config, steps, n) * 1e3 for n in _ttft_prompts(config)} if steps else {})
+                      steps, {n: ttft(config, steps, n) * 1e3 for n in _ttft_prompts(config)} if steps else {},
+                      target.model.sourced() if target.model else {})
 
 
 def ttft(config: GraphcConfig, steps: list[StepTime], prompt: int) -> float:
@@ -371,14 +374,13 @@ def _step_lines(plan: DevicePlan) -> list[str]:
              f"  {'bucket':14s} {'tok/s':>9s} {'step':>8s} {'memory':>8s} {'flops':>8s} {'fixed':>8s} {'collect.':>8s} "
              f"{'calls':>6s} {'straggl.':>8s} {'host':>6s}"]
     for t in plan.steps:
-        lines.append(f"  {t.bucket:14s} {t.tokens_per_step / t.step:9.1f} {t.step * 1e3:8.2f} {t.memory * 1e3:8.2f} {t.flops * 1e3:8.2f} "
+        lines.append(f"  {t.bucket:14s} {t.tokens_per_step / t.step:9.1f} "
+                     f"{t.step * 1e3:8.2f} {t.memory * 1e3:8.2f} {t.flops * 1e3:8.2f} "
                      f"{t.fixed * 1e3:8.2f} {t.collectives * 1e3:8.2f} {t.collective_calls:6d} "
                      f"{t.straggler * 1e3:8.2f} {t.host * 1e3:6.2f}")
     lines.append("  TTFT " + ", ".join(f"{ms:.1f} ms for a {n}-token prompt" for n, ms in plan.ttft_ms.items()))
-    model = DEVICES[plan.device].model if plan.device in DEVICES else None
-    if model is not None:
-        lines.append(f"  constants ({model.name}):")
-        lines += [f"    {name:28s} {value.provenance:13s} {value.source}" for name, value in model.sourced().items()]
+    lines.append(f"  constants ({plan.device}):")
+    lines += [f"    {name:28s} {value.provenance:13s} {value.source}" for name, value in plan.constants.items()]
     return lines
 
 
