@@ -14,6 +14,7 @@ half's median and largest |error|. Measure on a quiet machine: nothing else runn
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 from pathlib import Path
@@ -25,7 +26,7 @@ from graphc.compiler.pipeline import CompileOptions, compile
 from graphc.config import load_config
 from graphc.perf.calibrate import host_device, write_device
 from graphc.perf.device import load_device
-from graphc.perf.profile import Profiled, fit_layer_fixed, profile
+from graphc.perf.profile import Profiled, fit_layer_fixed, profile, refitted
 from graphc.weights.tiny import preset_config, write_random_checkpoint
 
 BUCKETS = {"prefill": [64], "decode": [1, 8], "prompt_as_decode": 0}
@@ -75,24 +76,26 @@ def main() -> None:
         names = [n for n, _ in runs]
         fit_names = [n for i, n in enumerate(names) if (i + i // len(options.dtypes.split(","))) % 2 == 0]
         test_names = [n for n in names if n not in fit_names]
-        fixed = fit_layer_fixed([p for n in fit_names for p in measured[n]])
+        fixed = fit_layer_fixed([p for n in fit_names for p in measured[n]], device)
         print(f"layer_fixed_us fitted on {', '.join(fit_names)}: {fixed * 1e6:.1f}")
+        fitted = dataclasses.replace(device, layer_fixed=dataclasses.replace(device.layer_fixed, value=fixed))
 
-        def refitted(p: Profiled) -> Profiled:
-            return Profiled(p.bucket, p.measured_ms, p.unfixed_ms + p.layers * fixed * 1e3, p.layers, p.unfixed_ms)
+        def again(p: Profiled) -> Profiled:
+            [predicted] = refitted([p], fitted)
+            return predicted
 
-        show("fit half (the fit's residuals):", [(n, refitted(p)) for n in fit_names for p in measured[n]])
-        tested = [(n, refitted(p)) for n in test_names for p in measured[n]]
+        show("fit half (the fit's residuals):", [(n, again(p)) for n in fit_names for p in measured[n]])
+        tested = [(n, again(p)) for n in test_names for p in measured[n]]
         show("test half (predictions):", tested)
         errors = [abs(p.error) for _, p in tested]
         print(f"test half: median |error| {statistics.median(errors):.0%}, largest {max(errors):.0%} "
               f"over {len(errors)} programs")
         size, dtype = test_names[0].split()
         path, artifacts = configuration(work, size, dtype, context=1024)
-        doubled = {p.bucket: refitted(p) for p in profile(load_config(path), artifacts, device, options.repeats)}
+        doubled = {p.bucket: again(p) for p in profile(load_config(path), artifacts, device, options.repeats)}
         print(f"context doubled ({test_names[0]}, 512 -> 1024): measured change against predicted change")
         for p in measured[test_names[0]]:
-            base, after = refitted(p), doubled[p.bucket]
+            base, after = again(p), doubled[p.bucket]
             print(f"  {p.bucket:10s} measured {after.measured_ms / base.measured_ms:5.2f}x, predicted "
                   f"{after.predicted_ms / base.predicted_ms:5.2f}x")
 

@@ -482,17 +482,17 @@ def inspect(artifacts: Path, lint: bool, memory: bool) -> None:
 @click.option("--search", "search_layouts", is_flag=True,
               help="Price every layout on whole instances of the device (with --device or --device-file): the Pareto "
                    "front of tok/s an instance against tok/s a user, and the layout the objective picks.")
-@click.option("--objective", type=click.Choice(["latency", "throughput"]), default="latency", show_default=True,
-              help="--search: the lowest TPOT, or the most tok/s an instance within the limits.")
+@click.option("--objective", type=click.Choice(["latency", "throughput"]), default=None,
+              help="--search: the lowest TPOT (the default), or the most tok/s an instance within the limits.")
 @click.option("--tpot-ms", type=click.FloatRange(min=0, min_open=True), default=None,
               help="--search: TPOT at most this.")
 @click.option("--ttft-ms", type=click.FloatRange(min=0, min_open=True), default=None,
               help="--search: TTFT (a prompt of half the context) at most this.")
 @click.option("--context", type=click.IntRange(min=1), default=None,
               help="--search: tokens a sequence holds (default: buckets.context_limit).")
-@click.option("--batch", type=click.IntRange(min=1), default=64, show_default=True,
-              help="--search: the largest decode batch a replica runs (powers of two up to it).")
-@click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True, help="--search: instances.")
+@click.option("--batch", type=click.IntRange(min=1), default=None,
+              help="--search: the largest decode batch a replica runs (powers of two up to it; default 64).")
+@click.option("--instances", type=click.IntRange(min=1), default=None, help="--search: instances (default 1).")
 @click.option("--write-yaml", type=click.Path(path_type=Path), default=None,
               help="--search: write model.yaml with the chosen layout here (it compiles as written).")
 def plan(model_yaml, workload, plot_path, device_name, device_file, device_memory, device_bandwidth, artifacts,
@@ -509,9 +509,18 @@ def plan(model_yaml, workload, plot_path, device_name, device_file, device_memor
 
     on_device = any(v is not None for v in (device_name, device_file, device_memory, device_bandwidth))
     target = device_plan.device(device_name, device_memory, device_bandwidth, device_file) if on_device else None
+    searched = {"--objective": objective, "--tpot-ms": tpot_ms, "--ttft-ms": ttft_ms, "--context": context,
+                "--batch": batch, "--instances": instances, "--write-yaml": write_yaml}
     if search_layouts:
-        return _plan_search(model_yaml, target, objective, tpot_ms, ttft_ms, context, batch, instances, write_yaml,
-                            as_json)
+        planned = {"--workload": workload, "--plot": plot_path, "--artifacts": artifacts}
+        given = [flag for flag, value in planned.items() if value is not None]
+        if given:
+            raise GraphcError(f"{given[0]} plans the config's own layout; --search prices every layout without it")
+        return _plan_search(model_yaml, target, objective or "latency", tpot_ms, ttft_ms, context, batch or 64,
+                            instances or 1, write_yaml, as_json)
+    given = [flag for flag, value in searched.items() if value is not None]
+    if given:
+        raise GraphcError(f"{given[0]} goes with --search")
     for flag, given in (("--json prints", as_json), ("--artifacts measures", artifacts is not None)):
         if given and target is None:
             raise GraphcError(f"{flag} the device plan: pass --device (or --device-memory and --device-bandwidth)")
@@ -585,15 +594,14 @@ def profile(model_yaml: Path, artifacts: Path, device_file: Path, repeats: int, 
     device = load_device(path=device_file)
     profiled = profiling.profile(config, artifacts, device, repeats)
     if fit:
-        fixed = profiling.fit_layer_fixed(profiled)
+        fixed = profiling.fit_layer_fixed(profiled, device)
         data = yaml.safe_load(device_file.read_text())
         buckets = ", ".join(p.bucket for p in profiled)
         data["layer_fixed_us"] = {"value": fixed * 1e6, "provenance": "calibrated",
                                   "source": f"graphc profile --fit on {artifacts} ({buckets})"}
         device_file.write_text(yaml.safe_dump(data, sort_keys=False))
         device = load_device(path=device_file)
-        profiled = [profiling.Profiled(p.bucket, p.measured_ms, p.unfixed_ms + p.layers * fixed * 1e3, p.layers,
-                                       p.unfixed_ms) for p in profiled]
+        profiled = profiling.refitted(profiled, device)
     if as_json:
         click.echo(json.dumps([p.to_json() for p in profiled], indent=2))
         return

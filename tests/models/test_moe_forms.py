@@ -14,8 +14,8 @@ from graphc.artifacts.directory import read_manifest
 from graphc.compiler.pipeline import CompileOptions, compile
 from graphc.config import load_config
 from graphc.weights.checkpoint import load_model
-from graphc.models.moe_forms import (BLOCK_SIZES, MOE_FORMS, expert_blocks, grouped_block, local_rows_bound,
-                                      moe_form_for, step_moe_form)
+from graphc.models.moe_forms import (BLOCK_SIZES, MOE_FORMS, contributes_shared_partial, expert_blocks, grouped_block,
+                                      local_rows_bound, moe_form_for, shared_experts_reduced_with_routed, step_moe_form)
 from graphc.weights.tiny import PRESETS
 from graphc.ops.moe import expert_routes, expert_routes_reference, grouped_mm
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks, step_metadata
@@ -174,3 +174,11 @@ def test_the_grouped_gemms_form_is_the_cheaper_by_the_step_models_cost():
     # Two experts, every row possibly local: blocks read no fewer matrices nor compute fewer rows;
     # on a tie expert-major (no gathered matrices) is kept.
     assert grouped_block(64, 64, 2, matrix, row, 1e9, 1e18) == 0
+
+
+def test_one_cp_coordinate_of_each_ep_group_adds_the_shared_experts():
+    """ep = 4 over tp = 2 (cp coordinates 0-1 and 2-3 form the groups): coordinates 0 and 2."""
+    assert [bool(contributes_shared_partial(c, 4, 2)) for c in range(4)] == [True, False, True, False]
+    assert all(contributes_shared_partial(c, 2, 2) for c in range(4))  # ep = tp: every rank adds its own slice
+    assert shared_experts_reduced_with_routed("static", 4, 2) and not shared_experts_reduced_with_routed("static", 2, 4)
+    assert not shared_experts_reduced_with_routed("ag_rs", 4, 2) and not shared_experts_reduced_with_routed("static", 4, 1)

@@ -81,10 +81,20 @@ def test_the_chosen_layout_is_written_plans_to_its_tpot_and_compiles(tiny_checkp
 @pytest.mark.parametrize("flags, says", [
     (["--search"], "error: --search prices layouts with a device's constants: pass --device or --device-file"),
     (["--device", "trn2", "--search", "--tpot-ms", "0.001"], "error: --search: no feasible layout meets --tpot-ms "
-                                                             "0.001 and --ttft-ms None; the fastest TPOT is"),
+                                                             "0.001; the fastest TPOT is"),
     (["--device", "trn2", "--device-memory", "0.0001", "--search"], "error: --search: no layout of "
                                                                     "DeepseekV3ForCausalLM fits 1 instance(s) of trn2"),
 ])
 def test_a_search_with_nothing_to_find_is_a_one_line_error(tiny_checkpoints, tmp_path, flags, says):
     result = CliRunner().invoke(cli, ["plan", str(_model(tmp_path, tiny_checkpoints["lora-groups"])), *flags])
     assert one_line_refusal(result).startswith(says)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--device", "trn2", "--batch", "8"], "error: --batch goes with --search"),
+    (["--device", "trn2", "--search", "--artifacts", "build"], "error: --artifacts plans the config's own layout; "
+                                                               "--search prices every layout without it"),
+])
+def test_flags_of_the_other_mode_are_refused(tiny_checkpoints, tmp_path, flags, says):
+    result = CliRunner().invoke(cli, ["plan", str(_model(tmp_path, tiny_checkpoints["lora-groups"])), *flags])
+    assert one_line_refusal(result) == says

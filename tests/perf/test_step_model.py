@@ -39,7 +39,7 @@ def test_every_shipped_device_loads_with_each_value_sourced():
 
 
 def _work(**changes) -> StepWork:
-    work = StepWork("decode-2", 2, 2, 3, "bfloat16", 1e9, 5e8, 2.5e8,
+    work = StepWork("decode-2", 2, 3, "bfloat16", 1e9, 5e8, 2.5e8,
                     (Matmul(2, 7168, 64), Matmul(2, 32, 7168, 58)),
                     (RuntimeCollective("all_reduce", 64, "node", 28672, 122),
                      RuntimeCollective("all_gather", 4, "chip", 1000, 1)))

@@ -63,8 +63,9 @@ class Backend:
     """Whether its compiler fuses the gather form's per-route matrix reads into their products
     (`moe_forms.moe_form_for`); the export backend's ATen ops copy them first."""
     grouped_gemm: str = "grouped"
-    """How it runs the routed experts' grouped GEMM, as the step model counts it
-    (`perf.work.EXPERT_LOWERINGS`): ATen's dynamic kernel, or neuron's static-shape rule."""
+    """How it runs the routed experts' grouped GEMM, as the step model counts it: ATen's dynamic
+    kernel (`grouped`, a key of `perf.work.EXPERT_LOWERINGS`), or neuron's static-shape rule
+    (`grouped-neuron`, resolved per call into `expert-major` or `blockwise`)."""
     lowerings: tuple[str, ...] | None = None
     """The MoE lowerings it compiles (`moe_forms.MOE_LOWERINGS`' names); None: every one."""
     stand_ins: dict[str, tuple[str, str]] = field(default_factory=dict)

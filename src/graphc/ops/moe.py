@@ -5,8 +5,8 @@
 - `grouped_mm`: one GEMM per expert over expert-sorted rows. It stays an op on every backend: its
   CPU kernel is ATen's `_grouped_mm`, which computes fp32 on the CPU but whose meta function
   admits only bf16, so it cannot be traced as itself; the neuron backend lowers it with its own XLA
-  rule (a blocked GEMM over the routes' rows, or one over every local expert: whichever the step
-  model prices lower for the call's shapes).
+  rule (a blocked GEMM over the routes' rows, or one over every local expert: whichever reads and
+  computes less by the default Neuron target's rates, for the call's shapes).
 
 Shape letters: T tokens, K experts per token, E routed experts (of the whole model), E' = E /
 num_shards this rank's, D hidden size, I expert width, F = 2I (gate and up fused), M = T*K rows.

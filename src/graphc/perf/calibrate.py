@@ -103,9 +103,11 @@ def host_device(world: int = 2) -> dict:
                      "graphc calibrate",
         "ranks_per_chip": measured(cores, "os.cpu_count(): ranks on this host share its memory"),
         "chips_per_node": measured(1, "one host"),
-        "memory_gib": measured(psutil.virtual_memory().total / 2**30, "psutil: this host's memory"),
+        "memory_gib": measured(psutil.virtual_memory().total / cores / 2**30,
+                               "psutil: a rank's share of this host's memory (total / cores)"),
         "hbm_gbs": measured(bandwidth() / 1e9, f"graphc calibrate: a {threads}-thread sum over 256 MiB of fp32, "
-                                               "best of 5"),
+                                               "best of 5 (one rank alone, as graphc profile times it; ranks "
+                                               "running together share it)"),
         "tflops": {
             "float32": measured(gemm["float32"] / 1e12, f"graphc calibrate: F.linear {_gemm_text()} fp32, best of 3"),
             "bfloat16": measured(gemm["bfloat16"] / 1e12, f"graphc calibrate: F.linear {_gemm_text()} bf16, best of 3"),

@@ -138,7 +138,7 @@ def load_device(name: str | None = None, path: Path | None = None) -> DeviceMode
     except OSError as e:
         raise GraphcError(f"{where}: cannot read it: {e.strerror}") from None
     except yaml.YAMLError as e:
-        raise GraphcError(f"{where}: not YAML: {e}") from None
+        raise GraphcError(f"{where}: not YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise GraphcError(f"{where}: expected a mapping of the device's values")
     reader = _Reader(data, where)

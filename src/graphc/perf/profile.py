@@ -35,7 +35,8 @@ class Profiled:
     predicted_ms: float
     layers: int
     unfixed_ms: float
-    """The prediction less its fixed cost a layer (what `fit_layer_fixed` solves against)."""
+    """The device time the step model predicts but its fixed cost a layer: max(memory, flops) +
+    collectives (what `fit_layer_fixed` solves against)."""
 
     @property
     def error(self) -> float:
@@ -79,7 +80,10 @@ def profile(config: GraphcConfig, artifacts: Path, device: DeviceModel, repeats:
     from graphc.runtime.loader import load_rank
     from graphc.tools.device_plan import check_compiled_from
 
-    manifest = check_compiled_from(config, artifacts)
+    try:
+        manifest = check_compiled_from(config, artifacts)
+    except GraphcError as e:
+        raise GraphcError(f"graphc profile: artifacts {e}") from None
     if manifest.topology.world != 1:
         raise GraphcError(f"graphc profile: {artifacts} is compiled for {manifest.topology.world} ranks; it times a "
                           "one-rank compile's programs")
@@ -99,11 +103,20 @@ def profile(config: GraphcConfig, artifacts: Path, device: DeviceModel, repeats:
         work = works[bucket.name]
         predicted = step_time(work, device)
         out.append(Profiled(bucket.name, statistics.median(times) * 1e3, predicted.step * 1e3, work.layers,
-                            (predicted.step - predicted.fixed) * 1e3))
+                            (max(predicted.memory, predicted.flops) + predicted.collectives) * 1e3))
     return out
 
 
-def fit_layer_fixed(profiled: list[Profiled]) -> float:
-    """Seconds a layer that best (least squares) closes measured - predicted-without-it over `profiled`."""
-    numerator = sum(p.layers * (p.measured_ms - p.unfixed_ms) for p in profiled)
-    return max(numerator / sum(p.layers**2 for p in profiled), 1e-3) * 1e-3
+def fit_layer_fixed(profiled: list[Profiled], device: DeviceModel) -> float:
+    """Seconds a layer that best (least squares) closes the measured steps over `profiled`, the
+    device's straggler share and host time as the step model applies them (`step_time`)."""
+    share, host_ms = device.straggler_share.value, device.host_step.value * 1e3
+    residuals = [((p.measured_ms - host_ms) * (1 - share) - p.unfixed_ms, p.layers) for p in profiled]
+    return max(sum(layers * r for r, layers in residuals) / sum(layers**2 for _, layers in residuals), 1e-3) * 1e-3
+
+
+def refitted(profiled: list[Profiled], device: DeviceModel) -> list[Profiled]:
+    """`profiled` predicted again with `device`'s fixed cost a layer (a fitted one)."""
+    share, host_ms, fixed_ms = device.straggler_share.value, device.host_step.value * 1e3, device.layer_fixed.value * 1e3
+    return [Profiled(p.bucket, p.measured_ms, (p.unfixed_ms + p.layers * fixed_ms) / (1 - share) + host_ms, p.layers,
+                     p.unfixed_ms) for p in profiled]

@@ -99,8 +99,10 @@ def layouts(config: GraphcConfig, world: int) -> list[tuple[Topology, str, str]]
                 except GraphcError:
                     continue
                 lowerings = ("auto",) if topology.tokens_replicated or ep == 1 else MOE_LOWERINGS
+                exchanges = {}  # a lowering the backend compiles as another (neuron's a2a_v) is that one
                 for lowering in lowerings:
-                    exchange, _ = backend(config.backend).exchange(lowering, topology)
+                    exchanges.setdefault(backend(config.backend).exchange(lowering, topology)[0], lowering)
+                for exchange, lowering in exchanges.items():
                     try:
                         family.check_compile(args, topology, exchange, config.backend)
                     except GraphcError:
@@ -142,9 +144,10 @@ def search(config: GraphcConfig, device: DeviceModel, limits: Limits, instances:
     if not kept:
         fastest = min(found, key=lambda c: c.tpot_ms)
         quickest = min(found, key=lambda c: c.ttft_ms)
-        raise GraphcError(f"--search: no feasible layout meets --tpot-ms {limits.tpot_ms} and --ttft-ms "
-                          f"{limits.ttft_ms}; the fastest TPOT is {fastest.tpot_ms:.2f} ms, the fastest TTFT "
-                          f"{quickest.ttft_ms:.1f} ms")
+        given = " and ".join(f"--{name.replace('_', '-')} {value}" for name, value in
+                             (("tpot_ms", limits.tpot_ms), ("ttft_ms", limits.ttft_ms)) if value is not None)
+        raise GraphcError(f"--search: no feasible layout meets {given}; the fastest TPOT is {fastest.tpot_ms:.2f} ms, "
+                          f"the fastest TTFT {quickest.ttft_ms:.1f} ms")
     return kept
 
 
@@ -171,7 +174,6 @@ def layout_yaml(data: dict, chosen: Candidate, context: int) -> dict:
     context as the limit and a KV pool that holds the batch at it."""
     t = chosen.topology
     block = data.get("kv_cache", {}).get("block_size", 16)
-    per_row = blocks_per_row(context, block)
     buckets = {k: v for k, v in data["buckets"].items() if k != "auto"}
     buckets.update(decode=[chosen.batch], context_limit=context)
     buckets.setdefault("prefill", [min(context, 256)])
@@ -180,7 +182,7 @@ def layout_yaml(data: dict, chosen: Candidate, context: int) -> dict:
         model["moe_lowering"] = chosen.moe_lowering
     return {**data, "model": model, "topology": {"dp": t.dp, "cp": t.cp, "tp": t.tp, "ep": t.ep}, "buckets": buckets,
             "kv_cache": {**data.get("kv_cache", {}), "block_size": block,
-                         "num_blocks": max(per_row, chosen.batch * -(-per_row // t.cp)) + 1}}
+                         "num_blocks": pool_blocks(context, block, chosen.batch, t.cp)}}
 
 
 def _with_layout(config: GraphcConfig, topology: Topology, lowering: str, batch: int, context: int) -> GraphcConfig:
@@ -191,10 +193,17 @@ def _with_layout(config: GraphcConfig, topology: Topology, lowering: str, batch:
         buckets=dataclasses.replace(b, prefill=[chunk], decode=[batch], prompt_as_decode=0, context_limit=context))
 
 
+def pool_blocks(context: int, block: int, batch: int, cp: int) -> int:
+    """A rank's KV pool for its replica's `batch` sequences at `context` tokens (its cp shard's
+    blocks), at least one whole sequence (`kv_cache.num_blocks`' rule), and the spare block."""
+    per_row = blocks_per_row(context, block)
+    return max(per_row, batch * -(-per_row // cp)) + 1
+
+
 def _kv_bytes(config: GraphcConfig, batch: int) -> int:
-    """A rank's share of its replica's `batch` sequences at the context limit (its cp shard's blocks)."""
+    """A rank's pool (`pool_blocks`) in bytes."""
     args, block = config.model_args, config.kv_cache.block_size
-    blocks = batch * -(-blocks_per_row(config.buckets.context_limit, block) // config.topology.cp)
+    blocks = pool_blocks(config.buckets.context_limit, block, batch, config.topology.cp)
     width = torch.empty(0, dtype=getattr(torch, config.model.dtype)).element_size()
     return blocks * block * args.cache_layers * args.kv_cache_dim * width
 

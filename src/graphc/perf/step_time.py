@@ -66,7 +66,6 @@ class StepWork:
     bucket: str
     tokens_per_step: int
     """What a step serves: a decode step's rows (a token sampled each), a prefill step's prompt tokens."""
-    tokens: int
     layers: int
     """Decoder layers the step runs (a speculative step's draft passes included)."""
     dtype: str

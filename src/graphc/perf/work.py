@@ -112,7 +112,7 @@ class Layout:
 
     topology: Topology
     expert_lowering: str
-    """A key of `EXPERT_LOWERINGS`."""
+    """A key of `EXPERT_LOWERINGS`, or `grouped-neuron` (resolved per call into one of them)."""
     exchange: str
     """The MoE exchange (`MOE_EXCHANGES`): which rows reach a rank's experts."""
     etp: int = 1
@@ -160,7 +160,7 @@ def step_work(args: ModelArgs, tensors: list[StoredTensor], draft: set[str], lay
     layers = args.num_hidden_layers
     if passes:
         layers += len(passes) * family.drafter.layer(args).num_hidden_layers
-    return StepWork(bucket.name, bucket.rows if bucket.kind == "decode" else tokens, tokens, layers, dtype, weights,
+    return StepWork(bucket.name, bucket.rows if bucket.kind == "decode" else tokens, layers, dtype, weights,
                     expert_bytes, kv, tuple(matmuls), collectives)
 
 
@@ -178,8 +178,6 @@ def _expert_work(args: ModelArgs, experts: list[StoredTensor], layout: Layout, t
     rows = tokens if layout.exchange in ("local", "static") else tokens * ep  # what reaches a rank's experts
     per_token = args.num_experts_per_tok
     routes, bound = rows * per_token, local_rows_bound(rows, per_token, local)
-    busiest = busiest_rank(group_tokens, args.n_routed_experts, per_token, getattr(args, "n_group", 1) or 1,
-                           getattr(args, "topk_group", 1) or 1, ep)
     reads_bytes, matmuls = 0.0, []
     for t in experts[:2]:  # one MoE layer's gate-up [E', F, D] and down [E', D, I], every layer alike
         out_dim, in_dim = t.shape[1], t.shape[2]
@@ -193,9 +191,14 @@ def _expert_work(args: ModelArgs, experts: list[StoredTensor], layout: Layout, t
             lowering = "blockwise" if block else "expert-major"
         reads, computes = EXPERT_LOWERINGS[lowering]
         blocks = expert_blocks(bound, local, block) if lowering == "blockwise" else 0
-        expert_reads = {"all": local, "hit": busiest.experts, "routes": routes, "blocks": blocks}[reads]
-        row_count = {"experts x rows": local * rows, "experts x routes": local * routes,
-                     "blocks x block": blocks * block, "routes": busiest.routes if reads == "hit" else routes}[computes]
+        hit = reads == "hit"
+        busiest = busiest_rank(group_tokens, args.n_routed_experts, per_token, getattr(args, "n_group", 1) or 1,
+                               getattr(args, "topk_group", 1) or 1, ep) if hit else None
+        expert_reads = {"all": local, "routes": routes, "blocks": blocks}[reads] if not hit else busiest.experts
+        # A dispatch brings each token of the group once from every rank that holds it: their routes repeat.
+        row_count = ({"experts x rows": local * rows, "experts x routes": local * routes,
+                      "blocks x block": blocks * block, "routes": routes}[computes] if not hit
+                     else busiest.routes * rows / group_tokens)
         reads_bytes += t.nbytes / local / etp * expert_reads * moe_layers
         matmuls.append(Matmul(row_count, in_dim, out_dim, moe_layers, routed=True))
     return reads_bytes, matmuls

@@ -101,6 +101,7 @@ class Sequence:
     prefilled: int = 0
     output: list[int] = field(default_factory=list)
     first_token_seconds: float | None = None
+    last_token_seconds: float | None = None
     cached_tokens: int = 0
     block_keys: list[bytes] = field(default_factory=list)
     """The prefix cache's keys of its first full blocks (with prefix caching)."""
@@ -374,8 +375,9 @@ class Scheduler:
             reason = None
             for count, token in enumerate(new_tokens, start=1):
                 sequence.output.append(token)
+                sequence.last_token_seconds = time.perf_counter() - self.started
                 if len(sequence.output) == 1:
-                    sequence.first_token_seconds = time.perf_counter() - self.started
+                    sequence.first_token_seconds = sequence.last_token_seconds
                 reason = self._finish_reason(sequence)
                 if reason:
                     break
@@ -413,7 +415,7 @@ class Scheduler:
         self.results[sequence.index] = Result(sequence.request, sequence.output, reason,
                                               first_token_seconds=sequence.first_token_seconds,
                                               cached_tokens=sequence.cached_tokens,
-                                              last_token_seconds=time.perf_counter() - self.started)
+                                              last_token_seconds=sequence.last_token_seconds)
 
     def _finish_reason(self, sequence: Sequence) -> str | None:
         request = sequence.request

@@ -508,7 +508,9 @@ def _check_scale(name: str, shape: tuple[int, ...], dtype: str, files: dict[str,
 
 def _check_index_tables(checked: CheckedCheckpoint) -> None:
     """Index tables (V4's `tid2eid`: token -> routed experts) name experts 0..E-1 only: any other
-    id would read past the experts (the only tensor values checked before loading)."""
+    id would read past the experts; and a token's experts are distinct, as a router's top-k are:
+    the static grouped GEMM sizes its blocks for K distinct experts a token (`local_rows_bound`),
+    and a repeat would overflow them (the only tensor values checked before loading)."""
     experts = checked.args.n_routed_experts
     for name in (n for n in checked.expected if n.endswith(checked.family.stored.index_tensors)):
         with safe_open(checked.files[name], "pt") as f:
@@ -517,6 +519,12 @@ def _check_index_tables(checked: CheckedCheckpoint) -> None:
         if bad.numel():
             raise CheckpointError(f"{checked.files[name].name}: tensor {name} names expert {int(bad[0])}; expected "
                                   f"routed experts 0..{experts - 1} (n_routed_experts {experts})")
+        ordered = table.sort(dim=-1).values
+        repeated = (ordered[:, 1:] == ordered[:, :-1]).any(dim=-1).nonzero()
+        if repeated.numel():
+            token = int(repeated[0])
+            raise CheckpointError(f"{checked.files[name].name}: tensor {name} gives token {token} the experts "
+                                  f"{table[token].tolist()}, one of them twice; a token's experts must be distinct")
 
 
 def _header(path: Path) -> dict[str, tuple[str, list[int], tuple[int, int]]]:

@@ -140,6 +140,11 @@ def _expert_out_of_range(tensors):  # n_routed_experts is 8
     tensors["layers.1.ffn.gate.tid2eid"][3, 1] = 8
 
 
+def _expert_twice(tensors):  # a token's two experts the same one
+    table = tensors["layers.1.ffn.gate.tid2eid"]
+    table[5, 1] = table[5, 0]
+
+
 def _kv_norm_twice(tensors):  # the released and the save_pretrained names of one parameter
     tensors["model.layers.0.attn.norm.weight"] = tensors["layers.0.attn.kv_norm.weight"].clone()
 
@@ -150,6 +155,8 @@ def _kv_norm_twice(tensors):  # the released and the save_pretrained names of on
     (_kv_norm_twice, r"are both model\.layers\.0\.self_attn\.kv_norm\.weight"),
     (_expert_out_of_range, r"^model\.safetensors: tensor layers\.1\.ffn\.gate\.tid2eid names expert 8; expected routed "
                            r"experts 0\.\.7 \(n_routed_experts 8\)$"),
+    (_expert_twice, r"^model\.safetensors: tensor layers\.1\.ffn\.gate\.tid2eid gives token 5 the experts \[\d+, \d+\], "
+                    r"one of them twice; a token's experts must be distinct$"),
 ])
 def test_a_broken_checkpoint_is_refused_by_name(break_it, says, tiny_checkpoints, tmp_path):
     path = shutil.copytree(tiny_checkpoints["v4"], tmp_path / "ckpt")

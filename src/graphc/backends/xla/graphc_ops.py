@@ -105,8 +105,9 @@ def verify_drafts(lowering, out: Out, logits, drafts, draft_count, temperature, 
 
 def grouped_mm(lowering, out: Out, rows, weights, offsets, local_rows: int = -1):
     """rows [M, D] sorted by expert @ their expert's weights [E', D, F] -> [M, F]; rows past
-    offsets[-1] (routes to other ranks' experts) are 0. Two static-shape forms, the one the step
-    model prices lower for these shapes on graphc's default Neuron target (`perf.device.neuron_grouped_block`):
+    offsets[-1] (routes to other ranks' experts) are 0. Two static-shape forms, the one whose
+    larger of weight reads and FLOPs (at the dense rate, no PE-array utilisation) is lower for
+    these shapes on graphc's default Neuron target (`perf.device.neuron_grouped_block`):
     - blocked: each expert's rows in blocks of B, ceil(L / B) + E' - 1 blocks (L the call's bound
       on local rows), each one GEMM of B rows against its expert's matrix read by index, the
       results put back at their rows: FLOPs grow with the routed rows plus bounded padding;
