@@ -6,20 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-
-def best_of(repeats: int, fn, warmup: int = 0) -> float:
-    """The fastest of `repeats` calls of `fn`, in seconds, after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+from graphc.perf.calibrate import best_of  # noqa: F401  (the benchmarks' `timing.best_of`)
 
 
 def run_worker(script: str | Path, name: str, *args) -> dict:

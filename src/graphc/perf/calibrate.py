@@ -26,7 +26,9 @@ SMALL, LARGE = 4, 8 << 20
 """Payloads of the collective timings: latency from the smallest, bandwidth from the difference."""
 
 
-def best_of(repeats: int, fn, warmup: int = 2) -> float:
+def best_of(repeats: int, fn, warmup: int = 0) -> float:
+    """The fastest of `repeats` calls of `fn`, in seconds, after `warmup` untimed calls (noise only
+    ever adds time)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -40,7 +42,7 @@ def best_of(repeats: int, fn, warmup: int = 2) -> float:
 def bandwidth() -> float:
     """Bytes/s a rank streams: a sum over 256 MiB of fp32."""
     x = torch.ones(64 << 20)
-    return x.numel() * 4 / best_of(5, x.sum)
+    return x.numel() * 4 / best_of(5, x.sum, warmup=2)
 
 
 GEMM = (128, 1024, 1024)
