@@ -416,6 +416,18 @@ def test_serve_refuses_an_api_key_no_bearer_token_can_carry(artifacts, graphs_ne
     assert line == "error: --api-key / GRAPHC_API_KEY must be printable ASCII without spaces (a Bearer token)"
 
 
+@pytest.mark.parametrize("case", ["no keys", "bad keys file"])
+def test_serve_refuses_cache_isolation_it_cannot_keep_before_anything_loads(artifacts, graphs_never_run, tmp_path,
+                                                                            case):
+    keys = tmp_path / "keys"
+    keys.write_text("one\ntwo words\n")
+    args = ["--prefix-cache-isolation", "api-key"] + (["--api-keys-file", str(keys)] if case == "bad keys file" else [])
+    line = error_line(invoke("serve", artifacts, *args))
+    assert line == ("error: --prefix-cache-isolation api-key needs the server's keys: give --api-key or --api-keys-file"
+                    if case == "no keys" else
+                    f"error: --api-keys-file {keys}:2: a key must be printable ASCII without spaces (a Bearer token)")
+
+
 def test_compile_unknown_pass(tiny_checkpoints, tmp_path):
     out = tmp_path / "artifacts"
     line = compile_error_line(invoke("compile", write_yaml(tmp_path, tiny_checkpoints[PRESET]), "-o", out,

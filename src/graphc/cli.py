@@ -23,7 +23,8 @@ from graphc.backends import BACKENDS, backend  # noqa: E402
 from graphc.errors import GraphcError, Interrupted
 from graphc.models.moe_forms import MOE_LOWERING_CHOICES
 from graphc.sampling import SEED_MAX
-from graphc.server.limits import BODY_BYTES_PER_TOKEN, BODY_BASE_BYTES, BODY_SECONDS, TEMPLATE_SECONDS, RequestLimits
+from graphc.server.limits import (BODY_BASE_BYTES, BODY_BYTES_PER_TOKEN, BODY_SECONDS, PREFIX_CACHE_ISOLATION,
+                                  TEMPLATE_SECONDS, RequestLimits)
 
 EXIT_BAD_INPUT = 2
 
@@ -391,6 +392,15 @@ def _named(result, where: str):
 @click.option("--api-key", envvar="GRAPHC_API_KEY", default=None,
               help="Every route but /health needs Authorization: Bearer KEY, 401 otherwise "
                    "(prefer GRAPHC_API_KEY: a command line is visible to every user of the host).")
+@click.option("--api-keys-file", type=click.Path(path_type=Path), default=None,
+              help="More API keys, one a line; each key is a tenant (see --prefix-cache-isolation).")
+@click.option("--prefix-cache-isolation", type=click.Choice(PREFIX_CACHE_ISOLATION), default="shared",
+              show_default=True,
+              help="Who shares cached prompt blocks: every request (a request's cache_salt keeps its own apart), "
+                   "each API key alone (api-key), or only requests with the same cache_salt, which every request "
+                   "must then give (salt).")
+@click.option("--hide-cached-tokens", is_flag=True,
+              help="Leave usage.prompt_tokens_details.cached_tokens out of responses.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=None,
               help=f"The largest request body; past it, HTTP 413 before the body is read. Default: "
                    f"{BODY_BYTES_PER_TOKEN} bytes per token of the context limit, plus {BODY_BASE_BYTES >> 10} KiB.")
@@ -403,15 +413,19 @@ def _named(result, where: str):
               help="The sampling seed of a request that gives none (reproducible sampling); default: fresh noise "
                    "per request, as OpenAI's API draws.")
 @_host_options
-def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_key, api_key, max_body_bytes,
-          template_timeout, body_timeout, seed, **host_options) -> None:
+def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_key, api_key, api_keys_file,
+          prefix_cache_isolation, hide_cached_tokens, max_body_bytes, template_timeout, body_timeout, seed,
+          **host_options) -> None:
     """Serve ARTIFACTS over HTTP with OpenAI's API: /v1/completions (streaming too), /v1/models,
     /health, /metrics (Prometheus). Requests are batched continuously as they arrive. A job that
     spans hosts runs this command on each host (--nnodes, --node-rank, ...); host 0 serves HTTP."""
+    from graphc.server.auth import server_keys
+    from graphc.server.isolation import CacheIsolation
     from graphc.server.launch import serve_http
 
     serve_http(artifacts, host, port, max_waiting, grace_period, model_name, trusted_key,
-               RequestLimits(max_body_bytes, template_timeout, body_timeout), api_key, _hosts(**host_options), seed)
+               RequestLimits(max_body_bytes, template_timeout, body_timeout), server_keys(api_key, api_keys_file),
+               _hosts(**host_options), seed, CacheIsolation(prefix_cache_isolation, hide_cached_tokens))
 
 
 @cli.command()

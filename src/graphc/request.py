@@ -79,12 +79,12 @@ def default_max_new_tokens(manifest: Manifest, prompt_tokens: int) -> int:
 
 
 def engine_request(manifest: Manifest, prompt: list[int], max_new_tokens: int | None, *sampling: dict,
-                   stop_at_eos: bool = True, min_new_tokens: int = 0) -> Request:
+                   stop_at_eos: bool = True, min_new_tokens: int = 0, cache_salt: str | None = None) -> Request:
     """The engine's request, with the manifest's defaults where `max_new_tokens` is None and for
     the sampling parameters no override gives."""
     limit = max_new_tokens or default_max_new_tokens(manifest, len(prompt))
     return Request(prompt, limit, merged_sampling(manifest, *sampling), stop_at_eos=stop_at_eos,
-                   min_new_tokens=min_new_tokens)
+                   min_new_tokens=min_new_tokens, cache_salt=cache_salt)
 
 
 def run_request(asked: Asked, manifest: Manifest, tokenizer, max_new_tokens: int | None, sampling: dict,

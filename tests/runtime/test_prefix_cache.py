@@ -104,6 +104,30 @@ def test_caching_off_reuses_nothing_and_gives_the_same_tokens():
     assert [r.output_ids for r in off] == [r.output_ids for r in on]
 
 
+def test_requests_share_cached_blocks_only_with_requests_of_the_same_salt():
+    """Salts None, "a", "b": each computes the prompt once and then reuses only its own blocks,
+    also those of generated tokens (a conversation's next turn)."""
+    prompt, scheduler, pool = list(range(10, 27)), make(), SimulatedPool()  # 16 cached positions a salt
+    first = serve(scheduler, [(0, Request(prompt, 5, cache_salt=salt)) for salt in (None, "a", "b")], pool)
+    assert [r.cached_tokens for r in first] == [0, 0, 0]
+    assert scheduler.cached_blocks == 3 * 5  # 21 written positions: 5 blocks, published once a salt
+    again = serve(scheduler, [(0, Request(prompt + first[0].output_ids, 2, cache_salt=salt))
+                              for salt in ("b", "a", None, "c")], pool)
+    assert [r.output_ids for r in first] == [first[0].output_ids] * 3  # the same history: the same tokens
+    assert [r.cached_tokens for r in again] == [20, 20, 20, 0]  # each salt its own 5 blocks; "c" none
+    assert scheduler.cached_blocks == 3 * 5 + 5  # only the new salt "c" published its own copy
+
+
+def test_a_salted_request_goes_to_the_replica_holding_its_own_salts_prefix():
+    prompt = list(range(10, 30))
+    scheduler, pool = ReplicatedScheduler([make(num_blocks=16), make(num_blocks=16)]), SimulatedPool()
+    serve(scheduler, [(0, Request(list(range(60, 70)), 2)), (0, Request(prompt, 2, cache_salt="s"))], pool)
+    other, same = serve(scheduler, [(0, Request(prompt + [3], 2, cache_salt="t")),
+                                    (1, Request(prompt + [3], 2, cache_salt="s"))], pool)
+    assert (other.cached_tokens, same.cached_tokens) == (0, 20)
+    assert [r.prefix_cache_tokens[1] for r in scheduler.replicas] == [0, 20]
+
+
 def test_a_request_admitted_while_its_prefix_is_computed_elsewhere_computes_it_too_and_caches_one_copy():
     prompt = list(range(10, 26))
     scheduler = make()

@@ -33,6 +33,7 @@ from graphc.artifacts.directory import read_manifest
 from graphc.artifacts.manifest import MANIFEST
 from graphc.server import templates
 from graphc.server.body import parse_body
+from graphc.server.isolation import CacheIsolation
 from graphc.server.limits import RequestLimits
 from graphc.server.routes import create_app
 from graphc.server.schemas import ChatCompletionRequest, ChatMessage
@@ -142,6 +143,10 @@ BAD_BODIES = [
      "stop: 33 stop strings are more than the 32 a request may give", "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": [5], "stop": ["é" * 2049]}, None,
      "stop: the stop strings are 4098 bytes (UTF-8) together, more than the 4096 a request may give", "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": [5], "cache_salt": ""}, None,
+     "cache_salt: String should have at least 1 character", "cache_salt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [5], "cache_salt": "s" * 1025}, None,
+     "cache_salt: String should have at most 1024 characters", "cache_salt"),
 ]
 
 
@@ -289,7 +294,7 @@ def test_messages_are_counted_before_any_of_them_is_validated():
         "prompt of at most 3", "messages")
 
 
-def in_process(compiled, limits: RequestLimits = RequestLimits()):
+def in_process(compiled, limits: RequestLimits = RequestLimits(), **options):
     """The app over the module's artifacts in this process, its engine one that refuses every
     request (a chat is parsed, rendered and tokenised, then refused)."""
     from tokenizers import Tokenizer
@@ -297,7 +302,18 @@ def in_process(compiled, limits: RequestLimits = RequestLimits()):
     artifacts = compiled(PRESET, "export", BUCKETS)
     manifest = read_manifest(artifacts)
     refusing = SimpleNamespace(refusal=lambda request: "refused by the test", state=SimpleNamespace(failure=None))
-    return create_app(refusing, manifest, Tokenizer.from_file(str(artifacts / manifest.tokenizer)), "tiny", limits)
+    return create_app(refusing, manifest, Tokenizer.from_file(str(artifacts / manifest.tokenizer)), "tiny", limits,
+                      **options)
+
+
+def test_a_server_that_needs_a_cache_salt_refuses_a_request_without_one(compiled):
+    app = in_process(compiled, isolation=CacheIsolation("salt"))
+    _, missing = posted_in_process(app, "/v1/completions", json.dumps({"model": "tiny", "prompt": [5]}).encode())
+    error = openai_error(missing, 400)
+    assert error["param"] == "cache_salt" and error["message"].startswith("cache_salt: this server keeps")
+    _, salted = posted_in_process(app, "/v1/completions", json.dumps({"model": "tiny", "prompt": [5],
+                                                                      "cache_salt": "s"}).encode())
+    assert openai_error(salted, 400)["message"] == "refused by the test"  # past the salt, to the engine
 
 
 def posted_in_process(app, path: str, body: bytes) -> tuple[int, httpx2.Response]:

@@ -4,6 +4,7 @@ official `openai` client (and raw HTTP for what the client would refuse to send)
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -194,6 +195,43 @@ def test_a_repeated_prompt_reports_its_cached_tokens_in_usage_and_metrics(server
     assert after["graphc_prefix_cache_queries_total"] - before["graphc_prefix_cache_queries_total"] == 60
     assert after["graphc_prefix_cache_hits_total"] - before["graphc_prefix_cache_hits_total"] == 24
     assert after["graphc_kv_blocks_cached"] >= 3
+
+
+def test_requests_with_different_cache_salts_never_hit_each_others_blocks(server):
+    prompt = [(13 * i) % 230 + 11 for i in range(30)]  # 3 blocks of 8 before its last token
+
+    def hits(**salt) -> tuple[int, float]:
+        before = server.metrics()["graphc_prefix_cache_hits_total"]
+        done = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, **salt)
+        return done.usage.prompt_tokens_details.cached_tokens, server.metrics()["graphc_prefix_cache_hits_total"] - before
+
+    salted = [{"extra_body": {"cache_salt": s}} for s in ("tenant one", "tenant two")]
+    assert [hits(), hits(**salted[0]), hits(**salted[1])] == [(0, 0)] * 3  # each salt computes it
+    assert [hits(**salted[1]), hits(**salted[0]), hits()] == [(24, 24)] * 3  # then reuses its own
+
+
+def test_each_api_key_of_an_isolating_server_has_its_own_cache(artifacts, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("key-one\nkey-two\n")
+    isolating = Server(artifacts, "--api-keys-file", str(keys), "--prefix-cache-isolation", "api-key",
+                       "--hide-cached-tokens", api_key="key-one")
+    try:
+        other = openai.OpenAI(base_url=f"{isolating.url}/v1", api_key="key-two", max_retries=0, timeout=120)
+        prompt = [(19 * i) % 220 + 7 for i in range(30)]
+        found = []
+        for client in (isolating.client, other, other, isolating.client):
+            before = _hits(isolating)
+            done = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0)
+            found.append(_hits(isolating) - before)
+            assert "prompt_tokens_details" not in done.usage.model_dump(exclude_unset=True)
+        assert found == [0, 0, 24, 24]
+    finally:
+        assert isolating.stop() == 0, "".join(isolating.lines)
+
+
+def _hits(server: Server) -> float:
+    return float(re.search(r"^graphc_prefix_cache_hits_total (\S+)$", httpx2.get(
+        f"{server.url}/metrics", headers={"authorization": f"Bearer {server.client.api_key}"}).text, re.M).group(1))
 
 
 def test_fifty_clients_that_disconnect_mid_stream_free_every_block(server):

@@ -29,6 +29,12 @@ depends on the first token of the next block, which is the writer's continuation
 cannot be written again (its other holders read that vector too), so with drafts a block's key
 also covers the token after it: a request reuses the block only where its next token is the
 writer's, and otherwise computes the block itself.
+
+Isolation: a shared cache is an oracle. A client that can see a hit (`cached_tokens`, or only a
+faster first token) can test guesses of what another client sent. A request's `cache_salt`
+(`graphc serve`: its API key's and its own, see `graphc.server.isolation`) roots its chain at a
+root of its own, so requests with different salts never share a block; requests with the same
+salt, or none, share as before.
 """
 
 from __future__ import annotations
@@ -57,6 +63,11 @@ def root_key(*salt: str) -> bytes:
     return hashlib.sha256("\0".join(("graphc-prefix-cache", *salt)).encode()).digest()
 
 
+def salted_root(root: bytes, salt: str | None) -> bytes:
+    """The chain's root for requests salted with `salt` (`root` itself for unsalted ones)."""
+    return root if salt is None else hashlib.sha256(b"cache-salt\0" + root + salt.encode()).digest()
+
+
 def block_key(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
@@ -82,10 +93,10 @@ class PrefixCache:
         position is written, which takes that token)."""
         return tokens[j * self.block_size:j * self.block_size + self.key_span]
 
-    def match(self, prompt: list[int]) -> tuple[list[int], list[bytes]]:
-        """The cached blocks that hold `prompt`'s longest cached prefix (never its last token),
-        and their keys; no side effects."""
-        blocks, keys, parent = [], [], self.root
+    def match(self, prompt: list[int], salt: str | None = None) -> tuple[list[int], list[bytes]]:
+        """The cached blocks that hold `prompt`'s longest cached prefix (never its last token) for
+        a request salted with `salt`, and their keys; no side effects."""
+        blocks, keys, parent = [], [], salted_root(self.root, salt)
         for j in range((len(prompt) - 1) // self.block_size):
             key = block_key(parent, self._key_tokens(prompt, j))
             block = self._allocator(j).lookup(key)
@@ -112,10 +123,11 @@ class PrefixCache:
         self.queried_tokens += prompt_tokens
         self.hit_tokens += len(hits) * self.block_size
 
-    def publish(self, blocks: list[int], keys: list[bytes], tokens: list[int], written: int) -> None:
-        """Publish every block of a sequence whose positions are all written (`written` of them)
-        and not yet keyed; `keys` (the sequence's chain so far) grows with them."""
+    def publish(self, blocks: list[int], keys: list[bytes], tokens: list[int], written: int,
+                salt: str | None = None) -> None:
+        """Publish every block of a sequence (salted with `salt`) whose positions are all written
+        (`written` of them) and not yet keyed; `keys` (the sequence's chain so far) grows with them."""
         for j in range(len(keys), written // self.block_size):
-            key = block_key(keys[-1] if keys else self.root, self._key_tokens(tokens, j))
+            key = block_key(keys[-1] if keys else salted_root(self.root, salt), self._key_tokens(tokens, j))
             self._allocator(j).publish(blocks[j], key)
             keys.append(key)

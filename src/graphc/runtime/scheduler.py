@@ -67,6 +67,9 @@ class Request:
     """False generates through EOS tokens (benchmarks, reference comparisons)."""
     min_new_tokens: int = 0
     """EOS does not end the request before this many tokens."""
+    cache_salt: str | None = None
+    """Prefix caching: the request shares cached blocks only with requests of the same salt
+    (`graphc.runtime.prefix_cache`); None shares with every unsalted request."""
 
 
 @dataclass
@@ -289,7 +292,7 @@ class Scheduler:
         """Admit waiting requests in order while the pool holds their whole lives (rule 1)."""
         while self.waiting:
             index, request = self.waiting[0]
-            hits, keys = self.prefix_cache.match(request.prompt) if self.prefix_cache else ([], [])
+            hits, keys = self.prefix_cache.match(request.prompt, request.cache_salt) if self.prefix_cache else ([], [])
             needed = self.blocks_needed(request)
             if hits:
                 needed = self.prefix_cache.fresh_needed(needed, hits)
@@ -306,7 +309,9 @@ class Scheduler:
 
     def cached_prefix(self, request: Request) -> int:
         """Prompt tokens of `request` the prefix cache holds now (0 without caching)."""
-        return len(self.prefix_cache.match(request.prompt)[0]) * self.block_size if self.prefix_cache else 0
+        if self.prefix_cache is None:
+            return 0
+        return len(self.prefix_cache.match(request.prompt, request.cache_salt)[0]) * self.block_size
 
     def next_step(self) -> Step:
         self.admit()
@@ -406,7 +411,8 @@ class Scheduler:
         prompt = sequence.request.prompt
         written = sequence.prefilled if sequence.prefilling else len(prompt) + len(sequence.output) - 1
         if written // self.block_size > len(sequence.block_keys):
-            self.prefix_cache.publish(sequence.blocks.blocks, sequence.block_keys, prompt + sequence.output, written)
+            self.prefix_cache.publish(sequence.blocks.blocks, sequence.block_keys, prompt + sequence.output, written,
+                                      sequence.request.cache_salt)
 
     def _finish(self, sequence: Sequence, reason: str) -> None:
         self.running.remove(sequence)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import re
 import signal
 import socket
 import sys
@@ -21,6 +20,7 @@ from graphc.errors import GraphcError
 from graphc.runtime.engine import Engine
 from graphc.runtime.hosts import HostOptions
 from graphc.runtime.online import OnlineEngine
+from graphc.server.isolation import CacheIsolation
 from graphc.server.limits import RequestLimits
 from graphc.server.routes import create_app
 
@@ -41,11 +41,13 @@ class HttpJob:
     grace_seconds: float
     model_name: str
     limits: RequestLimits = RequestLimits()
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
+    """Empty: no key needed."""
     default_seed: int | None = None
     """The seed of a request that gives none; None: fresh noise per request."""
     follower_timeout: float | None = None  # followers idle between requests as long as the server does
     ends_on_signal: bool = True
+    isolation: CacheIsolation = CacheIsolation()
 
     @property
     def shutdown_seconds(self) -> int:
@@ -60,13 +62,14 @@ class HttpJob:
         tokenizer = Tokenizer.from_file(str(Path(self.artifacts) / manifest.tokenizer)) if manifest.tokenizer else None
         online = OnlineEngine(engine, self.max_waiting)
         listener = listener or bound_listener(self.host, self.port)
-        app = create_app(online, manifest, tokenizer, self.model_name, self.limits, self.api_key, self.default_seed)
+        app = create_app(online, manifest, tokenizer, self.model_name, self.limits, self.api_keys, self.default_seed,
+                         self.isolation)
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=self.grace_seconds + CUT_SECONDS,
                                 lifespan="off")
         # uvicorn handles SIGTERM / SIGINT while it serves, then re-raises them: to a handler that
         # does nothing, so a graceful stop ends here (before this point they stop the command).
         previous = {signum: signal.signal(signum, lambda *_: None) for signum in (signal.SIGTERM, signal.SIGINT)}
-        key = " (API key required)" if self.api_key is not None else ""
+        key = " (API key required)" if self.api_keys else ""
         print(f"serving {self.artifacts} on {url(self.host, listener.getsockname()[1])}{key}", file=sys.stderr,
               flush=True)
         try:
@@ -129,8 +132,9 @@ def bound_listener(host: str, port: int) -> socket.socket:
 
 def serve_http(artifacts: Path, host: str, port: int, max_waiting: int, grace_seconds: float,
                model_name: str | None = None, trusted_key: Path | None = None,
-               limits: RequestLimits = RequestLimits(), api_key: str | None = None,
-               hosts: HostOptions = HostOptions(), default_seed: int | None = None) -> None:
+               limits: RequestLimits = RequestLimits(), api_keys: tuple[str, ...] = (),
+               hosts: HostOptions = HostOptions(), default_seed: int | None = None,
+               isolation: CacheIsolation = CacheIsolation()) -> None:
     """Serve `artifacts` on (host, port) (0: any free port) until SIGTERM or Ctrl-C: in this
     process on one rank; with several, this process is torchrun's agent, the server runs in the
     leader rank's process and the followers run its steps. The address is bound (or refused)
@@ -140,12 +144,11 @@ def serve_http(artifacts: Path, host: str, port: int, max_waiting: int, grace_se
     from graphc.runtime.launch import launch_ranks
     from graphc.runtime.loader import check_servable, kv_pool_blocks
 
-    if api_key is not None and not re.fullmatch(r"[!-~]+", api_key):
-        raise GraphcError("--api-key / GRAPHC_API_KEY must be printable ASCII without spaces (a Bearer token)")
+    isolation.check(api_keys)
     manifest = read_manifest(artifacts, trusted_key)
     check_servable(Path(artifacts), manifest)  # before the address is bound or any rank starts
     job = HttpJob(str(artifacts), host, port, max_waiting, grace_seconds, model_name or Path(artifacts).resolve().name,
-                  limits, api_key, default_seed)
+                  limits, api_keys, default_seed, isolation=isolation)
     hosts.layout(manifest.topology.world)  # host options that do not fit: refused before anything starts
     if hosts.node_rank == 0:
         listener = bound_listener(host, port)

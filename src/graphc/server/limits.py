@@ -20,6 +20,10 @@ TEMPLATE_SECONDS = 2.0
 MAX_PROMPTS = 64
 """A completion request's batch of prompts: at most this many (each is a request of its own in the
 admission queue; lm-evaluation-harness sends a few to a few dozen)."""
+PREFIX_CACHE_ISOLATION = ("shared", "api-key", "salt")
+"""Who shares the prefix cache (`graphc.server.isolation`)."""
+MAX_CACHE_SALT_CHARS = 1024
+"""A request's cache_salt: at most this many characters (a 256-bit secret is 43 in base64)."""
 MAX_STOP_STRINGS = 32
 MAX_STOP_BYTES = 4096
 """A request's stop strings: at most this many, of at most this many UTF-8 bytes together

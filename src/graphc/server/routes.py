@@ -24,8 +24,9 @@ from starlette.exceptions import HTTPException
 from graphc.artifacts.manifest import Manifest
 from graphc.errors import GraphcError
 from graphc.runtime.online import OnlineEngine, QueueFull
-from graphc.server.auth import ApiKeyRequired
+from graphc.server.auth import ApiKeyRequired, tenant
 from graphc.server.body import BodyTooLarge, BodyTooSlow, parse_body, read_body
+from graphc.server.isolation import CacheIsolation
 from graphc.server.limits import RequestLimits
 from graphc.server.metrics import ServerMetrics
 from graphc.server.schemas import ChatCompletionRequest, CompletionRequest, error_response
@@ -40,19 +41,20 @@ WORK_THREADS = 4
 
 
 def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: str,
-               limits: RequestLimits = RequestLimits(), api_key: str | None = None,
-               default_seed: int | None = None) -> FastAPI:
+               limits: RequestLimits = RequestLimits(), api_keys: tuple[str, ...] = (),
+               default_seed: int | None = None, isolation: CacheIsolation = CacheIsolation()) -> FastAPI:
     """The app: its routes and error handlers are closures over the engine and the manifest, so
-    they read as one listing (hence one function of about 80 lines)."""
+    they read as one listing (hence one function of about 100 lines)."""
     app = FastAPI(title="graphc", docs_url=None, redoc_url=None)
-    if api_key is not None:
-        app.add_middleware(ApiKeyRequired, key=api_key)
+    if api_keys:
+        app.add_middleware(ApiKeyRequired, keys=api_keys)
     metrics = ServerMetrics(online)
     context_limit = manifest.buckets.context_limit
     body_bytes = limits.body_bytes(context_limit)
     char_limit = prompt_char_limit(tokenizer, context_limit) if tokenizer is not None else None
     renderer = _renderer(manifest, limits.template_seconds, body_bytes, char_limit)
     threads = anyio.CapacityLimiter(WORK_THREADS)
+    cached_tokens = not isolation.hide_cached_tokens
 
     async def off_loop(function, *args):
         # Tokenising releases the GIL (encode_batch), so the loop and the engine thread run on;
@@ -117,10 +119,10 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
     async def respond(body, prompts: list[list[int]], shape: Shape, http: Request):
         """A choice for each of `prompts`: every one checked before any is submitted, and none left
         running if another cannot be (a full admission queue)."""
-        requests = []
+        requests, salt = [], isolation.salt(body.cache_salt, tenant(http.scope))
         for index, prompt in enumerate(prompts):
             try:
-                request = await off_loop(generation_request, body, prompt, manifest, default_seed)
+                request = await off_loop(generation_request, body, prompt, manifest, default_seed, salt)
                 refusal = online.refusal(request)
                 if refusal:
                     raise BadRequest(refusal, param="prompt")
@@ -141,8 +143,8 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
             options = body.stream_options
             usage = "every chunk" if options and options.include_usage and options.continuous_usage_stats else \
                 "last chunk" if options and options.include_usage else None
-            return GenerationStream(generations, stream(generations, head, shape, usage))
-        return await complete(generations, head, shape, http)
+            return GenerationStream(generations, stream(generations, head, shape, usage, cached_tokens))
+        return await complete(generations, head, shape, http, cached_tokens)
 
     @app.post("/v1/completions")
     async def completions(http: Request):

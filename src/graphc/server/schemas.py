@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from graphc.server.limits import MAX_PROMPTS, MAX_STOP_BYTES, MAX_STOP_STRINGS
+from graphc.server.limits import MAX_CACHE_SALT_CHARS, MAX_PROMPTS, MAX_STOP_BYTES, MAX_STOP_STRINGS
 
 
 class _Strict(BaseModel):
@@ -52,6 +52,9 @@ class _Generation(_Strict):
     min_tokens: int = Field(0, ge=0)
     """vLLM's extension: EOS and stop strings do not end the request before this many tokens."""
     user: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    """vLLM's extension: the request shares prefix-cache blocks only with requests of the same
+    salt (`graphc.server.isolation`)."""
 
     @field_validator("stop")
     @classmethod

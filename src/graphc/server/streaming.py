@@ -145,12 +145,15 @@ TEXT = Shape("cmpl", "text_completion", "text_completion", chat=False)
 CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
 
 
-def _usage(generations: list[Generation]) -> dict:
-    """OpenAI's usage of a request's choices together."""
+def _usage(generations: list[Generation], cached_tokens: bool) -> dict:
+    """OpenAI's usage of a request's choices together; with `cached_tokens`, the prompt tokens the
+    prefix cache held."""
     prompt = sum(len(g.request.prompt) for g in generations)
     completion = sum(len(g.ids) for g in generations)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(g.ticket.cached_tokens for g in generations)}}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(g.ticket.cached_tokens for g in generations)}
+    return usage
 
 
 class GenerationStream(StreamingResponse):
@@ -170,7 +173,8 @@ class GenerationStream(StreamingResponse):
                     generation.cancel()
 
 
-async def complete(generations: list[Generation], head: dict, shape: Shape, http: Request) -> JSONResponse:
+async def complete(generations: list[Generation], head: dict, shape: Shape, http: Request,
+                   cached_tokens: bool = True) -> JSONResponse:
     """The whole completion, a choice a generation; cancelled if the client goes away first (or
     the handler is)."""
     collect = asyncio.ensure_future(asyncio.gather(*(_collect(g) for g in generations)))
@@ -189,7 +193,8 @@ async def complete(generations: list[Generation], head: dict, shape: Shape, http
         return error_response(503 if failed.unavailable else 500, f"the request failed: {failed.error}",
                               kind="server_error")
     choices = [shape.choice(i, g.text, g.ids, g.finish_reason, whole=True) for i, g in enumerate(generations)]
-    return JSONResponse({**head, "object": shape.object, "choices": choices, "usage": _usage(generations)})
+    usage = _usage(generations, cached_tokens)
+    return JSONResponse({**head, "object": shape.object, "choices": choices, "usage": usage})
 
 
 async def _collect(generation: Generation) -> None:
@@ -197,10 +202,11 @@ async def _collect(generation: Generation) -> None:
         pass
 
 
-async def stream(generations: list[Generation], head: dict, shape: Shape, usage: str | None):
+async def stream(generations: list[Generation], head: dict, shape: Shape, usage: str | None,
+                 cached_tokens: bool = True):
     """Server-sent events in OpenAI's format, each generation's chunks under its choice's index as
     they come; `usage`: None, in a "last chunk" of its own (OpenAI's `include_usage`), or also in
-    "every chunk" (vLLM's `continuous_usage_stats`)."""
+    "every chunk" (vLLM's `continuous_usage_stats`), with the cached tokens if `cached_tokens`."""
     deltas: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, generation: Generation) -> None:
@@ -222,13 +228,14 @@ async def stream(generations: list[Generation], head: dict, shape: Shape, usage:
                 break
             choice = shape.choice(index, delta, ids, generation.finish_reason, first=index in first)
             first.discard(index)
-            counts = {"usage": _usage(generations)} if usage == "every chunk" else {}
+            counts = {"usage": _usage(generations, cached_tokens)} if usage == "every chunk" else {}
             yield _event({**head, "object": shape.chunk_object, "choices": [choice], **counts})
     finally:
         for task in pumps:
             task.cancel()
     if usage is not None:
-        yield _event({**head, "object": shape.chunk_object, "choices": [], "usage": _usage(generations)})
+        last = _usage(generations, cached_tokens)
+        yield _event({**head, "object": shape.chunk_object, "choices": [], "usage": last})
     yield "data: [DONE]\n\n"
 
 

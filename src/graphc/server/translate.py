@@ -91,10 +91,12 @@ def _keeps_characters(step: dict | None, kinds: set[str]) -> bool:
     return step["type"] in kinds and step.get("behavior") != "Removed"
 
 
-def generation_request(body, prompt: list[int], manifest: Manifest, default_seed: int | None = None) -> GenerationRequest:
+def generation_request(body, prompt: list[int], manifest: Manifest, default_seed: int | None = None,
+                       cache_salt: str | None = None) -> GenerationRequest:
     """The engine's request for `body` (a completion or a chat), or BadRequest naming the field.
     A body without `seed` gets `default_seed` (the server's `--seed`), or fresh noise where none is
-    set, as OpenAI and vLLM draw: identical unseeded requests then sample differently."""
+    set, as OpenAI and vLLM draw: identical unseeded requests then sample differently.
+    `cache_salt`: the salt its prefix-cache blocks are keyed under (`graphc.server.isolation`)."""
     outside = vocabulary_error(prompt, manifest.model.vocab_size)
     if outside:
         raise BadRequest(outside, param="prompt")
@@ -107,7 +109,7 @@ def generation_request(body, prompt: list[int], manifest: Manifest, default_seed
     if body.min_tokens > max_tokens:
         raise BadRequest(f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})", param="min_tokens")
     return engine_request(manifest, prompt, max_tokens, given, stop_at_eos=not body.ignore_eos,
-                          min_new_tokens=body.min_tokens)
+                          min_new_tokens=body.min_tokens, cache_salt=cache_salt)
 
 
 def _max_tokens(body, prompt_tokens: int, manifest: Manifest) -> int:
