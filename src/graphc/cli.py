@@ -23,8 +23,8 @@ from graphc.backends import BACKENDS, backend  # noqa: E402
 from graphc.errors import GraphcError, Interrupted
 from graphc.models.moe_forms import MOE_LOWERING_CHOICES
 from graphc.sampling import SEED_MAX
-from graphc.server.limits import (BODY_BASE_BYTES, BODY_BYTES_PER_TOKEN, BODY_SECONDS, PREFIX_CACHE_ISOLATION,
-                                  TEMPLATE_SECONDS, RequestLimits)
+from graphc.server.limits import (BODY_BASE_BYTES, BODY_BYTES_PER_TOKEN, BODY_SECONDS, MAX_CHOICES, MAX_N,
+                                  PREFIX_CACHE_ISOLATION, TEMPLATE_SECONDS, RequestLimits)
 
 EXIT_BAD_INPUT = 2
 
@@ -409,12 +409,14 @@ def _named(result, where: str):
                                         "A chat that waits this long for a free template worker: HTTP 429.")
 @click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=BODY_SECONDS, show_default=True,
               help="Seconds a client has to send a request's body once its headers are in; past it, HTTP 408.")
+@click.option("--max-n", type=click.IntRange(1, MAX_CHOICES), default=MAX_N, show_default=True,
+              help="The most choices (n) a request may ask of one prompt; past it, HTTP 400.")
 @click.option("--seed", type=click.IntRange(0, SEED_MAX), default=None,
               help="The sampling seed of a request that gives none (reproducible sampling); default: fresh noise "
                    "per request, as OpenAI's API draws.")
 @_host_options
 def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_key, api_key, api_keys_file,
-          prefix_cache_isolation, hide_cached_tokens, max_body_bytes, template_timeout, body_timeout, seed,
+          prefix_cache_isolation, hide_cached_tokens, max_body_bytes, template_timeout, body_timeout, max_n, seed,
           **host_options) -> None:
     """Serve ARTIFACTS over HTTP with OpenAI's API: /v1/completions (streaming too), /v1/models,
     /health, /metrics (Prometheus). Requests are batched continuously as they arrive. A job that
@@ -424,7 +426,8 @@ def serve(artifacts, host, port, model_name, max_waiting, grace_period, trusted_
     from graphc.server.launch import serve_http
 
     serve_http(artifacts, host, port, max_waiting, grace_period, model_name, trusted_key,
-               RequestLimits(max_body_bytes, template_timeout, body_timeout), server_keys(api_key, api_keys_file),
+               RequestLimits(max_body_bytes, template_timeout, body_timeout, max_n),
+               server_keys(api_key, api_keys_file),
                _hosts(**host_options), seed, CacheIsolation(prefix_cache_isolation, hide_cached_tokens))
 
 

@@ -197,6 +197,32 @@ def test_a_repeated_prompt_reports_its_cached_tokens_in_usage_and_metrics(server
     assert after["graphc_kv_blocks_cached"] >= 3
 
 
+def test_n_choices_sample_with_their_own_seeds_and_read_their_prompts_blocks_from_the_first(server, artifacts):
+    prompt = [(23 * i) % 210 + 13 for i in range(30)]  # 3 blocks of 8 before its last token
+    want = expected(artifacts, [Request(prompt, 6, Sampling(temperature=0.9, seed=11 + j)) for j in range(3)])
+    before = server.metrics()["graphc_prefix_cache_hits_total"]
+    done = server.client.completions.create(model="tiny", prompt=prompt, n=3, max_tokens=6, temperature=0.9, seed=11)
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in done.choices] == want
+    assert len({tuple(ids) for ids in want}) > 1  # the seeds differ, so the choices do
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (30, sum(map(len, want)))
+    assert done.usage.prompt_tokens_details.cached_tokens == 0  # the first choice computed the prompt
+    assert server.metrics()["graphc_prefix_cache_hits_total"] - before == 2 * 24  # the other two read it
+
+
+def test_a_batch_of_prompts_with_n_choices_numbers_them_prompt_by_prompt_streamed_or_not(server, artifacts):
+    batch = [[(29 * i + n) % 200 + 5 for i in range(12)] for n in range(2)]
+    want = expected(artifacts, [Request(p, 5, Sampling(temperature=1.0, seed=3 + j)) for p in batch for j in range(2)])
+    options = dict(model="tiny", prompt=batch, n=2, max_tokens=5, temperature=1.0, seed=3)
+    done = server.client.completions.create(**options)
+    assert [(c.index, c.model_extra["token_ids"]) for c in done.choices] == list(enumerate(want))
+    streamed = [[] for _ in want]
+    for chunk in server.client.completions.create(stream=True, **options):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.model_extra["token_ids"]
+    assert streamed == want
+
+
 def test_requests_with_different_cache_salts_never_hit_each_others_blocks(server):
     prompt = [(13 * i) % 230 + 11 for i in range(30)]  # 3 blocks of 8 before its last token
 

@@ -20,6 +20,10 @@ TEMPLATE_SECONDS = 2.0
 MAX_PROMPTS = 64
 """A completion request's batch of prompts: at most this many (each is a request of its own in the
 admission queue; lm-evaluation-harness sends a few to a few dozen)."""
+MAX_CHOICES = 64
+"""A request's choices, prompts times `n`: at most this many."""
+MAX_N = 8
+"""The default bound on `n` (`graphc serve --max-n`)."""
 PREFIX_CACHE_ISOLATION = ("shared", "api-key", "salt")
 """Who shares the prefix cache (`graphc.server.isolation`)."""
 MAX_CACHE_SALT_CHARS = 1024
@@ -38,6 +42,8 @@ class RequestLimits:
     """None: derived from the context limit (`body_bytes`)."""
     template_seconds: float = TEMPLATE_SECONDS
     body_seconds: float = BODY_SECONDS
+    max_n: int = MAX_N
+    """The most choices a request may ask of one prompt (`n`)."""
 
     def body_bytes(self, context_limit: int) -> int:
         """The bound on a request body for a context of `context_limit` tokens."""

@@ -11,6 +11,7 @@ process (`templates`).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 import uuid
@@ -24,10 +25,11 @@ from starlette.exceptions import HTTPException
 from graphc.artifacts.manifest import Manifest
 from graphc.errors import GraphcError
 from graphc.runtime.online import OnlineEngine, QueueFull
+from graphc.runtime.prefix_cache import prefix_caching_enabled
 from graphc.server.auth import ApiKeyRequired, tenant
 from graphc.server.body import BodyTooLarge, BodyTooSlow, parse_body, read_body
 from graphc.server.isolation import CacheIsolation
-from graphc.server.limits import RequestLimits
+from graphc.server.limits import MAX_CHOICES, RequestLimits
 from graphc.server.metrics import ServerMetrics
 from graphc.server.schemas import ChatCompletionRequest, CompletionRequest, error_response
 from graphc.server.streaming import CHAT, TEXT, Generation, GenerationStream, Shape, complete, stream
@@ -55,6 +57,7 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
     renderer = _renderer(manifest, limits.template_seconds, body_bytes, char_limit)
     threads = anyio.CapacityLimiter(WORK_THREADS)
     cached_tokens = not isolation.hide_cached_tokens
+    shares_prefill, block_size = prefix_caching_enabled(manifest.runtime.prefix_caching), manifest.kv_cache.block_size
 
     async def off_loop(function, *args):
         # Tokenising releases the GIL (encode_batch), so the loop and the engine thread run on;
@@ -117,27 +120,22 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         return served_model
 
     async def respond(body, prompts: list[list[int]], shape: Shape, http: Request):
-        """A choice for each of `prompts`: every one checked before any is submitted, and none left
-        running if another cannot be (a full admission queue)."""
+        """`n` choices for each of `prompts` (choice j of prompt p at index p * n + j): every one
+        checked before any is submitted."""
+        n = _choices(body.n, len(prompts), limits.max_n)
         requests, salt = [], isolation.salt(body.cache_salt, tenant(http.scope))
         for index, prompt in enumerate(prompts):
             try:
-                request = await off_loop(generation_request, body, prompt, manifest, default_seed, salt)
-                refusal = online.refusal(request)
-                if refusal:
-                    raise BadRequest(refusal, param="prompt")
+                for choice in range(n):
+                    request = await off_loop(generation_request, body, prompt, manifest, default_seed, salt, choice)
+                    refusal = online.refusal(request)
+                    if refusal:
+                        raise BadRequest(refusal, param="prompt")
+                    requests.append(request)
             except BadRequest as refused:
                 raise _of_prompt(refused, index, len(prompts)) from None
-            requests.append(request)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        generations = []
-        try:
-            for request in requests:
-                generations.append(Generation(online, metrics, request, tokenizer, stop))
-        except QueueFull:
-            for generation in generations:
-                generation.cancel()
-            raise
+        generations = await submitted(requests, n, stop)
         head = {"id": f"{shape.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
         if body.stream:
             options = body.stream_options
@@ -145,6 +143,28 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
                 "last chunk" if options and options.include_usage else None
             return GenerationStream(generations, stream(generations, head, shape, usage, cached_tokens))
         return await complete(generations, head, shape, http, cached_tokens)
+
+    async def submitted(requests: list, n: int, stop: list[str]) -> list[Generation]:
+        """A generation for each request, none left running if another cannot be submitted (a full
+        admission queue). With n > 1, a prompt's first choice goes first and its others once it
+        has its first token: its prompt's full blocks are then in the prefix cache, which they
+        read instead of computing them again."""
+        generations: list[Generation | None] = [None] * len(requests)
+        try:
+            for lead in range(0, len(requests), n):
+                generations[lead] = Generation(online, metrics, requests[lead], tokenizer, stop)
+            if n > 1 and shares_prefill:
+                await asyncio.gather(*(g.started.wait() for g in generations
+                                       if g is not None and len(g.request.prompt) > block_size))
+            for index, request in enumerate(requests):
+                if generations[index] is None:
+                    generations[index] = Generation(online, metrics, request, tokenizer, stop, lead=False)
+        except QueueFull:
+            for generation in generations:
+                if generation is not None:
+                    generation.cancel()
+            raise
+        return generations
 
     @app.post("/v1/completions")
     async def completions(http: Request):
@@ -171,6 +191,17 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         return await respond(body, [ids], CHAT, http)
 
     return app
+
+
+def _choices(n: int, prompts: int, max_n: int) -> int:
+    """`n`, or BadRequest where it asks more choices than the server gives a prompt or a request."""
+    if n > max_n:
+        raise BadRequest(f"n: {n} is more than the {max_n} choices of a prompt this server gives (graphc serve "
+                         "--max-n)", param="n")
+    if prompts * n > MAX_CHOICES:
+        raise BadRequest(f"n: {prompts} prompts of {n} choices each are more than the {MAX_CHOICES} choices a request "
+                         "may ask", param="n")
+    return n
 
 
 def _of_prompt(refused: BadRequest, index: int, count: int) -> BadRequest:

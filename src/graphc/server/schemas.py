@@ -46,7 +46,8 @@ class _Generation(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1)
+    """Choices of each prompt, each sampled with its own seed (`graphc serve --max-n` bounds it)."""
     ignore_eos: bool = False
     """vLLM's extension: generate through EOS tokens."""
     min_tokens: int = Field(0, ge=0)

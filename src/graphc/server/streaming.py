@@ -30,8 +30,10 @@ class Generation:
     """
 
     def __init__(self, online: OnlineEngine, metrics: ServerMetrics, request: GenerationRequest, tokenizer,
-                 stop: list[str]):
+                 stop: list[str], lead: bool = True):
         self.online, self.metrics, self.request = online, metrics, request
+        self.lead = lead
+        """The first choice of its prompt: usage counts the prompt's tokens once, on it."""
         self.decoded = IncrementalText(tokenizer)
         self.stop = [s for s in stop if s]
         self.text, self.sent = "", 0
@@ -44,11 +46,18 @@ class Generation:
         self.arrived = self.last_token = time.monotonic()
         loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
+        self.started = asyncio.Event()
+        """Set at its first event: its first token (its prompt prefilled) or its end."""
+
         def deliver(token, result):  # on the engine thread
             if not loop.is_closed():
-                loop.call_soon_threadsafe(self.events.put_nowait, (token, result))
+                loop.call_soon_threadsafe(self._arrived, (token, result))
 
         self.ticket: Ticket = online.submit(request, deliver)
+
+    def _arrived(self, event) -> None:
+        self.events.put_nowait(event)
+        self.started.set()
 
     def cancel(self) -> None:
         """End the request early (a stop string, or its client left); its blocks are freed."""
@@ -146,13 +155,15 @@ CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
 
 
 def _usage(generations: list[Generation], cached_tokens: bool) -> dict:
-    """OpenAI's usage of a request's choices together; with `cached_tokens`, the prompt tokens the
-    prefix cache held."""
-    prompt = sum(len(g.request.prompt) for g in generations)
+    """OpenAI's usage of a request's choices together, each prompt counted once (on its first
+    choice) however many choices it has; with `cached_tokens`, the prompt tokens the prefix cache
+    held for them."""
+    leads = [g for g in generations if g.lead]
+    prompt = sum(len(g.request.prompt) for g in leads)
     completion = sum(len(g.ids) for g in generations)
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if cached_tokens:
-        usage["prompt_tokens_details"] = {"cached_tokens": sum(g.ticket.cached_tokens for g in generations)}
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(g.ticket.cached_tokens for g in leads)}
     return usage
 
 

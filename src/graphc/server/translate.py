@@ -92,10 +92,11 @@ def _keeps_characters(step: dict | None, kinds: set[str]) -> bool:
 
 
 def generation_request(body, prompt: list[int], manifest: Manifest, default_seed: int | None = None,
-                       cache_salt: str | None = None) -> GenerationRequest:
+                       cache_salt: str | None = None, choice: int = 0) -> GenerationRequest:
     """The engine's request for `body` (a completion or a chat), or BadRequest naming the field.
     A body without `seed` gets `default_seed` (the server's `--seed`), or fresh noise where none is
-    set, as OpenAI and vLLM draw: identical unseeded requests then sample differently.
+    set, as OpenAI and vLLM draw: identical unseeded requests then sample differently. Choice j
+    of a prompt (`n`) samples with the seed plus j, as vLLM seeds its n sequences.
     `cache_salt`: the salt its prefix-cache blocks are keyed under (`graphc.server.isolation`)."""
     outside = vocabulary_error(prompt, manifest.model.vocab_size)
     if outside:
@@ -105,6 +106,7 @@ def generation_request(body, prompt: list[int], manifest: Manifest, default_seed
     if bad:
         raise BadRequest(f"{bad[0]}: {bad[1]}", param=bad[0])
     given.setdefault("seed", secrets.randbelow(SEED_MAX + 1) if default_seed is None else default_seed)
+    given["seed"] = (given["seed"] + choice) % (SEED_MAX + 1)
     max_tokens = _max_tokens(body, len(prompt), manifest)
     if body.min_tokens > max_tokens:
         raise BadRequest(f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})", param="min_tokens")
