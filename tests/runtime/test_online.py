@@ -22,7 +22,7 @@ def test_a_lost_rank_reaches_clients_as_one_generic_error_and_the_log_gets_the_d
     online = OnlineEngine(engine, max_waiting=4)
     done, results = threading.Event(), []
 
-    def listener(token, result):
+    def listener(token, result, logprobs):
         if result is not None:
             results.append(result)
             done.set()

@@ -3,6 +3,7 @@ official `openai` client (and raw HTTP for what the client would refuse to send)
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import signal
@@ -14,9 +15,11 @@ from pathlib import Path
 import httpx2
 import openai
 import pytest
+from tokenizers import Tokenizer
 
 from graphc.runtime import Engine, Request
 from graphc.sampling import Sampling
+from graphc.server.logprob_format import token_text
 from multirank import channel_segments
 from servers import Server
 
@@ -99,7 +102,7 @@ def test_thirty_two_concurrent_streams_all_get_their_tokens(server, artifacts):
     ({"model": "tiny", "prompt": [5, 999]}, "token id 999 is outside the vocabulary"),
     ({"model": "tiny", "prompt": list(range(3, 3 + CONTEXT_LIMIT))}, "leaves no room under context_limit"),
     ({"model": "tiny", "prompt": [5, 6], "max_tokens": CONTEXT_LIMIT}, "maximum context length is 128 tokens"),
-    ({"model": "tiny", "prompt": [5, 6], "n": 2}, "n"),
+    ({"model": "tiny", "prompt": [5, 6], "n": 9}, "n: 9 is more than the 8 choices"),
     ({"model": "tiny", "prompt": []}, "empty prompt"),
     ({"model": "tiny", "messages": []}, "messages"),
     ({"model": "tiny", "messages": [{"role": "user"}]}, "messages.0.content"),
@@ -221,6 +224,43 @@ def test_a_batch_of_prompts_with_n_choices_numbers_them_prompt_by_prompt_streame
         for choice in chunk.choices:
             streamed[choice.index] += choice.model_extra["token_ids"]
     assert streamed == want
+
+
+def test_completion_logprobs_are_the_engines_streamed_or_not(server, artifacts):
+    prompt = [(31 * i) % 190 + 17 for i in range(11)]
+    [want] = Engine(artifacts).generate([Request(prompt, 5, Sampling(temperature=0.7, seed=4), logprobs=3)])
+    options = dict(model="tiny", prompt=prompt, max_tokens=5, temperature=0.7, seed=4, logprobs=3)
+    done = server.client.completions.create(**options).choices[0]
+    assert done.model_extra["token_ids"] == want.output_ids
+    logprobs = done.logprobs
+    assert logprobs.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-6)
+    tokenizer = Tokenizer.from_file(str(artifacts / "tokenizer.json"))
+    text = functools.partial(token_text, tokenizer)
+    assert logprobs.tokens == [text(t) for t in want.output_ids]
+    for top, entry in zip(logprobs.top_logprobs, want.logprobs):  # keyed by text: tokens that decode alike share one
+        assert top == pytest.approx({text(t): lp for t, lp in entry.top}, abs=1e-6)
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(5)]
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for chunk in server.client.completions.create(stream=True, **options):
+        for name in streamed:
+            streamed[name] += getattr(chunk.choices[0].logprobs, name) if chunk.choices[0].logprobs else []
+    # The stream's prompt comes from the prefix cache, computed in another bucket: fp32 rounding apart.
+    assert (streamed["tokens"], streamed["text_offset"]) == (logprobs.tokens, logprobs.text_offset)
+    assert streamed["token_logprobs"] == pytest.approx(logprobs.token_logprobs, abs=1e-5)
+
+
+def test_chat_logprobs_carry_each_tokens_text_bytes_and_alternatives(server):
+    messages = [{"role": "user", "content": "hi"}]
+    done = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                                 logprobs=True, top_logprobs=2).choices[0]
+    content = done.logprobs.content
+    assert len(content) == len(done.model_extra["token_ids"]) == 4
+    assert "".join(entry.token for entry in content) == done.message.content
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 2
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the most likely
+    plain = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
 
 
 def test_requests_with_different_cache_salts_never_hit_each_others_blocks(server):

@@ -44,7 +44,7 @@ def generate(tokens: list[int], stops: list[str], min_tokens: int) -> tuple[str,
         generation = Generation(online, ServerMetrics(online), request, Pieces(), stops)
         for count, token in enumerate(tokens, start=1):
             online.listener(token, Result(request, tokens, "length") if count == len(tokens) else None)
-        streamed = "".join([delta async for delta, _ in generation.deltas()])
+        streamed = "".join([delta async for delta, *_ in generation.deltas()])
         return streamed, generation.text, generation.finish_reason
 
     return asyncio.run(run())

@@ -184,4 +184,7 @@ class Session:
     def step(self) -> list[Emitted]:
         """Run the next step; the tokens it generated (and the results of requests it ended)."""
         step = self.scheduler.next_step()
+        if step.wants_logits:
+            tokens, logits = self.engine.lead_step(step)
+            return self.scheduler.complete(step, tokens, logits)
         return self.scheduler.complete(step, self.engine.run_step(step))

@@ -17,6 +17,7 @@ from typing import Callable
 
 from graphc.errors import GraphcError
 from graphc.runtime.engine import Engine
+from graphc.runtime.logprobs import TokenLogprobs
 from graphc.runtime.scheduler import DraftStats, Request, Result
 
 logger = logging.getLogger(__name__)
@@ -25,9 +26,10 @@ ENGINE_FAILED = "a rank of the job failed or was lost; the server's log says whi
 """What clients are told when a step fails: the failure itself (gloo's peer addresses, build
 paths) goes to the server's log only."""
 
-Listener = Callable[[int | None, Result | None], None]
-"""Called on the engine thread with each generated token (result None), then once with the
-request's result (token None, or the last token when that token ended it)."""
+Listener = Callable[[int | None, Result | None, TokenLogprobs | None], None]
+"""Called on the engine thread with each generated token (result None) and, where the request
+asks for them, its logprobs; then once with the request's result (token None, or the last token
+when that token ended it)."""
 
 
 class QueueFull(GraphcError):
@@ -156,7 +158,7 @@ class OnlineEngine:
                         if emitted.result is not None:
                             del self._tickets[emitted.index]
                             del scheduler.results[emitted.index]  # delivered: a server keeps no history
-                        _notify(ticket, emitted.token, emitted.result)
+                        _notify(ticket, emitted.token, emitted.result, emitted.logprobs)
                 self._publish_state(scheduler)
         except Exception:  # a graph or a rank failed: every request in flight gets the error
             logger.exception("the engine stopped: a step failed")
@@ -203,10 +205,10 @@ class OnlineEngine:
         self._tickets.clear()
 
 
-def _notify(ticket: Ticket, token: int | None, result: Result | None) -> None:
+def _notify(ticket: Ticket, token: int | None, result: Result | None, logprobs: TokenLogprobs | None = None) -> None:
     """Call the ticket's listener; one whose caller has gone (a closed event loop at shutdown)
     must not stop the engine for every other request."""
     try:
-        ticket.listener(token, result)
+        ticket.listener(token, result, logprobs)
     except Exception:
         logger.exception("a request's listener failed; the request was dropped")

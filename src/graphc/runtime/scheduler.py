@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from graphc.artifacts.manifest import Manifest
 from graphc.backends import backend
 from graphc.buckets.selection import Bucket, decode_widths, max_prefill_chunk, smallest_fitting
+from graphc.runtime.logprobs import TokenLogprobs, token_logprobs
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks
 from graphc.runtime.prefix_cache import PrefixCache, prefix_caching_enabled, root_key
 from graphc.sampling import Sampling
@@ -70,6 +71,9 @@ class Request:
     cache_salt: str | None = None
     """Prefix caching: the request shares cached blocks only with requests of the same salt
     (`graphc.runtime.prefix_cache`); None shares with every unsalted request."""
+    logprobs: int | None = None
+    """Each generated token's log-probability and its position's `logprobs` most likely tokens'
+    (`graphc.runtime.logprobs`); None: none."""
 
 
 @dataclass
@@ -87,6 +91,8 @@ class Result:
     """Prompt tokens read from the prefix cache instead of computed."""
     last_token_seconds: float | None = None
     """From the scheduler's start to this request's last generated token."""
+    logprobs: list[TokenLogprobs] | None = None
+    """Of each output token, where the request asked for them."""
 
     @property
     def time_per_output_token(self) -> float | None:
@@ -110,6 +116,7 @@ class Sequence:
     """The prefix cache's keys of its first full blocks (with prefix caching)."""
     drafts: list[int] = field(default_factory=list)
     """Speculative decoding: the tokens its last step drafted after its last output token."""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def prefilling(self) -> bool:
@@ -143,6 +150,8 @@ class Emitted:
     result: Result | None
     cached_tokens: int = 0
     """Prompt tokens the request read from the prefix cache."""
+    logprobs: TokenLogprobs | None = None
+    """The token's, where its request asked for them."""
 
 
 Row = tuple[Sequence, list[int], int]
@@ -164,6 +173,11 @@ class Step:
             return [self.rows]
         rows = iter(self.rows)
         return [list(itertools.islice(rows, count)) for count in self.replica_rows]
+
+    @property
+    def wants_logits(self) -> bool:
+        """Whether a row's request asks for logprobs (`Scheduler.complete` then needs the logits)."""
+        return any(sequence.request.logprobs is not None for sequence, _, _ in self.rows)
 
 
 class Scheduler:
@@ -363,12 +377,13 @@ class Scheduler:
             self.running.append(sequence)
         return batch
 
-    def complete(self, step: Step, tokens: list[int] | list[list[int]]) -> list[Emitted]:
+    def complete(self, step: Step, tokens: list[int] | list[list[int]], logits=None) -> list[Emitted]:
         """Record the step's sampled tokens (one per row; padding rows already dropped; with drafts,
         each row's packed verdict, `graphc.models.speculation`); returns the generated tokens,
-        with the results of the requests they ended."""
+        with the results of the requests they ended. `logits` [rows, V]: the step's, where a
+        row's request asks for logprobs (`Step.wants_logits`)."""
         emitted = []
-        for (sequence, run, start), sampled in zip(step.rows, tokens):
+        for row, ((sequence, run, start), sampled) in enumerate(zip(step.rows, tokens)):
             new_tokens = self._new_tokens(sequence, run, sampled)
             if sequence.prefilling:
                 end = start + len(run)
@@ -377,7 +392,9 @@ class Scheduler:
                 if sequence.prefilling:
                     self._publish(sequence)
                     continue  # a middle chunk: its sample is not a generated token
-            reason = None
+            reason, asked = None, sequence.request.logprobs
+            if asked is not None:  # such a row never drafts: one new token, the row's logits its own
+                sequence.logprobs.append(token_logprobs(logits[row], new_tokens[0], asked))
             for count, token in enumerate(new_tokens, start=1):
                 sequence.output.append(token)
                 sequence.last_token_seconds = time.perf_counter() - self.started
@@ -390,7 +407,8 @@ class Scheduler:
             if reason:
                 self._finish(sequence, reason)
             emitted += [Emitted(sequence.index, token, self.results.get(sequence.index) if reason and i == count else None,
-                                sequence.cached_tokens) for i, token in enumerate(new_tokens[:count], start=1)]
+                                sequence.cached_tokens, sequence.logprobs[-1] if asked is not None else None)
+                        for i, token in enumerate(new_tokens[:count], start=1)]
         return emitted
 
     def _new_tokens(self, sequence: Sequence, run: list[int], sampled: int | list[int]) -> list[int]:
@@ -401,7 +419,8 @@ class Scheduler:
         accepted, k = sampled[0], self.draft_tokens
         if not sequence.prefilling:
             self.drafts.add(len(run) - 1, accepted)
-        sequence.drafts = sampled[2 + k:]
+        # A row that asks for logprobs does not draft: the step returns its first token's logits only.
+        sequence.drafts = sampled[2 + k:] if sequence.request.logprobs is None else []
         return sampled[1: 2 + accepted]
 
     def _publish(self, sequence: Sequence) -> None:
@@ -421,7 +440,8 @@ class Scheduler:
         self.results[sequence.index] = Result(sequence.request, sequence.output, reason,
                                               first_token_seconds=sequence.first_token_seconds,
                                               cached_tokens=sequence.cached_tokens,
-                                              last_token_seconds=sequence.last_token_seconds)
+                                              last_token_seconds=sequence.last_token_seconds,
+                                              logprobs=sequence.logprobs if sequence.request.logprobs is not None else None)
 
     def _finish_reason(self, sequence: Sequence) -> str | None:
         request = sequence.request

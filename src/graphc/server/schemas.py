@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from graphc.runtime.logprobs import MAX_TOP_LOGPROBS
 from graphc.server.limits import MAX_CACHE_SALT_CHARS, MAX_PROMPTS, MAX_STOP_BYTES, MAX_STOP_STRINGS
 
 
@@ -75,6 +76,12 @@ class CompletionRequest(_Generation):
     prompt: str | list[int] | list[str] | list[list[int]]
     """Text (encoded with the artifacts' tokenizer) or token ids; or a batch of either, one choice
     each (`index` in order), as OpenAI's API defines it and lm-evaluation-harness sends it."""
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Each token's log-probability and its position's N most likely tokens'."""
+
+    def asked_logprobs(self) -> int | None:
+        """The most likely tokens a position reports (None: no logprobs)."""
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -145,6 +152,20 @@ class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     """OpenAI's newer name for max_tokens in chat (used when max_tokens is absent)."""
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """With `logprobs`: the N most likely tokens of each position too."""
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo):
+        if top_logprobs is not None and not info.data.get("logprobs"):
+            raise PydanticCustomError("top_logprobs", "it needs logprobs: true")
+        return top_logprobs
+
+    def asked_logprobs(self) -> int | None:
+        """The most likely tokens a position reports (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from graphc.runtime.logprobs import TokenLogprobs
 from graphc.runtime.online import OnlineEngine, Ticket
 from graphc.runtime.scheduler import Request as GenerationRequest
 from graphc.server.detokenize import IncrementalText
+from graphc.server.logprob_format import logprobs_body, text_length
 from graphc.server.metrics import ServerMetrics
 from graphc.server.schemas import error_body, error_response
 
@@ -35,6 +37,10 @@ class Generation:
         self.lead = lead
         """The first choice of its prompt: usage counts the prompt's tokens once, on it."""
         self.decoded = IncrementalText(tokenizer)
+        self.logprobs: list[TokenLogprobs] = []
+        """Of each token so far, where the request asks for them."""
+        self.logprob_chars = 0
+        """Where the next token's text starts in a completion's logprobs (`text_offset`)."""
         self.stop = [s for s in stop if s]
         self.text, self.sent = "", 0
         self.searched = 0
@@ -49,9 +55,9 @@ class Generation:
         self.started = asyncio.Event()
         """Set at its first event: its first token (its prompt prefilled) or its end."""
 
-        def deliver(token, result):  # on the engine thread
+        def deliver(token, result, logprobs=None):  # on the engine thread
             if not loop.is_closed():
-                loop.call_soon_threadsafe(self._arrived, (token, result))
+                loop.call_soon_threadsafe(self._arrived, (token, result, logprobs))
 
         self.ticket: Ticket = online.submit(request, deliver)
 
@@ -70,14 +76,18 @@ class Generation:
         self.metrics.requests.labels(reason).inc()
 
     async def deltas(self):
-        """Yield (text delta, token ids) until the request ends; then `finish_reason` is set."""
+        """Yield (text delta, token ids, their logprobs) until the request ends; then
+        `finish_reason` is set."""
         while self.finish_reason is None:
-            token, result = await self.events.get()
-            new_ids = []
+            token, result, logprobs = await self.events.get()
+            new_ids, new_logprobs = [], []
             if token is not None:
                 self._record_token()
                 self.decoded.add(token)
                 new_ids.append(token)
+            if logprobs is not None:
+                self.logprobs.append(logprobs)
+                new_logprobs.append(logprobs)
             if result is not None:
                 self.decoded.finish()
             self.text = self.decoded.text
@@ -92,7 +102,7 @@ class Generation:
             end = len(self.text) if self.finish_reason else self._safe_end()
             delta, self.sent = self.text[self.sent:end], max(self.sent, end)
             if delta or new_ids or self.finish_reason:
-                yield delta, new_ids
+                yield delta, new_ids, new_logprobs
 
     @property
     def ids(self) -> list[int]:
@@ -142,11 +152,12 @@ class Shape:
     chat: bool
 
     def choice(self, index: int, text: str, ids: list[int], finish_reason: str | None, first: bool = False,
-               whole: bool = False) -> dict:
+               whole: bool = False, logprobs: dict | None = None) -> dict:
         if not self.chat:
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason, "token_ids": ids}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                    "token_ids": ids}
         content = {"role": "assistant", "content": text} if whole or first else ({"content": text} if text else {})
-        return {"index": index, "message" if whole else "delta": content, "logprobs": None,
+        return {"index": index, "message" if whole else "delta": content, "logprobs": logprobs,
                 "finish_reason": finish_reason, "token_ids": ids}
 
 
@@ -203,7 +214,9 @@ async def complete(generations: list[Generation], head: dict, shape: Shape, http
     if failed:  # 503: the server is going away, which a client may retry elsewhere
         return error_response(503 if failed.unavailable else 500, f"the request failed: {failed.error}",
                               kind="server_error")
-    choices = [shape.choice(i, g.text, g.ids, g.finish_reason, whole=True) for i, g in enumerate(generations)]
+    choices = [shape.choice(i, g.text, g.ids, g.finish_reason, whole=True, logprobs=_logprobs(g, g.ids, g.logprobs,
+                                                                                             shape))
+               for i, g in enumerate(generations)]
     usage = _usage(generations, cached_tokens)
     return JSONResponse({**head, "object": shape.object, "choices": choices, "usage": usage})
 
@@ -221,15 +234,15 @@ async def stream(generations: list[Generation], head: dict, shape: Shape, usage:
     deltas: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, generation: Generation) -> None:
-        async for delta, ids in generation.deltas():
-            await deltas.put((index, delta, ids))
-        await deltas.put((index, None, None))
+        async for delta, ids, logprobs in generation.deltas():
+            await deltas.put((index, delta, ids, logprobs))
+        await deltas.put((index, None, None, None))
 
     pumps = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
     first, running = set(range(len(generations))), len(generations)
     try:
         while running:
-            index, delta, ids = await deltas.get()
+            index, delta, ids, logprobs = await deltas.get()
             generation = generations[index]
             if delta is None:
                 running -= 1
@@ -237,7 +250,8 @@ async def stream(generations: list[Generation], head: dict, shape: Shape, usage:
             if generation.error:
                 yield _event(error_body(f"the request failed: {generation.error}", kind="server_error"))
                 break
-            choice = shape.choice(index, delta, ids, generation.finish_reason, first=index in first)
+            choice = shape.choice(index, delta, ids, generation.finish_reason, first=index in first,
+                                  logprobs=_logprobs(generation, ids, logprobs, shape))
             first.discard(index)
             counts = {"usage": _usage(generations, cached_tokens)} if usage == "every chunk" else {}
             yield _event({**head, "object": shape.chunk_object, "choices": [choice], **counts})
@@ -248,6 +262,16 @@ async def stream(generations: list[Generation], head: dict, shape: Shape, usage:
         last = _usage(generations, cached_tokens)
         yield _event({**head, "object": shape.chunk_object, "choices": [], "usage": last})
     yield "data: [DONE]\n\n"
+
+
+def _logprobs(generation: Generation, ids: list[int], entries: list[TokenLogprobs], shape: Shape) -> dict | None:
+    """A choice's (or a chunk's) logprobs of `ids`, None where its request asks for none."""
+    if generation.request.logprobs is None:
+        return None
+    tokenizer = generation.decoded.tokenizer
+    body = logprobs_body(tokenizer, ids, entries, shape.chat, generation.logprob_chars)
+    generation.logprob_chars += text_length(tokenizer, ids)
+    return body
 
 
 def _event(data: dict) -> str:

@@ -5,6 +5,7 @@ Every refusal is a `BadRequest` naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 
@@ -110,8 +111,9 @@ def generation_request(body, prompt: list[int], manifest: Manifest, default_seed
     max_tokens = _max_tokens(body, len(prompt), manifest)
     if body.min_tokens > max_tokens:
         raise BadRequest(f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})", param="min_tokens")
-    return engine_request(manifest, prompt, max_tokens, given, stop_at_eos=not body.ignore_eos,
-                          min_new_tokens=body.min_tokens, cache_salt=cache_salt)
+    return dataclasses.replace(engine_request(manifest, prompt, max_tokens, given, stop_at_eos=not body.ignore_eos,
+                                              min_new_tokens=body.min_tokens, cache_salt=cache_salt),
+                               logprobs=body.asked_logprobs())
 
 
 def _max_tokens(body, prompt_tokens: int, manifest: Manifest) -> int:
