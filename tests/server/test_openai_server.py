@@ -18,6 +18,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from graphc.runtime import Engine, Request
+from graphc.runtime.penalties import Penalties
 from graphc.sampling import Sampling
 from graphc.server.logprob_format import token_text
 from multirank import channel_segments
@@ -261,6 +262,19 @@ def test_chat_logprobs_carry_each_tokens_text_bytes_and_alternatives(server):
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the most likely
     plain = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_penalties_and_logit_bias_give_the_engines_tokens(server, artifacts):
+    prompt = [(37 * i) % 180 + 21 for i in range(9)]
+    penalties = Penalties(presence=0.5, frequency=0.8, repetition=1.4, logit_bias={42: 2.0})
+    [want] = Engine(artifacts).generate([Request(prompt, 8, Sampling(temperature=0.9, seed=2), penalties=penalties)])
+    done = server.client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=8, temperature=0.9, seed=2, presence_penalty=0.5, frequency_penalty=0.8,
+        logit_bias={"42": 2.0}, extra_body={"repetition_penalty": 1.4})
+    assert done.choices[0].model_extra["token_ids"] == want.output_ids
+    forced = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=1.0,
+                                              logit_bias={"42": 100})
+    assert forced.choices[0].model_extra["token_ids"] == [42] * 4
 
 
 def test_requests_with_different_cache_salts_never_hit_each_others_blocks(server):

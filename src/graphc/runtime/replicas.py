@@ -66,9 +66,9 @@ class ReplicatedScheduler:
         return all(replica.done for replica in self.replicas)
 
     def refusal(self, request: Request) -> str | None:
-        if request.logprobs is not None:
-            return ("logprobs are served by artifacts of one data-parallel replica only (dp 1): another replica's "
-                    "logits stay on its ranks")
+        if request.needs_logits:
+            return ("logprobs, penalties and logit_bias are served by artifacts of one data-parallel replica only "
+                    "(dp 1): another replica's logits stay on its ranks")
         return self.replicas[0].refusal(request)  # every replica has the same buckets and pool
 
     def submit(self, request: Request) -> int:
@@ -122,7 +122,7 @@ class ReplicatedScheduler:
                           [sum(column) for column in zip(*(s.accepted for s in stats))])
 
     def complete(self, step: Step, tokens: list[int], logits=None) -> list[Emitted]:
-        """As `Scheduler.complete`; no request here asks for logprobs (`refusal`)."""
+        """As `Scheduler.complete`; no request here needs the logits (`refusal`)."""
         emitted, start = [], 0
         for replica, rows in zip(self.replicas, step.by_replica()):
             emitted += replica.complete(Step(step.bucket, rows), tokens[start: start + len(rows)])

@@ -54,6 +54,7 @@ from graphc.backends import backend
 from graphc.buckets.selection import Bucket, decode_widths, max_prefill_chunk, smallest_fitting
 from graphc.runtime.logprobs import TokenLogprobs, token_logprobs
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks
+from graphc.runtime.penalties import Penalties, penalised_token
 from graphc.runtime.prefix_cache import PrefixCache, prefix_caching_enabled, root_key
 from graphc.sampling import Sampling
 from graphc.step import ceil_div
@@ -74,6 +75,13 @@ class Request:
     logprobs: int | None = None
     """Each generated token's log-probability and its position's `logprobs` most likely tokens'
     (`graphc.runtime.logprobs`); None: none."""
+    penalties: Penalties | None = None
+    """Penalties and logit bias (`graphc.runtime.penalties`); None: none."""
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether its tokens need the step's logits on the leader (it then never drafts)."""
+        return self.logprobs is not None or self.penalties is not None
 
 
 @dataclass
@@ -176,8 +184,8 @@ class Step:
 
     @property
     def wants_logits(self) -> bool:
-        """Whether a row's request asks for logprobs (`Scheduler.complete` then needs the logits)."""
-        return any(sequence.request.logprobs is not None for sequence, _, _ in self.rows)
+        """Whether a row's request needs the logits (`Request.needs_logits`; `Scheduler.complete`)."""
+        return any(sequence.request.needs_logits for sequence, _, _ in self.rows)
 
 
 class Scheduler:
@@ -381,7 +389,7 @@ class Scheduler:
         """Record the step's sampled tokens (one per row; padding rows already dropped; with drafts,
         each row's packed verdict, `graphc.models.speculation`); returns the generated tokens,
         with the results of the requests they ended. `logits` [rows, V]: the step's, where a
-        row's request asks for logprobs (`Step.wants_logits`)."""
+        row's request needs them (`Step.wants_logits`)."""
         emitted = []
         for row, ((sequence, run, start), sampled) in enumerate(zip(step.rows, tokens)):
             new_tokens = self._new_tokens(sequence, run, sampled)
@@ -392,9 +400,13 @@ class Scheduler:
                 if sequence.prefilling:
                     self._publish(sequence)
                     continue  # a middle chunk: its sample is not a generated token
-            reason, asked = None, sequence.request.logprobs
-            if asked is not None:  # such a row never drafts: one new token, the row's logits its own
-                sequence.logprobs.append(token_logprobs(logits[row], new_tokens[0], asked))
+            reason, request = None, sequence.request
+            # A row that needs the logits never drafts: one new token, and the row's logits are its own.
+            if request.penalties is not None:
+                new_tokens = [penalised_token(logits[row], request.penalties, request.sampling, request.prompt,
+                                              sequence.output)]
+            if request.logprobs is not None:
+                sequence.logprobs.append(token_logprobs(logits[row], new_tokens[0], request.logprobs))
             for count, token in enumerate(new_tokens, start=1):
                 sequence.output.append(token)
                 sequence.last_token_seconds = time.perf_counter() - self.started
@@ -406,9 +418,9 @@ class Scheduler:
             self._publish(sequence)
             if reason:
                 self._finish(sequence, reason)
+            logprobs = sequence.logprobs[-1] if request.logprobs is not None else None
             emitted += [Emitted(sequence.index, token, self.results.get(sequence.index) if reason and i == count else None,
-                                sequence.cached_tokens, sequence.logprobs[-1] if asked is not None else None)
-                        for i, token in enumerate(new_tokens[:count], start=1)]
+                                sequence.cached_tokens, logprobs) for i, token in enumerate(new_tokens[:count], start=1)]
         return emitted
 
     def _new_tokens(self, sequence: Sequence, run: list[int], sampled: int | list[int]) -> list[int]:
@@ -419,8 +431,8 @@ class Scheduler:
         accepted, k = sampled[0], self.draft_tokens
         if not sequence.prefilling:
             self.drafts.add(len(run) - 1, accepted)
-        # A row that asks for logprobs does not draft: the step returns its first token's logits only.
-        sequence.drafts = sampled[2 + k:] if sequence.request.logprobs is None else []
+        # A row that needs the logits does not draft: the step returns its first token's logits only.
+        sequence.drafts = [] if sequence.request.needs_logits else sampled[2 + k:]
         return sampled[1: 2 + accepted]
 
     def _publish(self, sequence: Sequence) -> None:

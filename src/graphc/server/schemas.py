@@ -54,6 +54,12 @@ class _Generation(_Strict):
     min_tokens: int = Field(0, ge=0)
     """vLLM's extension: EOS and stop strings do not end the request before this many tokens."""
     user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    """vLLM's extension: above 1 discourages tokens the prompt or the output holds."""
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a JSON key) -> a bias added to its logit, in [-100, 100]; at most 300."""
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     """vLLM's extension: the request shares prefix-cache blocks only with requests of the same
     salt (`graphc.server.isolation`)."""

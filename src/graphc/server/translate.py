@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import secrets
 
 from graphc.artifacts.manifest import Manifest
 from graphc.errors import GraphcError
 from graphc.request import default_max_new_tokens, engine_request, first_sampling_error, vocabulary_error
+from graphc.runtime.penalties import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS_TOKENS, PENALTY_RANGE, Penalties
 from graphc.runtime.scheduler import Request as GenerationRequest
 from graphc.sampling import SAMPLING_RULES, SEED_MAX
 
@@ -111,9 +113,42 @@ def generation_request(body, prompt: list[int], manifest: Manifest, default_seed
     max_tokens = _max_tokens(body, len(prompt), manifest)
     if body.min_tokens > max_tokens:
         raise BadRequest(f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})", param="min_tokens")
+    penalties = _penalties(body, manifest.model.vocab_size)
     return dataclasses.replace(engine_request(manifest, prompt, max_tokens, given, stop_at_eos=not body.ignore_eos,
                                               min_new_tokens=body.min_tokens, cache_salt=cache_salt),
-                               logprobs=body.asked_logprobs())
+                               logprobs=body.asked_logprobs(), penalties=penalties if penalties.active else None)
+
+
+def _penalties(body, vocab_size: int) -> Penalties:
+    """The body's penalties and logit bias, or BadRequest naming the field out of its range."""
+    low, high = PENALTY_RANGE
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if value is not None and not (math.isfinite(value) and low <= value <= high):
+            raise BadRequest(f"{name}: {value!r} must be a number in [{low:g}, {high:g}]", param=name)
+    repetition = body.repetition_penalty
+    if repetition is not None and not (math.isfinite(repetition) and repetition > 0):
+        raise BadRequest(f"repetition_penalty: {repetition!r} must be a number > 0 (1 is off)",
+                         param="repetition_penalty")
+    return Penalties(body.presence_penalty or 0.0, body.frequency_penalty or 0.0,
+                     1.0 if repetition is None else repetition, _logit_bias(body.logit_bias or {}, vocab_size))
+
+
+def _logit_bias(given: dict[str, float], vocab_size: int) -> dict[int, float]:
+    if len(given) > MAX_LOGIT_BIAS_TOKENS:
+        raise BadRequest(f"logit_bias: {len(given)} tokens are more than the {MAX_LOGIT_BIAS_TOKENS} a request may bias",
+                         param="logit_bias")
+    low, high = LOGIT_BIAS_RANGE
+    bias = {}
+    for key, value in given.items():
+        if not (key.isascii() and key.isdigit() and int(key) < vocab_size):
+            raise BadRequest(f"logit_bias: key {key!r} is not a token id of the vocabulary 0..{vocab_size - 1}",
+                             param="logit_bias")
+        if not (math.isfinite(value) and low <= value <= high):
+            raise BadRequest(f"logit_bias: the bias of token {key} is {value!r}; it must be in [{low:g}, {high:g}]",
+                             param="logit_bias")
+        bias[int(key)] = float(value)
+    return bias
 
 
 def _max_tokens(body, prompt_tokens: int, manifest: Manifest) -> int:

@@ -1,0 +1,72 @@
+"""Penalties and logit bias (OpenAI's `presence_penalty`, `frequency_penalty`, `logit_bias`;
+vLLM's `repetition_penalty`), with vLLM's semantics, in vLLM's order: the bias is added, then the
+repetition penalty divides a positive logit (multiplies a negative one) of every token the prompt
+or the output holds, then the frequency penalty subtracts its weight times the token's count in
+the output and the presence penalty its weight once for a token the output holds. The request's
+temperature, top-k and top-p then apply as always.
+
+Where: on the leader, from the logits the step's program returns for the row, with the very
+sampler the programs run (`graphc.ops.sampler`) and the row's own noise seed, so a row samples
+as it would had the program done it. The program's own token for such a row is replaced. Rows
+that use none of these fields never reach here (no cost). A row with them does not draft under
+speculative decoding: verifying drafts needs the penalised distribution at every draft position,
+and the step returns the logits of its first new token only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from graphc.sampling import SEED_STRIDE, Sampling
+
+MAX_LOGIT_BIAS_TOKENS = 300
+"""OpenAI's bound on a request's `logit_bias` entries."""
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+PENALTY_RANGE = (-2.0, 2.0)
+"""OpenAI's range for presence and frequency penalties."""
+
+
+@dataclass(frozen=True)
+class Penalties:
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    """1 is off; above 1 discourages tokens seen in the prompt or the output."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.logit_bias)
+
+
+def penalised_logits(logits, penalties: Penalties, prompt: list[int], output: list[int]):
+    """`logits` [V] with the bias and the penalties applied (a new tensor)."""
+    import torch
+
+    adjusted = logits.float().clone()
+    for token, bias in penalties.logit_bias.items():
+        adjusted[token] += bias
+    if penalties.repetition != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.int64)
+        values = adjusted[seen]
+        adjusted[seen] = torch.where(values > 0, values / penalties.repetition, values * penalties.repetition)
+    if output and (penalties.frequency or penalties.presence):
+        counts = Counter(output)
+        tokens = torch.tensor(list(counts), dtype=torch.int64)
+        adjusted[tokens] -= penalties.frequency * torch.tensor(list(counts.values()), dtype=torch.float32)
+        adjusted[tokens] -= penalties.presence
+    return adjusted
+
+
+def penalised_token(logits, penalties: Penalties, sampling: Sampling, prompt: list[int], output: list[int]) -> int:
+    """The token the row's sampler draws from its penalised logits, with the noise of the row's
+    seed at this step (`graphc.sampling.sampler_inputs`: seed * SEED_STRIDE + tokens so far)."""
+    import torch
+
+    from graphc.ops.sampler import _sample
+
+    adjusted = penalised_logits(logits, penalties, prompt, output)[None]
+    return int(_sample(adjusted, torch.tensor([sampling.temperature], dtype=torch.float32),
+                       torch.tensor([sampling.top_k]), torch.tensor([sampling.top_p], dtype=torch.float32),
+                       torch.tensor([sampling.seed * SEED_STRIDE + len(output)]))[0])
