@@ -57,7 +57,7 @@ def test_data_parallel_replicas_refuse_logprobs_naming_why():
     replica = dict(prefill=[4], decode=[1], context_limit=32, block_size=4, num_blocks=16,
                    max_num_prefilling_tokens=4, eos_token_ids=[0])
     replicated = ReplicatedScheduler([Scheduler([], **replica), Scheduler([], **replica)])
-    assert replicated.refusal(Request([5, 6], 2, logprobs=0)).startswith("logprobs, penalties and logit_bias are served")
+    assert replicated.refusal(Request([5, 6], 2, logprobs=0)).startswith("logprobs, penalties, logit_bias and response formats are served")
     assert replicated.refusal(Request([5, 6], 2)) is None
 
 

@@ -5,10 +5,7 @@ or the output holds, then the frequency penalty subtracts its weight times the t
 the output and the presence penalty its weight once for a token the output holds. The request's
 temperature, top-k and top-p then apply as always.
 
-Where: on the leader, from the logits the step's program returns for the row, with the very
-sampler the programs run (`graphc.ops.sampler`) and the row's own noise seed, so a row samples
-as it would had the program done it. The program's own token for such a row is replaced. Rows
-that use none of these fields never reach here (no cost). A row with them does not draft under
+Applied on the leader (`graphc.runtime.leader_sampling`). A row with them does not draft under
 speculative decoding: verifying drafts needs the penalised distribution at every draft position,
 and the step returns the logits of its first new token only.
 """
@@ -18,7 +15,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from graphc.sampling import SEED_STRIDE, Sampling
 
 MAX_LOGIT_BIAS_TOKENS = 300
 """OpenAI's bound on a request's `logit_bias` entries."""
@@ -57,16 +53,3 @@ def penalised_logits(logits, penalties: Penalties, prompt: list[int], output: li
         adjusted[tokens] -= penalties.frequency * torch.tensor(list(counts.values()), dtype=torch.float32)
         adjusted[tokens] -= penalties.presence
     return adjusted
-
-
-def penalised_token(logits, penalties: Penalties, sampling: Sampling, prompt: list[int], output: list[int]) -> int:
-    """The token the row's sampler draws from its penalised logits, with the noise of the row's
-    seed at this step (`graphc.sampling.sampler_inputs`: seed * SEED_STRIDE + tokens so far)."""
-    import torch
-
-    from graphc.ops.sampler import _sample
-
-    adjusted = penalised_logits(logits, penalties, prompt, output)[None]
-    return int(_sample(adjusted, torch.tensor([sampling.temperature], dtype=torch.float32),
-                       torch.tensor([sampling.top_k]), torch.tensor([sampling.top_p], dtype=torch.float32),
-                       torch.tensor([sampling.seed * SEED_STRIDE + len(output)]))[0])

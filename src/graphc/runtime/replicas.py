@@ -67,8 +67,8 @@ class ReplicatedScheduler:
 
     def refusal(self, request: Request) -> str | None:
         if request.needs_logits:
-            return ("logprobs, penalties and logit_bias are served by artifacts of one data-parallel replica only "
-                    "(dp 1): another replica's logits stay on its ranks")
+            return ("logprobs, penalties, logit_bias and response formats are served by artifacts of one "
+                    "data-parallel replica only (dp 1): another replica's logits stay on its ranks")
         return self.replicas[0].refusal(request)  # every replica has the same buckets and pool
 
     def submit(self, request: Request) -> int:

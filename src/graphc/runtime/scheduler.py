@@ -52,9 +52,11 @@ from dataclasses import dataclass, field
 from graphc.artifacts.manifest import Manifest
 from graphc.backends import backend
 from graphc.buckets.selection import Bucket, decode_widths, max_prefill_chunk, smallest_fitting
+from graphc.runtime.constraints import TokenConstraint
+from graphc.runtime.leader_sampling import leader_token
 from graphc.runtime.logprobs import TokenLogprobs, token_logprobs
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks
-from graphc.runtime.penalties import Penalties, penalised_token
+from graphc.runtime.penalties import Penalties
 from graphc.runtime.prefix_cache import PrefixCache, prefix_caching_enabled, root_key
 from graphc.sampling import Sampling
 from graphc.step import ceil_div
@@ -77,11 +79,18 @@ class Request:
     (`graphc.runtime.logprobs`); None: none."""
     penalties: Penalties | None = None
     """Penalties and logit bias (`graphc.runtime.penalties`); None: none."""
+    constraint: TokenConstraint | None = None
+    """Its grammar's state (`graphc.runtime.constraints`): one request's, never shared."""
+
+    @property
+    def samples_on_the_leader(self) -> bool:
+        """Whether the leader draws its tokens (`graphc.runtime.leader_sampling`)."""
+        return self.penalties is not None or self.constraint is not None
 
     @property
     def needs_logits(self) -> bool:
         """Whether its tokens need the step's logits on the leader (it then never drafts)."""
-        return self.logprobs is not None or self.penalties is not None
+        return self.logprobs is not None or self.samples_on_the_leader
 
 
 @dataclass
@@ -402,9 +411,8 @@ class Scheduler:
                     continue  # a middle chunk: its sample is not a generated token
             reason, request = None, sequence.request
             # A row that needs the logits never drafts: one new token, and the row's logits are its own.
-            if request.penalties is not None:
-                new_tokens = [penalised_token(logits[row], request.penalties, request.sampling, request.prompt,
-                                              sequence.output)]
+            if request.samples_on_the_leader:
+                new_tokens = [leader_token(logits[row], request, sequence.output)]
             if request.logprobs is not None:
                 sequence.logprobs.append(token_logprobs(logits[row], new_tokens[0], request.logprobs))
             for count, token in enumerate(new_tokens, start=1):

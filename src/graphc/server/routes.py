@@ -12,6 +12,7 @@ process (`templates`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 import uuid
@@ -25,9 +26,11 @@ from starlette.exceptions import HTTPException
 from graphc.artifacts.manifest import Manifest
 from graphc.errors import GraphcError
 from graphc.runtime.online import OnlineEngine, QueueFull
+from graphc.runtime.constraints import Grammars
 from graphc.runtime.prefix_cache import prefix_caching_enabled
 from graphc.server.auth import ApiKeyRequired, tenant
 from graphc.server.body import BodyTooLarge, BodyTooSlow, parse_body, read_body
+from graphc.server.formats import requested_grammar
 from graphc.server.isolation import CacheIsolation
 from graphc.server.limits import MAX_CHOICES, RequestLimits
 from graphc.server.metrics import ServerMetrics
@@ -58,6 +61,8 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
     threads = anyio.CapacityLimiter(WORK_THREADS)
     cached_tokens = not isolation.hide_cached_tokens
     shares_prefill, block_size = prefix_caching_enabled(manifest.runtime.prefix_caching), manifest.kv_cache.block_size
+    grammars = (Grammars(tokenizer.to_str(), manifest.model.vocab_size, manifest.model.eos_token_id)
+                if tokenizer is not None else None)
 
     async def off_loop(function, *args):
         # Tokenising releases the GIL (encode_batch), so the loop and the engine thread run on;
@@ -124,10 +129,13 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         checked before any is submitted."""
         n = _choices(body.n, len(prompts), limits.max_n)
         requests, salt = [], isolation.salt(body.cache_salt, tenant(http.scope))
+        grammar = await off_loop(requested_grammar, body, grammars)
         for index, prompt in enumerate(prompts):
             try:
                 for choice in range(n):
                     request = await off_loop(generation_request, body, prompt, manifest, default_seed, salt, choice)
+                    if grammar is not None:  # each choice follows the grammar from its own start
+                        request = dataclasses.replace(request, constraint=grammars.constraint(grammar))
                     refusal = online.refusal(request)
                     if refusal:
                         raise BadRequest(refusal, param="prompt")

@@ -27,6 +27,27 @@ class StreamOptions(_Strict):
     """vLLM's extension (GuideLLM sends it): usage in every chunk, not only in a last one."""
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    schema_: dict = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+    """graphc always enforces the schema (by its grammar), strict or not."""
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON valid under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("json_schema", "json_schema goes with type 'json_schema', and only with it")
+        return self
+
+
 class _Generation(_Strict):
     """The fields completions and chat completions share."""
 
@@ -60,6 +81,11 @@ class _Generation(_Strict):
     """vLLM's extension: above 1 discourages tokens the prompt or the output holds."""
     logit_bias: dict[str, float] | None = None
     """Token id (as a JSON key) -> a bias added to its logit, in [-100, 100]; at most 300."""
+    response_format: ResponseFormat | None = None
+    guided_regex: str | None = None
+    """vLLM's extension: the output matches this regular expression."""
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    """vLLM's extension: the output is one of these strings."""
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     """vLLM's extension: the request shares prefix-cache blocks only with requests of the same
     salt (`graphc.server.isolation`)."""

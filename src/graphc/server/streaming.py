@@ -37,6 +37,9 @@ class Generation:
         self.lead = lead
         """The first choice of its prompt: usage counts the prompt's tokens once, on it."""
         self.decoded = IncrementalText(tokenizer)
+        self.eos: list[int] = []
+        """The EOS token that ended it, if one did: counted and reported, but its text is left out
+        (as vLLM does: a tokenizer whose EOS is an ordinary token would otherwise show it)."""
         self.logprobs: list[TokenLogprobs] = []
         """Of each token so far, where the request asks for them."""
         self.logprob_chars = 0
@@ -83,7 +86,10 @@ class Generation:
             new_ids, new_logprobs = [], []
             if token is not None:
                 self._record_token()
-                self.decoded.add(token)
+                if result is not None and result.finish_reason == "eos":
+                    self.eos.append(token)
+                else:
+                    self.decoded.add(token)
                 new_ids.append(token)
             if logprobs is not None:
                 self.logprobs.append(logprobs)
@@ -106,7 +112,7 @@ class Generation:
 
     @property
     def ids(self) -> list[int]:
-        return self.decoded.ids
+        return self.decoded.ids + self.eos
 
     def _record_token(self) -> None:
         now = time.monotonic()

@@ -1,0 +1,94 @@
+"""Structured outputs: a request's grammar (a JSON schema, a regular expression, a set of
+choices) enforced token by token with llguidance, the grammar engine vLLM and SGLang use too.
+
+Why llguidance rather than xgrammar: both compile JSON schemas and give a per-step bitmask of the
+allowed tokens over a Hugging Face tokenizer, but llguidance is one 3 MB wheel with no Python
+dependencies and takes the checkpoint's tokenizer.json as it is, while xgrammar 0.2.9 pulls in
+transformers and triton (gigabytes on this stack) and reads the tokenizer through transformers.
+
+Where: on the leader, like penalties (`graphc.runtime.penalties`): the row's logits from the
+step, the disallowed tokens at -inf, then the programs' own sampler with the row's seed. A
+constrained row does not draft under speculative decoding (its drafts would need a mask at every
+draft position and the logits of each, which a step does not return).
+"""
+
+from __future__ import annotations
+
+import json
+
+from graphc.errors import GraphcError
+
+
+class Grammars:
+    """Grammars over one artifacts' tokenizer (building its llguidance tokenizer takes about a
+    second, so it is built once, on the first constrained request)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
+        self._spec = (tokenizer_json, vocab_size, eos_token_ids)
+        self._tokenizer = None
+        self.vocab_size = vocab_size
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from llguidance import LLTokenizer
+
+            text, vocab_size, eos = self._spec
+            self._tokenizer = LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
+        return self._tokenizer
+
+    def checked(self, grammar: str) -> str:
+        """`grammar`, or GraphcError with llguidance's reason where it cannot be compiled."""
+        from llguidance import LLMatcher
+
+        problem = LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if problem and not problem.startswith("WARNING"):
+            raise GraphcError(problem)
+        return grammar
+
+    def constraint(self, grammar: str) -> TokenConstraint:
+        """A fresh constraint (one request's state) of a `checked` grammar."""
+        return TokenConstraint(self, grammar)
+
+
+def json_schema_grammar(schema: dict) -> str:
+    """The grammar of JSON text valid under `schema` (compact: no whitespace between tokens, so
+    a generation cannot wander into endless spaces)."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
+
+
+def regex_grammar(pattern: str) -> str:
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_regex(pattern)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """Exactly one of `choices`."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+
+
+class TokenConstraint:
+    """One request's place in its grammar: the tokens allowed next, and each token taken."""
+
+    def __init__(self, grammars: Grammars, grammar: str):
+        from llguidance import LLMatcher
+
+        self.grammars = grammars
+        self.matcher = LLMatcher(grammars.tokenizer, grammar)
+
+    def allowed(self):
+        """[V] bool: the tokens the grammar allows next (EOS alone once it is complete)."""
+        import numpy as np
+        import torch
+
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        return torch.from_numpy(bits[: self.grammars.vocab_size].astype(bool))
+
+    def take(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise GraphcError(f"the grammar refused token {token}: {self.matcher.get_error()}")

@@ -1,0 +1,86 @@
+"""Structured outputs (`graphc.runtime.constraints`, llguidance) on the trained tiny checkpoint:
+every output of a JSON schema with nested objects, enums, arrays and required fields parses and
+validates, greedy and sampled; with MTP drafts on, a constrained row gives the tokens without
+drafts; a regular expression and a set of choices hold too."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from graphc.runtime import Engine, Request
+from graphc.runtime.constraints import Grammars, choice_grammar, json_schema_grammar, regex_grammar
+from graphc.sampling import Sampling
+
+pytestmark = pytest.mark.compiles
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "kind": {"enum": ["function", "class", "module"]},
+        "lines": {"type": "integer", "minimum": 0, "maximum": 999},
+        "args": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+        "meta": {"type": "object", "properties": {"public": {"type": "boolean"}, "doc": {"type": "string", "maxLength": 6}},
+                 "required": ["public"], "additionalProperties": False},
+    },
+    "required": ["name", "kind", "meta"],
+    "additionalProperties": False,
+}
+TEXTS = ["def parse(", "class Tree:", "import re\n", "    return ", "# the value of"]
+
+
+@pytest.fixture(scope="module")
+def engine(compiled):
+    return Engine(compiled("trained", "export", "prompt_as_decode"))
+
+
+@pytest.fixture(scope="module")
+def grammars(compiled, engine) -> tuple[Grammars, object]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(compiled("trained", "export", "prompt_as_decode") / "tokenizer.json"))
+    model = engine.manifest.model
+    return Grammars(tokenizer.to_str(), model.vocab_size, model.eos_token_id), tokenizer
+
+
+def _constrained(engine: Engine, grammars, grammar: str, count: int, max_new_tokens: int = 160):
+    """The texts and results of `count` requests following `grammar`, greedy and sampled in turn."""
+    grammars, tokenizer = grammars
+    requests = [Request(tokenizer.encode(TEXTS[n % len(TEXTS)]).ids, max_new_tokens,
+                        Sampling(temperature=0.0 if n % 2 == 0 else 1.0, seed=n),
+                        constraint=grammars.constraint(grammars.checked(grammar))) for n in range(count)]
+    results = engine.generate(requests)
+    # The output without its EOS (this tokenizer's EOS, id 0, is an ordinary token: it decodes to "\x00").
+    return [tokenizer.decode(r.output_ids[:-1] if r.finish_reason == "eos" else r.output_ids) for r in results], results
+
+
+def test_a_hundred_json_schema_outputs_parse_and_validate_greedy_and_sampled(engine, grammars):
+    texts, results = _constrained(engine, grammars, json_schema_grammar(SCHEMA), 100)
+    assert all(r.finish_reason == "eos" for r in results), [r.finish_reason for r in results]
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(texts)) > 10  # sampled rows differ: the grammar leaves the model choices
+
+
+def test_any_json_object_parses(engine, grammars):
+    texts, results = _constrained(engine, grammars, json_schema_grammar({"type": "object"}), 6)
+    assert all(isinstance(json.loads(t), dict) for t, r in zip(texts, results) if r.finish_reason == "eos")
+    assert sum(r.finish_reason == "eos" for r in results) >= 3, texts
+
+
+def test_a_regex_and_a_choice_hold(engine, grammars):
+    texts, _ = _constrained(engine, grammars, regex_grammar(r"[a-z]{2,6}_[0-9]{1,3}"), 6, 16)
+    assert all(re.fullmatch(r"[a-z]{2,6}_[0-9]{1,3}", t) for t in texts), texts
+    texts, _ = _constrained(engine, grammars, choice_grammar(["yes", "no", "maybe"]), 6, 8)
+    assert set(texts) <= {"yes", "no", "maybe"}, texts
+
+
+def test_with_mtp_drafts_a_constrained_row_gives_the_tokens_without_drafts(engine, grammars, compiled):
+    drafting = Engine(compiled("trained", "export", "prompt_as_decode", speculative=2))
+    plain, _ = _constrained(engine, grammars, json_schema_grammar(SCHEMA), 4)
+    drafted, _ = _constrained(drafting, grammars, json_schema_grammar(SCHEMA), 4)
+    assert drafted == plain and sum(drafting.drafts.proposed) == 0
