@@ -12,7 +12,6 @@ and the step returns the logits of its first new token only.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -41,15 +40,13 @@ def penalised_logits(logits, penalties: Penalties, prompt: list[int], output: li
     import torch
 
     adjusted = logits.float().clone()
-    for token, bias in penalties.logit_bias.items():
-        adjusted[token] += bias
+    if penalties.logit_bias:
+        adjusted[torch.tensor(list(penalties.logit_bias))] += torch.tensor(list(penalties.logit_bias.values()))
     if penalties.repetition != 1.0:
-        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.int64)
+        seen = torch.tensor(prompt + output, dtype=torch.int64).unique()
         values = adjusted[seen]
         adjusted[seen] = torch.where(values > 0, values / penalties.repetition, values * penalties.repetition)
     if output and (penalties.frequency or penalties.presence):
-        counts = Counter(output)
-        tokens = torch.tensor(list(counts), dtype=torch.int64)
-        adjusted[tokens] -= penalties.frequency * torch.tensor(list(counts.values()), dtype=torch.float32)
-        adjusted[tokens] -= penalties.presence
+        tokens, counts = torch.tensor(output, dtype=torch.int64).unique(return_counts=True)
+        adjusted[tokens] -= penalties.frequency * counts.float() + penalties.presence
     return adjusted
