@@ -154,9 +154,9 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
 
     async def submitted(requests: list, n: int, stop: list[str]) -> list[Generation]:
         """A generation for each request, none left running if another cannot be submitted (a full
-        admission queue). With n > 1, a prompt's first choice goes first and its others once it
-        has its first token: its prompt's full blocks are then in the prefix cache, which they
-        read instead of computing them again."""
+        admission queue) or the handler is cancelled meanwhile. With n > 1, a prompt's first choice
+        goes first and its others once it has its first token: its prompt's full blocks are then in
+        the prefix cache, which they read instead of computing them again."""
         generations: list[Generation | None] = [None] * len(requests)
         try:
             for lead in range(0, len(requests), n):
@@ -167,7 +167,7 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
             for index, request in enumerate(requests):
                 if generations[index] is None:
                     generations[index] = Generation(online, metrics, request, tokenizer, stop, lead=False)
-        except QueueFull:
+        except BaseException:  # QueueFull, or the handler cancelled while the first choices prefill
             for generation in generations:
                 if generation is not None:
                     generation.cancel()
