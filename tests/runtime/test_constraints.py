@@ -72,6 +72,16 @@ def test_any_json_object_parses(engine, grammars):
     assert sum(r.finish_reason == "eos" for r in results) >= 3, texts
 
 
+def test_a_grammar_that_breaks_allows_only_eos_and_never_raises():
+    from graphc.weights.tiny import byte_level_tokenizer
+
+    grammars = Grammars(byte_level_tokenizer().to_str(), 256, [1])
+    constraint = grammars.constraint(grammars.checked(choice_grammar(["yes"])))
+    assert constraint.allowed().nonzero().flatten().tolist() == [ord("y")]
+    constraint.take(ord("n"))  # not allowed: the grammar breaks instead of raising in the engine thread
+    assert constraint.broken and constraint.allowed().nonzero().flatten().tolist() == [1]
+
+
 def test_a_regex_and_a_choice_hold(engine, grammars):
     texts, _ = _constrained(engine, grammars, regex_grammar(r"[a-z]{2,6}_[0-9]{1,3}"), 6, 16)
     assert all(re.fullmatch(r"[a-z]{2,6}_[0-9]{1,3}", t) for t in texts), texts

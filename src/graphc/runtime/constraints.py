@@ -26,7 +26,7 @@ class Grammars:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
         self._spec = (tokenizer_json, vocab_size, eos_token_ids)
         self._tokenizer = None
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
 
     @property
     def tokenizer(self):
@@ -73,22 +73,34 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 class TokenConstraint:
-    """One request's place in its grammar: the tokens allowed next, and each token taken."""
+    """One request's place in its grammar: the tokens allowed next, and each token taken.
+
+    A grammar that allows no token, or refuses one taken (neither should happen: the token is
+    drawn from the allowed ones), is `broken`: from then on only EOS is allowed, so the request
+    ends; it must not stop the engine, which serves every other request too."""
 
     def __init__(self, grammars: Grammars, grammar: str):
         from llguidance import LLMatcher
 
         self.grammars = grammars
         self.matcher = LLMatcher(grammars.tokenizer, grammar)
+        self.broken: str | None = None
 
     def allowed(self):
         """[V] bool: the tokens the grammar allows next (EOS alone once it is complete)."""
         import numpy as np
         import torch
 
-        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        return torch.from_numpy(bits[: self.grammars.vocab_size].astype(bool))
+        if self.broken is None:
+            bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            allowed = torch.from_numpy(bits[: self.grammars.vocab_size].astype(bool))
+            if bool(allowed.any()):
+                return allowed
+            self.broken = self.matcher.get_error() or "the grammar allows no token"
+        eos = torch.zeros(self.grammars.vocab_size, dtype=torch.bool)
+        eos[self.grammars.eos_token_ids] = True
+        return eos
 
     def take(self, token: int) -> None:
-        if not self.matcher.consume_token(token):
-            raise GraphcError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+        if self.broken is None and not self.matcher.consume_token(token):
+            self.broken = self.matcher.get_error() or f"the grammar refused token {token}"

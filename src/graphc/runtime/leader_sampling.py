@@ -18,7 +18,7 @@ def leader_token(logits, request, output: list[int]) -> int:
     (the grammar, if any, takes it)."""
     import torch
 
-    from graphc.ops.sampler import _sample
+    from graphc.ops.sampler import sample
 
     adjusted = logits.float()
     if request.penalties is not None:
@@ -26,9 +26,9 @@ def leader_token(logits, request, output: list[int]) -> int:
     if request.constraint is not None:
         adjusted = adjusted.masked_fill(~request.constraint.allowed(), float("-inf"))
     sampling = request.sampling
-    token = int(_sample(adjusted[None], torch.tensor([sampling.temperature], dtype=torch.float32),
-                        torch.tensor([sampling.top_k]), torch.tensor([sampling.top_p], dtype=torch.float32),
-                        torch.tensor([sampling.seed * SEED_STRIDE + len(output)]))[0])
+    token = int(sample(adjusted[None], torch.tensor([sampling.temperature], dtype=torch.float32),
+                       torch.tensor([sampling.top_k]), torch.tensor([sampling.top_p], dtype=torch.float32),
+                       torch.tensor([sampling.seed * SEED_STRIDE + len(output)]))[0])
     if request.constraint is not None:
         request.constraint.take(token)
     return token
