@@ -30,6 +30,7 @@ from graphc.runtime.constraints import Grammars
 from graphc.runtime.prefix_cache import prefix_caching_enabled
 from graphc.server.auth import ApiKeyRequired, tenant
 from graphc.server.body import BodyTooLarge, BodyTooSlow, parse_body, read_body
+from graphc.server.chat_reply import ChatReply, opens_thinking
 from graphc.server.formats import requested_grammar
 from graphc.server.isolation import CacheIsolation
 from graphc.server.limits import MAX_CHOICES, RequestLimits
@@ -37,6 +38,8 @@ from graphc.server.metrics import ServerMetrics
 from graphc.server.schemas import ChatCompletionRequest, CompletionRequest, error_response
 from graphc.server.streaming import CHAT, TEXT, Generation, GenerationStream, Shape, complete, stream
 from graphc.server.templates import TemplateRenderer, TemplatesBusy, chat_line
+from graphc.server.tool_formats import tool_format_of
+from graphc.server.tools import tool_use
 from graphc.server.translate import (BadRequest, ModelNotFound, check_model, encode, generation_request,
                                      prompt_char_limit, prompt_ids, prompt_too_long)
 
@@ -63,6 +66,7 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
     shares_prefill, block_size = prefix_caching_enabled(manifest.runtime.prefix_caching), manifest.kv_cache.block_size
     grammars = (Grammars(tokenizer.to_str(), manifest.model.vocab_size, manifest.model.eos_token_id)
                 if tokenizer is not None else None)
+    tool_format = tool_format_of(renderer.template) if renderer is not None else None
 
     async def off_loop(function, *args):
         # Tokenising releases the GIL (encode_batch), so the loop and the engine thread run on;
@@ -124,12 +128,14 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         check_model(name, model_name)
         return served_model
 
-    async def respond(body, prompts: list[list[int]], shape: Shape, http: Request):
+    async def respond(body, prompts: list[list[int]], shape: Shape, http: Request, grammar: str | None = None,
+                      reply=ChatReply):
         """`n` choices for each of `prompts` (choice j of prompt p at index p * n + j): every one
-        checked before any is submitted."""
+        checked before any is submitted; each following `grammar` (else the one the body asks
+        for), a chat's read by its own `reply()`."""
         n = _choices(body.n, len(prompts), limits.max_n)
         requests, salt = [], isolation.salt(body.cache_salt, tenant(http.scope))
-        grammar = await off_loop(requested_grammar, body, grammars)
+        grammar = grammar or await off_loop(requested_grammar, body, grammars)
         for index, prompt in enumerate(prompts):
             try:
                 for choice in range(n):
@@ -143,7 +149,7 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
             except BadRequest as refused:
                 raise _of_prompt(refused, index, len(prompts)) from None
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        generations = await submitted(requests, n, stop)
+        generations = await submitted(requests, n, stop, reply)
         head = {"id": f"{shape.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
         if body.stream:
             options = body.stream_options
@@ -152,7 +158,7 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
             return GenerationStream(generations, stream(generations, head, shape, usage, cached_tokens))
         return await complete(generations, head, shape, http, cached_tokens)
 
-    async def submitted(requests: list, n: int, stop: list[str]) -> list[Generation]:
+    async def submitted(requests: list, n: int, stop: list[str], reply) -> list[Generation]:
         """A generation for each request, none left running if another cannot be submitted (a full
         admission queue) or the handler is cancelled meanwhile. With n > 1, a prompt's first choice
         goes first and its others once it has its first token: its prompt's full blocks are then in
@@ -160,13 +166,14 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         generations: list[Generation | None] = [None] * len(requests)
         try:
             for lead in range(0, len(requests), n):
-                generations[lead] = Generation(online, metrics, requests[lead], tokenizer, stop)
+                generations[lead] = Generation(online, metrics, requests[lead], tokenizer, stop, reply=reply())
             if n > 1 and shares_prefill:
                 await asyncio.gather(*(g.started.wait() for g in generations
                                        if g is not None and len(g.request.prompt) > block_size))
             for index, request in enumerate(requests):
                 if generations[index] is None:
-                    generations[index] = Generation(online, metrics, request, tokenizer, stop, lead=False)
+                    generations[index] = Generation(online, metrics, request, tokenizer, stop, lead=False,
+                                                    reply=reply())
         except BaseException:  # QueueFull, or the handler cancelled while the first choices prefill
             for generation in generations:
                 if generation is not None:
@@ -194,9 +201,12 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
                              "has none); use /v1/completions", param="messages", code="no_chat_template")
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
-        text = await renderer.render(await off_loop(chat_line, body.messages))
+        tools = tool_use(body, tool_format, model_name)
+        text = await renderer.render(await off_loop(chat_line, body.messages, body.tools, body.chat_template_kwargs))
         ids = await off_loop(encode, text, tokenizer, char_limit, context_limit, "messages", False)
-        return await respond(body, [ids], CHAT, http)
+        thinking = opens_thinking(text)
+        grammar = await off_loop(tools.grammar, grammars, thinking)
+        return await respond(body, [ids], CHAT, http, grammar, lambda: ChatReply(tools.format, thinking))
 
     return app
 

@@ -155,6 +155,8 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     """On a tool message: the call it answers."""
+    reasoning_content: str | None = None
+    """On an assistant message: its reasoning, as a reply gave it (templates that keep it read it)."""
 
     @field_validator("content", mode="before")
     @classmethod
@@ -180,8 +182,48 @@ class ChatMessage(_Strict):
         return self
 
 
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+"""OpenAI's rule for a function's name."""
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+"""What the server passes a chat template itself: `chat_template_kwargs` may not set these."""
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict | None = None
+    """A JSON schema of the call's arguments (an object); absent: any object."""
+    strict: bool | None = None
+    """graphc enforces the schema whenever a call is required (`tool_choice`), strict or not."""
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    """Functions the model may call, rendered into the prompt by the checkpoint's chat template;
+    its calls come back as `tool_calls` (`graphc.server.tool_formats`)."""
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Absent: "auto" with tools, "none" without. "required" and a named function are enforced by
+    a grammar: the reply is calls (of that function)."""
+    parallel_tool_calls: bool = True
+    """False: at most one call a reply."""
+    chat_template_kwargs: dict | None = None
+    """More variables for the chat template, as vLLM takes them: `{"thinking": true}` switches
+    DeepSeek-V3.1's reasoning on."""
     max_completion_tokens: int | None = None
     """OpenAI's newer name for max_tokens in chat (used when max_tokens is absent)."""
     logprobs: bool = False
@@ -198,6 +240,23 @@ class ChatCompletionRequest(_Generation):
     def asked_logprobs(self) -> int | None:
         """The most likely tokens a position reports (None: no logprobs)."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, tools: list[Tool] | None):
+        names = [tool.function.name for tool in tools or []]
+        repeated = next((name for name in names if names.count(name) > 1), None)
+        if repeated is not None:
+            raise PydanticCustomError("tool_name", f"two tools are named {repeated!r}; a call names one function")
+        return tools
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_servers(cls, kwargs: dict | None):
+        taken = sorted(RESERVED_TEMPLATE_VARIABLES & set(kwargs or {}))
+        if taken:
+            raise PydanticCustomError("template_variable", f"{', '.join(taken)}: set by the server, not by a request")
+        return kwargs
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from graphc.runtime.logprobs import TokenLogprobs
 from graphc.runtime.online import OnlineEngine, Ticket
 from graphc.runtime.scheduler import Request as GenerationRequest
+from graphc.server.chat_reply import ChatReply, merged
 from graphc.server.detokenize import IncrementalText
 from graphc.server.logprob_format import logprobs_body, text_length
 from graphc.server.metrics import ServerMetrics
@@ -32,10 +33,12 @@ class Generation:
     """
 
     def __init__(self, online: OnlineEngine, metrics: ServerMetrics, request: GenerationRequest, tokenizer,
-                 stop: list[str], lead: bool = True):
+                 stop: list[str], lead: bool = True, reply: ChatReply | None = None):
         self.online, self.metrics, self.request = online, metrics, request
         self.lead = lead
         """The first choice of its prompt: usage counts the prompt's tokens once, on it."""
+        self.reply = reply or ChatReply()
+        """A chat's text as message fields: reasoning, content, tool calls."""
         self.decoded = IncrementalText(tokenizer)
         self.eos: list[int] = []
         """The EOS token that ended it, if one did: counted and reported, but its text is left out
@@ -157,13 +160,22 @@ class Shape:
     chunk_object: str
     chat: bool
 
-    def choice(self, index: int, text: str, ids: list[int], finish_reason: str | None, first: bool = False,
+    def choice(self, index: int, generation: Generation, text: str, ids: list[int], first: bool = False,
                whole: bool = False, logprobs: dict | None = None) -> dict:
+        """Choice `index` of `generation`: its whole text, or (a chunk's) the `text` it adds."""
+        finish_reason = generation.finish_reason
         if not self.chat:
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                     "token_ids": ids}
-        content = {"role": "assistant", "content": text} if whole or first else ({"content": text} if text else {})
-        return {"index": index, "message" if whole else "delta": content, "logprobs": logprobs,
+        reply = generation.reply
+        if whole:
+            message = reply.message(text)
+        else:
+            message = merged(reply.feed(text), reply.finish()) if finish_reason else reply.feed(text)
+            message = {"role": "assistant", "content": "", **message} if first else message
+        if reply.calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return {"index": index, "message" if whole else "delta": message, "logprobs": logprobs,
                 "finish_reason": finish_reason, "token_ids": ids}
 
 
@@ -220,8 +232,7 @@ async def complete(generations: list[Generation], head: dict, shape: Shape, http
     if failed:  # 503: the server is going away, which a client may retry elsewhere
         return error_response(503 if failed.unavailable else 500, f"the request failed: {failed.error}",
                               kind="server_error")
-    choices = [shape.choice(i, g.text, g.ids, g.finish_reason, whole=True, logprobs=_logprobs(g, g.ids, g.logprobs,
-                                                                                             shape))
+    choices = [shape.choice(i, g, g.text, g.ids, whole=True, logprobs=_logprobs(g, g.ids, g.logprobs, shape))
                for i, g in enumerate(generations)]
     usage = _usage(generations, cached_tokens)
     return JSONResponse({**head, "object": shape.object, "choices": choices, "usage": usage})
@@ -256,7 +267,7 @@ async def stream(generations: list[Generation], head: dict, shape: Shape, usage:
             if generation.error:
                 yield _event(error_body(f"the request failed: {generation.error}", kind="server_error"))
                 break
-            choice = shape.choice(index, delta, ids, generation.finish_reason, first=index in first,
+            choice = shape.choice(index, generation, delta, ids, first=index in first,
                                   logprobs=_logprobs(generation, ids, logprobs, shape))
             first.discard(index)
             counts = {"usage": _usage(generations, cached_tokens)} if usage == "every chunk" else {}

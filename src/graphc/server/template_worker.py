@@ -3,7 +3,7 @@ with the template it was given, one request at a time, over its stdin and stdout
 
 Protocol, one JSON object a line: the server sends the setup ({"template", "bos_token",
 "eos_token", "seconds", "max_chars", "memory_bytes"}), the worker answers "ready"; then for each
-{"messages": [...]} it answers {"text": ...}, {"chars": N} (a render longer than max_chars) or
+{"messages": [...], "tools": [...] or null, "kwargs": {...}} it answers {"text": ...}, {"chars": N} (a render longer than max_chars) or
 {"error": ...}. It exits when its stdin closes. Imports stay light (jinja2 only): a worker starts
 while the server runs.
 """
@@ -28,20 +28,26 @@ def _environment():
     def raise_exception(message: str):
         raise TemplateError(message)
 
-    # As transformers builds it: trimmed blocks, {% break %} / {% continue %}, raise_exception.
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    # As transformers builds it: trimmed blocks, {% break %} / {% continue %}, raise_exception, and
+    # a `tojson` that writes JSON as json.dumps does (Jinja's own escapes "<" and "'" for HTML).
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     environment.globals["raise_exception"] = raise_exception
+    environment.filters["tojson"] = tojson
     return environment
 
 
-def _render(setup: dict, messages: list[dict], compiled: list) -> dict:
+def _render(setup: dict, chat: dict, compiled: list) -> dict:
     """One reply: the text, its length past max_chars, or why the template failed."""
     from jinja2 import TemplateError
 
     try:
         if not compiled:  # compiled at the first render, so a syntax error is that request's 400
             compiled.append(_environment().from_string(setup["template"]))
-        text = compiled[0].render(messages=messages, add_generation_prompt=True, bos_token=setup["bos_token"],
+        text = compiled[0].render(**chat["kwargs"], messages=chat["messages"], tools=chat["tools"],
+                                  add_generation_prompt=True, bos_token=setup["bos_token"],
                                   eos_token=setup["eos_token"])
         text.encode("utf-8")  # a lone surrogate from a string literal: no tokenizer takes it
     except TemplateError as e:
@@ -62,7 +68,7 @@ def main() -> None:
         # The server kills a render that overruns; SIGALRM (whose default action ends the process)
         # ends one a second later anyway, should the server be gone.
         signal.setitimer(signal.ITIMER_REAL, setup["seconds"] + 1)
-        reply = _render(setup, json.loads(line)["messages"], compiled)
+        reply = _render(setup, json.loads(line), compiled)
         signal.setitimer(signal.ITIMER_REAL, 0)
         print(json.dumps(reply), flush=True)
 

@@ -38,10 +38,13 @@ class TemplatesBusy(GraphcError):
     """Every worker stayed busy for as long as a render may take (HTTP 429: retry later)."""
 
 
-def chat_line(messages: list[BaseModel]) -> bytes:
-    """What a worker is sent to render `messages`: work for a thread, not the event loop (dumping
-    and encoding a chat takes a while for one of many messages)."""
-    return (json.dumps({"messages": [m.model_dump(exclude_unset=True) for m in messages]}) + "\n").encode()
+def chat_line(messages: list[BaseModel], tools: list[BaseModel] | None = None, kwargs: dict | None = None) -> bytes:
+    """What a worker is sent to render `messages` with `tools` (OpenAI's tool objects, as
+    transformers passes them) and the template's own `kwargs`: work for a thread, not the event
+    loop (dumping and encoding a chat takes a while for one of many messages)."""
+    chat = {"messages": [m.model_dump(exclude_unset=True) for m in messages],
+            "tools": [t.model_dump(exclude_unset=True) for t in tools] if tools else None, "kwargs": kwargs or {}}
+    return (json.dumps(chat) + "\n").encode()
 
 
 class TemplateRenderer:
@@ -52,6 +55,7 @@ class TemplateRenderer:
     def __init__(self, template: ChatTemplate, seconds: float, max_chars: int, too_long: Callable[[int], str],
                  workers: int = WORKERS):
         self.seconds, self.max_chars, self.too_long = seconds, max_chars, too_long
+        self.template = template.template
         self._setup = json.dumps({"template": template.template, "bos_token": template.bos_token,
                                   "eos_token": template.eos_token, "seconds": seconds, "max_chars": max_chars,
                                   "memory_bytes": WORKER_MEMORY_BYTES}) + "\n"

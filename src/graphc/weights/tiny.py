@@ -97,13 +97,13 @@ def _token_experts(shape: tuple[int, ...], experts: int, generator: torch.Genera
 
 
 TINY_TOKENIZER_CONFIG = {
-    "chat_template": "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
-                     "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    "chat_template": (Path(__file__).parent / "tiny_chat_template.jinja").read_text(),
     "bos_token": None,
     "eos_token": None,
 }
 """A chat template in transformers' format (tokenizer_config.json), so the tiny checkpoints can be
-served over a chat API like a released model (whose template is longer, not different in kind)."""
+served over a chat API like a released model: DeepSeek-V3.1's markup, tool calls and thinking
+switch (`tiny_chat_template.jinja`)."""
 
 
 def byte_level_tokenizer():
