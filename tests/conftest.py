@@ -13,8 +13,8 @@ import torch
 from graphc.weights.tiny import (PRESETS, TRAINED_PRESET, TRANSFORMERS_PRESETS, make_tiny_checkpoint, preset_config,
                                 write_random_checkpoint)
 from nightly import NIGHTLY, check_listed
-from support import (FP8_BLOCK, FP8_PRESETS, SKEWED, SPARSE_TOPK, SPARSE_V32, TEST_BUCKETS, V4_FP4_EXPERTS, model_yaml,
-                     randomise_v4_zero_inits, rewrite_config, skew_routes_to_first_experts)
+from support import (FP8_BLOCK, FP8_PRESETS, SKEWED, SPARSE_TOPK, SPARSE_V32, TEST_BUCKETS, TEST_KV_BLOCKS, V4_FP4_EXPERTS,
+                     model_yaml, randomise_v4_zero_inits, rewrite_config, skew_routes_to_first_experts)
 
 # Lines the tests want a reader of the CI log to see (agreement rates, margins, noise floors).
 _REPORT: list[str] = []
@@ -135,7 +135,8 @@ def compiled(tmp_path_factory, tiny_checkpoints):
             form = (("" if static_moe else "-generic") + ("" if moe_lowering == "auto" else f"-{moe_lowering}")
                     + ("" if dtype == "float32" else f"-{dtype}") + (f"-mtp{speculative}" if speculative else ""))
             root = tmp_path_factory.mktemp(f"art-{preset}-{backend}-{buckets}-dp{dp}-cp{cp}-tp{tp}-ep{ep}{form}")
-            config = {**model_yaml(tiny_checkpoints[preset], TEST_BUCKETS[buckets], backend, dtype),
+            config = {**model_yaml(tiny_checkpoints[preset], TEST_BUCKETS[buckets], backend, dtype,
+                                   num_blocks=TEST_KV_BLOCKS.get(buckets, 64)),
                       "topology": {"dp": dp, "cp": cp, "tp": tp, "ep": ep}}
             config["model"]["moe_lowering"] = moe_lowering
             if speculative:  # the family's own drafter

@@ -140,7 +140,12 @@ TEST_BUCKETS = {
     # The fewest graphs (one prefill, one decode): for the inductor multi-rank runs, whose compiles
     # dominate the suite's time.
     "small": {"prefill": [8], "decode": [2], "prompt_as_decode": 0, "context_limit": 64},
+    # Chats with tools: a prompt that holds the tools' schemas and a reply that is a call in
+    # byte-level markup (about 25 tokens a marker) need a longer context than the rest.
+    "chat": {"prefill": [64], "decode": [2], "prompt_as_decode": 0, "context_limit": 1024},
 }
+TEST_KV_BLOCKS = {"chat": 256}
+"""The KV pool's blocks where a bucket set needs more than the default 64."""
 
 
 def model_yaml(checkpoint: Path, buckets: dict, backend: str = "export", dtype: str = "float32",

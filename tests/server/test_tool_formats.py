@@ -167,3 +167,30 @@ def test_tool_use_that_cannot_be_served_is_refused_naming_the_field(fields, form
     with pytest.raises(BadRequest, match=message.replace("(", r"\(").replace(")", r"\)")) as refused:
         tool_use(_request(**fields), FORMATS.get(form), "m")
     assert refused.value.param == message.split(":")[0]
+
+
+def test_with_thinking_a_response_format_holds_from_the_end_of_the_reasoning(tokenizer):
+    from graphc.runtime.constraints import Grammars
+    from graphc.server.formats import requested_grammar
+
+    grammars = Grammars(byte_level_tokenizer().to_str(), 256, [0])
+    body = _request(response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}})
+    after_reasoning = requested_grammar(body, grammars, thinking=True)
+    assert _accepts(tokenizer, after_reasoning, 'Paris, so {"city"}</think>{"city":"Paris","days":2}')
+    assert not _accepts(tokenizer, after_reasoning, '{"city":"Paris","days":2}')
+    assert _accepts(tokenizer, requested_grammar(body, grammars), '{"city":"Paris","days":2}')
+    slashed = requested_grammar(_request(guided_regex=r"a/b\/c[0-9]\n"), grammars, thinking=True)
+    assert _accepts(tokenizer, slashed, "hm</think>a/b/c7\n")
+
+
+def test_dsml_writes_a_string_enum_as_it_is_and_other_values_as_json(tokenizer):
+    unit = {"name": "convert", "parameters": {"type": "object", "properties": {
+        "unit": {"enum": ["celsius", "fahrenheit"]}, "scale": {"enum": [1, 10]}}, "required": ["unit", "scale"]}}
+    grammar = FORMATS["deepseek_v4"].grammar([unit], parallel=False, thinking=False)
+    call = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="convert">\n<｜DSML｜parameter name="unit" string="true">{}'
+            '</｜DSML｜parameter>\n<｜DSML｜parameter name="scale" string="false">10</｜DSML｜parameter>\n'
+            '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+    assert _accepts(tokenizer, grammar, call.format("celsius"))
+    assert not _accepts(tokenizer, grammar, call.format("kelvin"))
+    [parsed] = ChatReply(FORMATS["deepseek_v4"]).message(call.format("celsius"))["tool_calls"]
+    assert json.loads(parsed["function"]["arguments"]) == {"unit": "celsius", "scale": 10}

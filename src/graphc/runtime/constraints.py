@@ -15,6 +15,7 @@ draft position and the logits of each, which a step does not return).
 from __future__ import annotations
 
 import json
+import re
 
 from graphc.errors import GraphcError
 
@@ -51,25 +52,39 @@ class Grammars:
         return TokenConstraint(self, grammar)
 
 
-def json_schema_grammar(schema: dict) -> str:
-    """The grammar of JSON text valid under `schema` (compact: no whitespace between tokens, so
-    a generation cannot wander into endless spaces)."""
-    from llguidance import LLMatcher
-
-    return LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
+THINKING = r"think[lazy]: /(?s:.*)<\/think>/"
+"""A reasoning section: any text, up to the first `</think>` (lazy: it ends there)."""
 
 
-def regex_grammar(pattern: str) -> str:
-    from llguidance import LLMatcher
+def grammar_of(body: str, thinking: bool = False) -> str:
+    """The grammar (llguidance's Lark) of an output that `body` (a rule's alternatives) matches,
+    after a reasoning section where `thinking` (the prompt left the model thinking: the grammar
+    holds from `</think>` on, as vLLM constrains reasoning models)."""
+    start = f"start: think ({body})" if thinking else f"start: {body}"
+    return start + "\n" + (THINKING + "\n" if thinking else "")
 
-    return LLMatcher.grammar_from_regex(pattern)
+
+def json_value(schema: dict, item_separator: str = ",", key_separator: str = ":") -> str:
+    """A Lark term: JSON valid under `schema`, with these separators and no other whitespace
+    (free whitespace is a place for a generation to wander into endless spaces)."""
+    spacing = {"whitespace_flexible": False, "item_separator": item_separator, "key_separator": key_separator}
+    return "%json" + json.dumps({**schema, "x-guidance": spacing})
 
 
-def choice_grammar(choices: list[str]) -> str:
+def json_schema_grammar(schema: dict, thinking: bool = False) -> str:
+    """The grammar of JSON text valid under `schema`, compact."""
+    return grammar_of(json_value(schema), thinking)
+
+
+def regex_grammar(pattern: str, thinking: bool = False) -> str:
+    # Lark's regex literal ends at a "/" and at a line's end: escape those the pattern has.
+    literal = re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", pattern).replace("\n", "\\n")
+    return grammar_of(f"/{literal}/", thinking)
+
+
+def choice_grammar(choices: list[str], thinking: bool = False) -> str:
     """Exactly one of `choices`."""
-    from llguidance import LLMatcher
-
-    return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    return grammar_of(" | ".join(json.dumps(c, ensure_ascii=False) for c in choices), thinking)
 
 
 class TokenConstraint:

@@ -9,9 +9,10 @@ from graphc.runtime.constraints import Grammars, choice_grammar, json_schema_gra
 from graphc.server.translate import BadRequest
 
 
-def requested_grammar(body, grammars: Grammars | None) -> str | None:
-    """The checked grammar `body` asks its output to follow, or None for free text."""
-    asked = {name: grammar for name, grammar in _asked(body)}
+def requested_grammar(body, grammars: Grammars | None, thinking: bool = False) -> str | None:
+    """The checked grammar `body` asks its output to follow, or None for free text; with
+    `thinking`, after the reasoning the prompt opened."""
+    asked = {name: grammar for name, grammar in _asked(body, thinking)}
     if not asked:
         return None
     if len(asked) > 1:
@@ -27,14 +28,14 @@ def requested_grammar(body, grammars: Grammars | None) -> str | None:
         raise BadRequest(f"{where}: cannot be compiled to a grammar: {e}", param=name) from None
 
 
-def _asked(body):
+def _asked(body, thinking: bool):
     """(field, a function making its grammar) for each grammar field `body` gives."""
     formats = body.response_format
     if formats is not None and formats.type == "json_object":
-        yield "response_format", lambda: json_schema_grammar({"type": "object"})
+        yield "response_format", lambda: json_schema_grammar({"type": "object"}, thinking)
     elif formats is not None and formats.type == "json_schema":
-        yield "response_format", lambda: json_schema_grammar(formats.json_schema.schema_)
+        yield "response_format", lambda: json_schema_grammar(formats.json_schema.schema_, thinking)
     if body.guided_regex is not None:
-        yield "guided_regex", lambda: regex_grammar(body.guided_regex)
+        yield "guided_regex", lambda: regex_grammar(body.guided_regex, thinking)
     if body.guided_choice is not None:
-        yield "guided_choice", lambda: choice_grammar(body.guided_choice)
+        yield "guided_choice", lambda: choice_grammar(body.guided_choice, thinking)

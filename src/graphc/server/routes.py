@@ -128,14 +128,13 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         check_model(name, model_name)
         return served_model
 
-    async def respond(body, prompts: list[list[int]], shape: Shape, http: Request, grammar: str | None = None,
+    async def respond(body, prompts: list[list[int]], shape: Shape, http: Request, grammar: str | None,
                       reply=ChatReply):
         """`n` choices for each of `prompts` (choice j of prompt p at index p * n + j): every one
-        checked before any is submitted; each following `grammar` (else the one the body asks
-        for), a chat's read by its own `reply()`."""
+        checked before any is submitted; each following `grammar` (None: free text), a chat's
+        read by its own `reply()`."""
         n = _choices(body.n, len(prompts), limits.max_n)
         requests, salt = [], isolation.salt(body.cache_salt, tenant(http.scope))
-        grammar = grammar or await off_loop(requested_grammar, body, grammars)
         for index, prompt in enumerate(prompts):
             try:
                 for choice in range(n):
@@ -191,7 +190,7 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
                 prompts.append(await off_loop(prompt_ids, prompt, tokenizer, char_limit, context_limit))
             except BadRequest as refused:
                 raise _of_prompt(refused, index, len(batch)) from None
-        return await respond(body, prompts, TEXT, http)
+        return await respond(body, prompts, TEXT, http, await off_loop(requested_grammar, body, grammars))
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request):
@@ -205,7 +204,8 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         text = await renderer.render(await off_loop(chat_line, body.messages, body.tools, body.chat_template_kwargs))
         ids = await off_loop(encode, text, tokenizer, char_limit, context_limit, "messages", False)
         thinking = opens_thinking(text)
-        grammar = await off_loop(tools.grammar, grammars, thinking)
+        grammar = (await off_loop(tools.grammar, grammars, thinking)
+                   or await off_loop(requested_grammar, body, grammars, thinking))
         return await respond(body, [ids], CHAT, http, grammar, lambda: ChatReply(tools.format, thinking))
 
     return app

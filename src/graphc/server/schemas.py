@@ -149,7 +149,7 @@ class ChatMessage(_Strict):
     a list of text parts, null only on an assistant turn that made tool calls."""
 
     role: str
-    content: str | None
+    content: str | None = None
     """Text parts are joined with newlines, as vLLM does for templates that take a string."""
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -177,8 +177,8 @@ class ChatMessage(_Strict):
     @model_validator(mode="after")
     def _content_or_tool_calls(self):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise PydanticCustomError("content_null", "content is null; only an assistant message with tool_calls "
-                                                      "may have none")
+            raise PydanticCustomError("content_null", "content is null or missing; only an assistant message with "
+                                                      "tool_calls may have none")
         return self
 
 

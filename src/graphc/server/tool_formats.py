@@ -23,6 +23,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from graphc.runtime.constraints import grammar_of, json_value
+
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 DSML = "｜DSML｜"
@@ -59,21 +61,15 @@ class ToolFormat:
         objects), each call's arguments valid under its function's parameters; one call unless
         `parallel`. With `thinking`, a reasoning section that `</think>` ends comes first."""
         between = f"({_literal(self.separator)} call)*" if self.separator else "call*"
-        rules = [f"start: {'think ' if thinking else ''}{_literal(self.opening)} calls {_literal(self.closing)}",
-                 f"calls: call {between}" if parallel else "calls: call",
+        rules = [f"calls: call {between}" if parallel else "calls: call",
                  "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
         rules += [f"call_{i}: {self.call_grammar(function)}" for i, function in enumerate(functions)]
-        if thinking:
-            rules.append(r"think[lazy]: /(?s:.*)<\/think>/")
-        return "\n".join(rules) + "\n"
+        start = grammar_of(f"{_literal(self.opening)} calls {_literal(self.end)}", thinking)
+        return start + "\n".join(rules) + "\n"
 
     @property
     def opening(self) -> str:
         return self.begin
-
-    @property
-    def closing(self) -> str:
-        return self.end
 
     def call_grammar(self, function: dict) -> str:
         return f"{_literal(CALL_BEGIN + function['name'] + CALL_SEP)} {_json(function)} {_literal(CALL_END)}"
@@ -110,19 +106,29 @@ class DsmlFormat(ToolFormat):
     def call_grammar(self, function: dict) -> str:
         """The call's element and the line after it (a line of its own: the closing tag's "\n<"
         must not be a separator's, which the lexer, matching the longest text, would take); its
-        schema's properties in order, the required ones always; a string's value is text without
-        "<" (its schema's other bounds are not enforced)."""
+        schema's properties in order, the required ones always; a string's value as it is (one of
+        its enum, or any text without "<": its schema's other bounds are not enforced), any other
+        value as JSON."""
         schema = function.get("parameters") or {"type": "object"}
         required = set(schema.get("required", []))
         parts = [_literal(f'<{DSML}{self.invoke} name="{function["name"]}">\n')]
         for key, value_schema in (schema.get("properties") or {}).items():
-            is_string = value_schema.get("type") == "string" and "enum" not in value_schema
-            value = "/[^<]*/" if is_string else _json_value(value_schema)
+            is_string, value = _dsml_value(value_schema)
             opening = f'<{DSML}{self.parameter} name={json.dumps(key)} string="{str(is_string).lower()}">'
             element = f"{_literal(opening)} {value} {_literal(f'</{DSML}{self.parameter}>' + chr(10))}"
             parts.append(element if key in required else f"({element})?")
         parts.append(_literal(f"</{DSML}{self.invoke}>\n"))
         return " ".join(parts)
+
+
+def _dsml_value(schema: dict) -> tuple[bool, str]:
+    """Whether DSML writes a value of `schema` as it is (a string), and its grammar."""
+    enum = schema.get("enum")
+    if enum and all(isinstance(value, str) for value in enum):
+        return True, "(" + " | ".join(map(_literal, enum)) + ")"
+    if schema.get("type") == "string" and not enum:
+        return True, "/[^<]*/"
+    return False, _json_value(schema)
 
 
 def _json_or_text(value: str):
@@ -142,10 +148,8 @@ def _json(function: dict) -> str:
 
 
 def _json_value(schema: dict) -> str:
-    """JSON valid under `schema`, spaced as json.dumps spaces it (as the families' encoders write
-    arguments), with no other whitespace to wander into."""
-    spacing = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    return "%json" + json.dumps({**schema, "x-guidance": spacing})
+    """JSON spaced as json.dumps spaces it, as the families' encoders write arguments."""
+    return json_value(schema, ", ", ": ")
 
 
 _V31_CALL = re.compile(rf"\s*{CALL_BEGIN}(.*?){CALL_SEP}(.*?){CALL_END}", re.DOTALL)
