@@ -120,6 +120,8 @@ def test_the_prompt_decides_whether_a_reply_starts_in_thinking():
     assert opens_thinking("<｜User｜>hi<｜Assistant｜><think>")
     assert not opens_thinking("<｜User｜>hi<｜Assistant｜></think>")
     assert not opens_thinking("<｜User｜>hi<｜Assistant｜>")
+    assert opens_thinking("<｜User｜>hi<｜Assistant｜><think>\n")  # R1's generation prompt
+    assert not opens_thinking("<｜User｜>what does <think> do?<｜Assistant｜>")  # a message's text
 
 
 @pytest.mark.parametrize("template, name", [

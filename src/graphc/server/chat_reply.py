@@ -3,9 +3,9 @@
 (`graphc.server.tool_formats`).
 
 Reasoning: where the prompt leaves the model inside a thinking section (its template's
-generation prompt ends with `<think>`: DeepSeek-V3.1's `thinking` switch on), or the reply opens
-one itself (R1), the text up to `</think>` is reasoning; a reply that never closes it is all
-reasoning, as vLLM reads DeepSeek's.
+generation prompt ends with `<think>`: DeepSeek-V3.1's `thinking` switch on, R1, V3.2 and V4 in
+thinking mode), the text up to `</think>` is reasoning (a `<think>` the reply repeats at its
+start is dropped); a reply that never closes it is all reasoning, as vLLM reads DeepSeek's.
 
 Streaming holds back only what could still be the start of a marker (and, before calls, the
 whitespace the markup starts with); each call goes out whole, in one delta, once its markup is
@@ -23,8 +23,9 @@ THINK, THINK_END = "<think>", "</think>"
 
 
 def opens_thinking(prompt: str) -> bool:
-    """Whether `prompt` ends inside a thinking section (its last `<think>` is not closed)."""
-    return prompt.rfind(THINK) > prompt.rfind(THINK_END)
+    """Whether `prompt` leaves the model in a thinking section: its generation prompt ends with
+    `<think>` (a `<think>` a message holds is the message's text, not the template's switch)."""
+    return prompt.rstrip().endswith(THINK)
 
 
 class ChatReply:
