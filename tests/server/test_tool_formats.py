@@ -196,3 +196,13 @@ def test_dsml_writes_a_string_enum_as_it_is_and_other_values_as_json(tokenizer):
     assert not _accepts(tokenizer, grammar, call.format("kelvin"))
     [parsed] = ChatReply(FORMATS["deepseek_v4"]).message(call.format("celsius"))["tool_calls"]
     assert json.loads(parsed["function"]["arguments"]) == {"unit": "celsius", "scale": 10}
+
+
+def test_parameters_the_grammar_library_cannot_compile_are_refused_naming_tools():
+    from graphc.runtime.constraints import Grammars
+
+    grammars = Grammars(byte_level_tokenizer().to_str(), 256, [0])
+    broken = {"name": "f", "parameters": {"type": "objectx"}}
+    with pytest.raises(BadRequest, match="tools: a function's parameters cannot be compiled to a grammar") as refused:
+        ToolUse(FORMATS["deepseek_v31"], (broken,)).grammar(grammars, thinking=False)
+    assert refused.value.param == "tools"

@@ -3,9 +3,9 @@ with the template it was given, one request at a time, over its stdin and stdout
 
 Protocol, one JSON object a line: the server sends the setup ({"template", "bos_token",
 "eos_token", "seconds", "max_chars", "memory_bytes"}), the worker answers "ready"; then for each
-{"messages": [...], "tools": [...] or null, "kwargs": {...}} it answers {"text": ...}, {"chars": N} (a render longer than max_chars) or
-{"error": ...}. It exits when its stdin closes. Imports stay light (jinja2 only): a worker starts
-while the server runs.
+chat ({"messages": [...], "tools": [...] or null, "kwargs": {...}}) it answers {"text": ...},
+{"chars": N} (a render longer than max_chars) or {"error": ...}. It exits when its stdin closes.
+Imports stay light (jinja2 only): a worker starts while the server runs.
 """
 
 from __future__ import annotations
