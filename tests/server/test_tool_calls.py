@@ -64,7 +64,8 @@ def _streamed_calls(server: Server, **options) -> tuple[list[tuple[str, dict]], 
     return _valid(calls[i] for i in sorted(calls)), finish
 
 
-@pytest.mark.parametrize("seed", range(4))
+# One seed with one call and one with parallel calls per commit; two more seeds in the slow tier.
+@pytest.mark.parametrize("seed", [0, 1, *(pytest.param(seed, marks=pytest.mark.slow) for seed in (2, 3))])
 def test_required_always_gives_calls_that_validate_streamed_or_not(server, seed):
     options = dict(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=400, temperature=1.0, seed=seed,
                    parallel_tool_calls=seed % 2 == 1)
