@@ -115,9 +115,10 @@ def isolated_compile_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory, tiny_checkpoints):
     """compiled(preset, backend, buckets="standard", cp=1, ep=1, static_moe=True, dp=1,
-    moe_lowering="auto", tp=1, dtype="float32", speculative=0) -> artifacts dir, compiled once
-    per session (static_moe=False disables the static-MoE rewrite; speculative=k drafts k tokens
-    with the family's draft layers: MTP, or V4.1's DSpark stages)."""
+    moe_lowering="auto", tp=1, dtype="float32", speculative=0, prompt_logprobs=False) -> artifacts
+    dir, compiled once per session (static_moe=False disables the static-MoE rewrite; speculative=k
+    drafts k tokens with the family's draft layers: MTP, or V4.1's DSpark stages; prompt_logprobs
+    compiles the prefill buckets' score twins)."""
     import yaml
 
     from graphc.config import load_config
@@ -129,16 +130,18 @@ def compiled(tmp_path_factory, tiny_checkpoints):
 
     def get(preset: str, backend: str, buckets: str = "standard", cp: int = 1, ep: int = 1,
             static_moe: bool = True, dp: int = 1, moe_lowering: str = "auto", tp: int = 1,
-            dtype: str = "float32", speculative: int = 0) -> Path:
-        key = (preset, backend, buckets, cp, ep, static_moe, dp, moe_lowering, tp, dtype, speculative)
+            dtype: str = "float32", speculative: int = 0, prompt_logprobs: bool = False) -> Path:
+        key = (preset, backend, buckets, cp, ep, static_moe, dp, moe_lowering, tp, dtype, speculative, prompt_logprobs)
         if key not in made:
             form = (("" if static_moe else "-generic") + ("" if moe_lowering == "auto" else f"-{moe_lowering}")
-                    + ("" if dtype == "float32" else f"-{dtype}") + (f"-mtp{speculative}" if speculative else ""))
+                    + ("" if dtype == "float32" else f"-{dtype}") + (f"-mtp{speculative}" if speculative else "")
+                    + ("-scores" if prompt_logprobs else ""))
             root = tmp_path_factory.mktemp(f"art-{preset}-{backend}-{buckets}-dp{dp}-cp{cp}-tp{tp}-ep{ep}{form}")
             config = {**model_yaml(tiny_checkpoints[preset], TEST_BUCKETS[buckets], backend, dtype,
                                    num_blocks=TEST_KV_BLOCKS.get(buckets, 64)),
                       "topology": {"dp": dp, "cp": cp, "tp": tp, "ep": ep}}
             config["model"]["moe_lowering"] = moe_lowering
+            config["runtime"]["prompt_logprobs"] = prompt_logprobs
             if speculative:  # the family's own drafter
                 method = family_of_config(read_hf_config(tiny_checkpoints[preset])).drafter.method
                 config["model"]["speculative"] = {"method": method, "tokens": speculative}

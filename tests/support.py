@@ -143,6 +143,9 @@ TEST_BUCKETS = {
     # Chats with tools: a prompt that holds the tools' schemas and a reply that is a call in
     # byte-level markup (about 25 tokens a marker) need a longer context than the rest.
     "chat": {"prefill": [64], "decode": [2], "prompt_as_decode": 0, "context_limit": 1024},
+    # Prompt scores (with `prompt_logprobs`: a score twin of prefill-16): prompts longer than a chunk,
+    # and prompt-as-decode rows a scored prompt must never take.
+    "scores": {"prefill": [16], "decode": [4], "prompt_as_decode": 4, "context_limit": 128},
 }
 TEST_KV_BLOCKS = {"chat": 256}
 """The KV pool's blocks where a bucket set needs more than the default 64."""

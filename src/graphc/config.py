@@ -147,6 +147,11 @@ class RuntimeSection:
     prefix_caching: bool = True
     """Reuse the KV blocks of prompt prefixes seen before (`graphc.runtime.prefix_cache`: exact for
     every family); GRAPHC_PREFIX_CACHING=0 turns it off at run time without recompiling."""
+    prompt_logprobs: bool = False
+    """Compile a score program beside each prefill bucket's, returning every prompt position's
+    log-probabilities, so requests can ask for their prompt's (`echo` with `logprobs`: what
+    lm-evaluation-harness's loglikelihood tasks send). Costs a compile of each prefill bucket
+    again, and, in a scored step only, the vocabulary head at every position."""
 
 
 @dataclass(frozen=True)
@@ -288,6 +293,9 @@ def validate(config: GraphcConfig) -> ModelArgs:
             f"({args.max_position_embeddings})"
         )
     if config.model.speculative is not None:
+        if rt.prompt_logprobs:
+            raise ConfigError("runtime.prompt_logprobs: prompt scores are not compiled with model.speculative yet; "
+                              "drop one of them")
         args = _speculative_args(config, args)
     return args
 

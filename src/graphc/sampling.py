@@ -15,6 +15,9 @@ SEED_MAX = 2**32 - 1
 """The largest seed: seed * SEED_STRIDE + step must fit the sampler's int64."""
 TOP_K_MAX = 2**31 - 1
 """The largest top_k (any value at least the vocabulary keeps every token)."""
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a request may ask for at each position (vLLM's default bound), and what
+a score step returns (`graphc.models.scoring`)."""
 
 
 def _number(value) -> bool:

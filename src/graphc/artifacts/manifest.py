@@ -36,7 +36,7 @@ class GraphEntry:
     """One bucket's compiled graph on one rank."""
 
     kind: str
-    """"prefill" or "decode"."""
+    """"prefill", "score" (a prefill that also returns every position's log-probabilities) or "decode"."""
     size: int
     """The bucket size (prefill tokens or decode rows)."""
     tokens_per_row: int
@@ -113,6 +113,9 @@ class BucketTable:
     draft_tokens: int = 0
     """Speculative decoding's k (model.yaml's `model.speculative.tokens`; 0: off): tokens the
     model's MTP layer drafts per decoding row, verified by the next step in [B, 1 + k] graphs."""
+    prompt_logprobs: bool = False
+    """model.yaml's `runtime.prompt_logprobs`: each prefill bucket has a score twin
+    (`graphc.buckets.selection`), so requests may ask for their prompt's log-probabilities."""
 
     @property
     def returned_width(self) -> int:

@@ -63,7 +63,8 @@ def _check(manifest, error: type[GraphcError]) -> None:
             raise error(f"runtime.sampling.{name}: {problem}")
     if sorted(r.rank for r in manifest.ranks) != list(range(topology.world)):
         raise error(f"ranks: {[r.rank for r in manifest.ranks]} are not the ranks 0..{topology.world - 1}")
-    table = sorted(all_buckets(buckets.prefill, buckets.decode, buckets.prompt_as_decode, buckets.draft_tokens),
+    table = sorted(all_buckets(buckets.prefill, buckets.decode, buckets.prompt_as_decode, buckets.draft_tokens,
+                               buckets.prompt_logprobs),
                    key=lambda b: b.name)
     for rank in manifest.ranks:
         hashes = [rank.weights_sha256, *(g.sha256 for g in rank.graphs)]

@@ -151,7 +151,7 @@ def write_manifest(staging: Path, config: GraphcConfig, backend: str, args: Mode
                         read_chat_template(config.model.checkpoint)),
         topology=topology,
         buckets=BucketTable(list(b.prefill), list(b.decode), b.prompt_as_decode, b.context_limit,
-                            config.draft_tokens),
+                            config.draft_tokens, runtime.prompt_logprobs),
         kv_cache=KVCacheInfo(kv.block_size, kv.num_blocks, blocks_per_row(b.context_limit, kv.block_size)),
         runtime=RuntimeInfo(runtime.max_num_prefilling_tokens, runtime.max_new_tokens, runtime.sampling,
                             runtime.prefix_caching),

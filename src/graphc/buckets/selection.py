@@ -14,6 +14,10 @@ Rules:
   needs no graph of its own: a one-token prompt already fits a plain decode row.)
 - With speculative decoding of k drafts, a decoding row is 1 + k tokens wide: decode buckets are
   [B, 1 + k], and a [B, P] graph exists only where P is wider (narrower prompts fit the verify rows).
+- With prompt scores (model.yaml's `runtime.prompt_logprobs`), every prefill bucket has a *score*
+  twin of its shape, whose program also returns every position's log-probabilities: a prompt
+  whose request asks for them (`echo` with `logprobs`) runs all its chunks there, never as a
+  prompt-as-decode row.
 
 The planner (`graphc.buckets.planner`) chooses the sizes from traffic.
 """
@@ -24,7 +28,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Literal
 
-GraphKind = Literal["prefill", "decode"]
+GraphKind = Literal["prefill", "score", "decode"]
 
 
 @dataclass(frozen=True, order=True)
@@ -33,25 +37,27 @@ class Bucket:
 
     kind: GraphKind
     size: int
-    """Prefill: chunk tokens. Decode: batch size (rows)."""
+    """Prefill and score: chunk tokens. Decode: batch size (rows)."""
     tokens_per_row: int = 1
     """Decode only: new tokens per row, 1 or the prompt-as-decode size P."""
 
     @property
     def rows(self) -> int:
-        return 1 if self.kind == "prefill" else self.size
+        return self.size if self.kind == "decode" else 1
 
     @property
     def width(self) -> int:
-        return self.size if self.kind == "prefill" else self.tokens_per_row
+        return self.tokens_per_row if self.kind == "decode" else self.size
 
     @property
     def name(self) -> str:
         return f"{self.kind}-{self.size}" + (f"x{self.tokens_per_row}" if self.tokens_per_row > 1 else "")
 
 
-def all_buckets(prefill: list[int], decode: list[int], prompt_as_decode: int = 0, draft_tokens: int = 0) -> list[Bucket]:
+def all_buckets(prefill: list[int], decode: list[int], prompt_as_decode: int = 0, draft_tokens: int = 0,
+                prompt_logprobs: bool = False) -> list[Bucket]:
     return ([Bucket("prefill", s) for s in sorted(prefill)]
+            + [Bucket("score", s) for s in sorted(prefill) if prompt_logprobs]
             + [Bucket("decode", s, width) for width in decode_widths(prompt_as_decode, draft_tokens) for s in sorted(decode)])
 
 

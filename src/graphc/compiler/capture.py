@@ -29,6 +29,7 @@ from graphc.buckets.selection import Bucket
 from graphc.weights.checkpoint import QUANTIZED_WEIGHTS
 from graphc.weights.fp8 import QuantizedWeight
 from graphc.models.registry import family_of
+from graphc.models.scoring import ScoringStep
 from graphc.models.speculation import SpeculativeStep
 from graphc.models.step_model import Parallelism, StepInputs, StepModel
 from graphc.ops import sampler
@@ -52,18 +53,20 @@ def model_weights(model: StepModel) -> dict[str, Tensor]:
 
 class StepGraph(torch.nn.Module):
     """One serving step: the model over the paged cache, then the sampler; with `draft_tokens`
-    k > 0, a speculative step (`graphc.models.speculation`) of a model that serves its MTP layer.
+    k > 0, a speculative step (`graphc.models.speculation`) of a model that serves its MTP layer;
+    with `scores`, a score step (`graphc.models.scoring`).
 
     Returns:
         tokens: [B] the sampled next token of each row; speculative: [B, 2 + 2k], the accepted
             drafts' count n, tokens t_0 .. t_k (t_0 .. t_n are new), the row's next k drafts.
         logits: [B, V] the logits it was sampled from (speculative: of t_0).
+        a score step's `SCORE_OUTPUTS` after them.
     """
 
     def __init__(self, model: StepModel, parallel: Parallelism = Parallelism(), moe_form: str | None = None,
-                 draft_tokens: int = 0):
+                 draft_tokens: int = 0, scores: bool = False):
         super().__init__()
-        self.draft_tokens = draft_tokens
+        self.draft_tokens, self.scores = draft_tokens, scores
         # Held in a list so nn.Module does not register it: its tensors must reach the graph as
         # inputs, not as lifted parameters.
         self._model = [model]
@@ -73,7 +76,7 @@ class StepGraph(torch.nn.Module):
         self.quantized: dict[str, QuantizedWeight] = getattr(model, QUANTIZED_WEIGHTS, {})
 
     def forward(self, weights: list[Tensor], input_ids, positions, block_table, slot_mapping, kv_pool,
-                logits_index, temperature, top_k, top_p, seed, coordinates) -> tuple[Tensor, Tensor]:
+                logits_index, temperature, top_k, top_p, seed, coordinates) -> tuple[Tensor, ...]:
         # The rank's coordinates are an input, not constants: the graph is the same on every rank.
         cp_rank, ep_rank, samples = coordinates.unbind()
         parallel = dataclasses.replace(self.parallel, cp_rank=cp_rank, ep_rank=ep_rank)
@@ -89,6 +92,12 @@ class StepGraph(torch.nn.Module):
                 SpeculativeStep(self._model[0], self.draft_tokens, family_of(self._model[0].args).drafter),
                 {f"model.{n}": t for n, t in parameters.items()},
                 (input_ids, step, logits_index, temperature, top_k, top_p, seed))
+        if self.scores:
+            step = StepInputs(positions, block_table, slot_mapping, kv_pool, parallel, self.moe_form)
+            logits, *scores = torch.func.functional_call(
+                ScoringStep(self._model[0]), {f"model.{n}": t for n, t in parameters.items()},
+                (input_ids, step, logits_index))
+            return sampler.sample(logits, temperature, top_k, top_p, seed, samples), logits, *scores
         logits = torch.func.functional_call(
             self._model[0], parameters,
             (input_ids, positions, block_table, slot_mapping, kv_pool, logits_index), {"parallel": parallel, "moe_form": self.moe_form},
@@ -126,9 +135,10 @@ def capture_bucket(model: StepModel, bucket: Bucket, blocks_per_row: int, num_bl
     come from the `coordinates` input. `moe_form` fixes the routed
     experts' formulation (`MOE_FORMS`; by default the model's rule for the bucket's size).
     `weights` replaces the model's own (`model_weights`): fake tensors of a shapes-only compile
-    (`models/abstract.abstract_shard`). `draft_tokens`: speculative decoding's k (0: off).
+    (`models/abstract.abstract_shard`). `draft_tokens`: speculative decoding's k (0: off). A
+    "score" bucket's step also returns its prompt scores (`graphc.models.scoring`).
     """
-    step = StepGraph(model, parallel, moe_form, draft_tokens)
+    step = StepGraph(model, parallel, moe_form, draft_tokens, scores=bucket.kind == "score")
     args = model.args
     pool_shape = kv_pool_shape(args.cache_layers, num_blocks, block_size, args.kv_cache_dim)
     inputs = example_step_inputs(bucket, blocks_per_row, pool_shape, model.dtype)

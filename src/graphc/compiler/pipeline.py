@@ -102,7 +102,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         # another's. Both skipped for a program the cache holds (`rewrite_cache`), unless the
         # passes' graphs are to be dumped.
         parallel = Parallelism(cp=topology.cp, ep=topology.ep, moe_exchange=exchange)
-        buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode, draft_tokens)
+        buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode, draft_tokens, config.runtime.prompt_logprobs)
         fuses_gather = backend_named(backend).fuses_gather
         moe_forms = {bucket: step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
                                            args.n_routed_experts, topology.ep, exchange, fuses_gather)

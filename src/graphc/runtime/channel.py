@@ -45,7 +45,7 @@ from graphc.step import step_shapes
 STARTUP_BYTES = 1 << 16
 START_TIMEOUT_SECONDS = 120.0
 """How long a follower waits for the leader to create the channel, whatever its step timeout."""
-KINDS = ("prefill", "decode")
+KINDS = ("prefill", "decode", "score")
 """Bucket kinds by their number in a slot."""
 HEADER_WORDS = 3
 """A slot starts with the step's bucket: kind, size, tokens per row."""

@@ -91,13 +91,14 @@ class Engine:
         return {"model_fingerprint": m.model_fingerprint, "buckets": dataclasses.asdict(m.buckets),
                 "kv_blocks": self.loaded.num_blocks, "block_size": m.kv_cache.block_size}
 
-    def run_bucket(self, bucket: Bucket, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_bucket(self, bucket: Bucket, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """One step of `bucket`'s graph on this rank's pool: its sampled tokens [B] and logits [B, V]
-        (`graphc compare` reads the logits; serving, the tokens)."""
+        (`graphc compare` reads the logits; serving, the tokens), then a score step's prompt scores
+        (`graphc.models.scoring.SCORE_OUTPUTS`)."""
         return self.loaded.runners[bucket](self.loaded.weights, {"kv_pool": self.kv_pool,
                                                                  "coordinates": self.coordinates, **inputs})
 
-    def _run(self, bucket: Bucket, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, bucket: Bucket, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return self.run_bucket(bucket, inputs)
 
     def generate(self, requests: list[Request]) -> list[Result]:
@@ -133,16 +134,17 @@ class Engine:
         by replica."""
         return self.lead_step(step)[0]
 
-    def lead_step(self, step: Step) -> tuple[list[int], torch.Tensor]:
+    def lead_step(self, step: Step) -> tuple[list[int], torch.Tensor, tuple[torch.Tensor, ...]]:
         """`run_step`, also returning the leader's logits [B, V] (its replica's rows first, then
-        padding): what `graphc compare` reads, on any number of ranks."""
+        padding): what `graphc compare` reads, on any number of ranks; and a score step's prompt
+        scores (empty for other steps)."""
         started = time.perf_counter()
         inputs = self._rank_inputs(step)
         if self.channel is not None:
             self.channel.publish(self.steps, step.bucket, {name: torch.stack([rank[name] for rank in inputs])
                                                            for name in inputs[0]})
         with torch.no_grad():
-            tokens, logits = self._run(step.bucket, inputs[0])
+            tokens, logits, *scores = self._run(step.bucket, inputs[0])
         replicas = step.by_replica()
         replica_tokens = [tokens[: len(replicas[0])]] + [
             self.channel.returned_tokens(self.steps, self.topology.replica_leader(replica), len(rows))
@@ -151,7 +153,7 @@ class Engine:
         self.stats.setdefault(step.bucket.name, BucketStats()).add(
             sum(len(run) for _, run, _ in step.rows), step.bucket.rows * step.bucket.width * len(replicas),
             time.perf_counter() - started)
-        return torch.cat(replica_tokens).tolist(), logits
+        return torch.cat(replica_tokens).tolist(), logits, tuple(scores)
 
     def stop_followers(self) -> None:
         """Leader: tell the followers no more steps will come."""
@@ -162,7 +164,7 @@ class Engine:
         with torch.no_grad():
             while (message := self.channel.receive(self.steps)) is not None:
                 bucket, fields = message
-                tokens, _ = self._run(bucket, {name: values[self.rank] for name, values in fields.items()})
+                tokens = self._run(bucket, {name: values[self.rank] for name, values in fields.items()})[0]
                 if self.loaded.rank.samples:  # the first rank of another replica: its tokens go to the leader
                     self.channel.return_tokens(self.steps, tokens)
                 self.steps += 1
@@ -185,6 +187,5 @@ class Session:
         """Run the next step; the tokens it generated (and the results of requests it ended)."""
         step = self.scheduler.next_step()
         if step.wants_logits:
-            tokens, logits = self.engine.lead_step(step)
-            return self.scheduler.complete(step, tokens, logits)
+            return self.scheduler.complete(step, *self.engine.lead_step(step))
         return self.scheduler.complete(step, self.engine.run_step(step))

@@ -1,5 +1,7 @@
 """The log-probabilities a request asks for (OpenAI's `logprobs`): of each generated token, and of
-the N most likely tokens at its position.
+the N most likely tokens at its position; and (`echo`) of its prompt's tokens, from the score
+steps' outputs (`graphc.models.scoring`), all computed in the program but for a chunk's last
+position, whose next token is read from the step's logits as a generated token's is.
 
 They are the model's own distribution, the log-softmax of the logits the step's program returns
 for the row (its `logits` output, the leader's rows), before temperature, top-k and top-p, as
@@ -20,9 +22,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-MAX_TOP_LOGPROBS = 20
-"""The most alternatives a request may ask for at each position (vLLM's default bound)."""
-
 
 @dataclass(frozen=True)
 class TokenLogprobs:
@@ -38,3 +37,11 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     logprobs = logits.float().log_softmax(dim=-1)
     values, ids = logprobs.topk(min(top, logprobs.shape[-1]))
     return TokenLogprobs(float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist())))
+
+
+def chunk_logprobs(chosen: torch.Tensor, top_logprobs: torch.Tensor, top_ids: torch.Tensor, count: int,
+                   top: int) -> list[TokenLogprobs]:
+    """A score step's outputs of one row ([W], [W, N], [W, N]) -> the entries of its first `count`
+    positions (each of the token after it), with `top` alternatives each."""
+    logprobs, values, ids = chosen[:count].tolist(), top_logprobs[:count, :top].tolist(), top_ids[:count, :top].tolist()
+    return [TokenLogprobs(lp, tuple(zip(i, v))) for lp, i, v in zip(logprobs, ids, values)]

@@ -47,6 +47,9 @@ class Ticket:
     cancelled: bool = False
     cached_tokens: int = 0
     """Prompt tokens its sequence read from the prefix cache (set before its first token is delivered)."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """Its prompt's logprobs where it asked for them (`Request.prompt_logprobs`), set before its
+    first event is delivered."""
 
 
 @dataclass
@@ -155,6 +158,8 @@ class OnlineEngine:
                     for emitted in self.session.step():
                         ticket = self._tickets[emitted.index]
                         ticket.cached_tokens = emitted.cached_tokens
+                        if emitted.prompt_logprobs is not None:
+                            ticket.prompt_logprobs = emitted.prompt_logprobs
                         if emitted.result is not None:
                             del self._tickets[emitted.index]
                             del scheduler.results[emitted.index]  # delivered: a server keeps no history

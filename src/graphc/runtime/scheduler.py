@@ -23,7 +23,9 @@ Policy, step by step:
    c. a **decode** step: up to the largest decode bucket's rows of decoding sequences (rotating,
       so every sequence advances when there are more), in the smallest decode bucket that
       holds them.
-   Alternating a/b-c keeps long prompts from stalling running decodes.
+   Alternating a/b-c keeps long prompts from stalling running decodes. A prompt whose request
+   asks for its log-probabilities (`Request.prompt_logprobs`) is long whatever its length: its
+   chunks run in the prefill buckets' score twins, which return every position's.
 3. **Speculative decoding** (k drafts: `graphc.models.speculation`). A decoding row runs its
    last token and up to k drafts its previous step made, as many as could still be emitted (under
    max_new_tokens and context_limit); its step returns how many were accepted, the tokens to
@@ -54,7 +56,7 @@ from graphc.backends import backend
 from graphc.buckets.selection import Bucket, decode_widths, max_prefill_chunk, smallest_fitting
 from graphc.runtime.constraints import TokenConstraint
 from graphc.runtime.leader_sampling import leader_token
-from graphc.runtime.logprobs import TokenLogprobs, token_logprobs
+from graphc.runtime.logprobs import TokenLogprobs, chunk_logprobs, token_logprobs
 from graphc.runtime.paged import BlockAllocator, SequenceBlocks
 from graphc.runtime.penalties import Penalties
 from graphc.runtime.prefix_cache import PrefixCache, prefix_caching_enabled, root_key
@@ -77,6 +79,11 @@ class Request:
     logprobs: int | None = None
     """Each generated token's log-probability and its position's `logprobs` most likely tokens'
     (`graphc.runtime.logprobs`); None: none."""
+    prompt_logprobs: int | None = None
+    """Each prompt token's log-probability (but the first's) and its position's `prompt_logprobs`
+    most likely tokens' (OpenAI's `echo`); None: none. Such a request reads nothing from the
+    prefix cache (its prompt's every position is computed), and with it `max_new_tokens` may be
+    0: the prompt is scored and nothing generated."""
     penalties: Penalties | None = None
     """Penalties and logit bias (`graphc.runtime.penalties`); None: none."""
     constraint: TokenConstraint | None = None
@@ -90,7 +97,7 @@ class Request:
     @property
     def needs_logits(self) -> bool:
         """Whether its tokens need the step's logits on the leader (it then never drafts)."""
-        return self.logprobs is not None or self.samples_on_the_leader
+        return self.logprobs is not None or self.prompt_logprobs is not None or self.samples_on_the_leader
 
 
 @dataclass
@@ -110,6 +117,8 @@ class Result:
     """From the scheduler's start to this request's last generated token."""
     logprobs: list[TokenLogprobs] | None = None
     """Of each output token, where the request asked for them."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """Of each prompt token (None for the first), where the request asked for them."""
 
     @property
     def time_per_output_token(self) -> float | None:
@@ -134,6 +143,7 @@ class Sequence:
     drafts: list[int] = field(default_factory=list)
     """Speculative decoding: the tokens its last step drafted after its last output token."""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
     @property
     def prefilling(self) -> bool:
@@ -163,12 +173,15 @@ class Emitted:
     """What one step produced for one request: a generated token, and its result if it ended."""
 
     index: int
-    token: int
+    token: int | None
+    """None where the request ended without generating (a prompt scored with max_new_tokens 0)."""
     result: Result | None
     cached_tokens: int = 0
     """Prompt tokens the request read from the prefix cache."""
     logprobs: TokenLogprobs | None = None
     """The token's, where its request asked for them."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """On a request's first event, its prompt's, where it asked for them."""
 
 
 Row = tuple[Sequence, list[int], int]
@@ -210,22 +223,24 @@ class Scheduler:
                    max_num_prefilling_tokens=manifest.runtime.max_num_prefilling_tokens,
                    eos_token_ids=manifest.model.eos_token_id, kv_shards=manifest.topology.cp,
                    prompt_as_decode=buckets.prompt_as_decode, draft_tokens=buckets.draft_tokens,
-                   prefix_cache_salt=(manifest.model_fingerprint, manifest.model.dtype) if caching else None)
+                   prefix_cache_salt=(manifest.model_fingerprint, manifest.model.dtype) if caching else None,
+                   prompt_scores=buckets.prompt_logprobs)
 
     def __init__(self, requests: list[Request], *, prefill: list[int], decode: list[int], context_limit: int,
                  block_size: int, num_blocks: int, max_num_prefilling_tokens: int, eos_token_ids: list[int],
                  kv_shards: int = 1, prompt_as_decode: int = 0, prefix_cache_salt: tuple[str, ...] | None = None,
-                 draft_tokens: int = 0):
+                 draft_tokens: int = 0, prompt_scores: bool = False):
         """`num_blocks` is each rank's pool; with `kv_shards` context-parallel ranks, a sequence's
         block j lives on rank j % kv_shards and is allocated from that rank's pool. With
         `prefix_cache_salt` (what decides a block's contents besides its tokens) full blocks
-        are cached and reused. `draft_tokens`: speculative decoding's k (rule 3; 0: off)."""
+        are cached and reused. `draft_tokens`: speculative decoding's k (rule 3; 0: off).
+        `prompt_scores`: the prefill buckets have score twins (requests may ask for prompt logprobs)."""
         self.prefill, self.decode = sorted(prefill), sorted(decode)
         self.context_limit, self.block_size = context_limit, block_size
         self.eos = set(eos_token_ids)
         self.max_chunk = max_prefill_chunk(self.prefill, max_num_prefilling_tokens)
         self.prompt_as_decode = prompt_as_decode
-        self.draft_tokens = draft_tokens
+        self.draft_tokens, self.prompt_scores = draft_tokens, prompt_scores
         self.decode_widths = decode_widths(prompt_as_decode, draft_tokens)
         self.drafts = DraftStats([0] * draft_tokens, [0] * draft_tokens)
         self.kv_shards = kv_shards
@@ -290,7 +305,7 @@ class Scheduler:
         """KV positions the request can ever write: every prompt token and every generated token
         but the last (which is returned, never fed back); with drafts, k more (rule 3), within
         the block table."""
-        kept = min(len(request.prompt) + request.max_new_tokens, self.context_limit) - 1
+        kept = min(len(request.prompt) + max(request.max_new_tokens, 1), self.context_limit) - 1
         if not self.draft_tokens:
             return kept
         return min(kept + self.draft_tokens, ceil_div(self.context_limit, self.block_size) * self.block_size)
@@ -299,8 +314,11 @@ class Scheduler:
         """Why `request` can never be served by these buckets and this pool, or None."""
         if not request.prompt:
             return "empty prompt: a request needs at least one token"
-        if request.max_new_tokens < 1:
-            return f"max_new_tokens is {request.max_new_tokens}; it must be at least 1"
+        if request.prompt_logprobs is not None and not self.prompt_scores:
+            return ("prompt logprobs need artifacts compiled with runtime.prompt_logprobs: true; these were compiled "
+                    "without")
+        if request.max_new_tokens < (0 if request.prompt_logprobs is not None else 1):
+            return f"max_new_tokens is {request.max_new_tokens}; it must be at least 1 (0 only to score a prompt)"
         if len(request.prompt) >= self.context_limit:
             return (f"prompt of {len(request.prompt)} tokens leaves no room under context_limit "
                     f"{self.context_limit}; shorten it or compile with a larger context_limit")
@@ -323,14 +341,15 @@ class Scheduler:
         """Admit waiting requests in order while the pool holds their whole lives (rule 1)."""
         while self.waiting:
             index, request = self.waiting[0]
-            hits, keys = self.prefix_cache.match(request.prompt, request.cache_salt) if self.prefix_cache else ([], [])
+            looks_up = self.prefix_cache is not None and request.prompt_logprobs is None
+            hits, keys = self.prefix_cache.match(request.prompt, request.cache_salt) if looks_up else ([], [])
             needed = self.blocks_needed(request)
             if hits:
                 needed = self.prefix_cache.fresh_needed(needed, hits)
             if any(n > allocator.free_blocks for n, allocator in zip(needed, self.allocators)):
                 return
             self.waiting.popleft()
-            if self.prefix_cache:
+            if looks_up:
                 self.prefix_cache.hold(len(request.prompt), hits)
             cached = len(hits) * self.block_size
             sequence = Sequence(index, request, SequenceBlocks(self.block_size, list(hits), self.kv_shards),
@@ -350,7 +369,8 @@ class Scheduler:
         if long and (not others or not self._last_was_prefill):
             self._last_was_prefill = True
             row = self.prefill_row()
-            return Step(Bucket("prefill", smallest_fitting(self.prefill, len(row[1]))), [row])
+            kind = "prefill" if row[0].request.prompt_logprobs is None else "score"
+            return Step(Bucket(kind, smallest_fitting(self.prefill, len(row[1]))), [row])
         self._last_was_prefill = False
         rows, short = self.decode_rows()
         return Step(Bucket("decode", smallest_fitting(self.decode, len(rows)), self.decode_widths[-1 if short else 0]),
@@ -359,19 +379,23 @@ class Scheduler:
     def pending(self) -> tuple[bool, bool]:
         """Whether a long prompt waits for a prefill step, and whether anything can run in a
         decode step (a short prompt or a decoding sequence)."""
-        return (any(s.remaining_prompt > self.prompt_as_decode for s in self.running),
-                any(s.remaining_prompt <= self.prompt_as_decode for s in self.running))
+        return any(map(self._long, self.running)), not all(map(self._long, self.running))
+
+    def _long(self, sequence: Sequence) -> bool:
+        """Whether its prompt's next tokens wait for a prefill step (rule 2)."""
+        return sequence.remaining_prompt > self.prompt_as_decode or (
+            sequence.prefilling and sequence.request.prompt_logprobs is not None)
 
     def prefill_row(self) -> Row | None:
         """The next chunk of the oldest long prompt, or None if none waits."""
-        sequence = next((s for s in self.running if s.remaining_prompt > self.prompt_as_decode), None)
+        sequence = next(filter(self._long, self.running), None)
         if sequence is None:
             return None
         return sequence, sequence.request.prompt[sequence.prefilled: sequence.prefilled + self.max_chunk], sequence.prefilled
 
     def decode_rows(self) -> tuple[list[Row], bool]:
         """A decode step's rows (rule 2b or 2c), and whether short prompts are among them."""
-        short = [s for s in self.running if 0 < s.remaining_prompt <= self.prompt_as_decode][: self.decode[-1]]
+        short = [s for s in self.running if s.prefilling and not self._long(s)][: self.decode[-1]]
         decoding = [s for s in self.running if not s.prefilling]
         batch = short + self._rotate(decoding[: self.decode[-1] - len(short)])
         rows = [(s, s.request.prompt[s.prefilled:], s.prefilled) if s.prefilling
@@ -394,14 +418,17 @@ class Scheduler:
             self.running.append(sequence)
         return batch
 
-    def complete(self, step: Step, tokens: list[int] | list[list[int]], logits=None) -> list[Emitted]:
+    def complete(self, step: Step, tokens: list[int] | list[list[int]], logits=None, scores=()) -> list[Emitted]:
         """Record the step's sampled tokens (one per row; padding rows already dropped; with drafts,
         each row's packed verdict, `graphc.models.speculation`); returns the generated tokens,
         with the results of the requests they ended. `logits` [rows, V]: the step's, where a
-        row's request needs them (`Step.wants_logits`)."""
+        row's request needs them (`Step.wants_logits`); `scores`: a score step's prompt scores
+        (`graphc.models.scoring.SCORE_OUTPUTS`)."""
         emitted = []
         for row, ((sequence, run, start), sampled) in enumerate(zip(step.rows, tokens)):
             new_tokens = self._new_tokens(sequence, run, sampled)
+            if step.bucket.kind == "score":
+                self._score(sequence, run, start, logits[row], [output[row] for output in scores])
             if sequence.prefilling:
                 end = start + len(run)
                 # With drafts a middle chunk's last token runs again with the next chunk (rule 3).
@@ -410,6 +437,13 @@ class Scheduler:
                     self._publish(sequence)
                     continue  # a middle chunk: its sample is not a generated token
             reason, request = None, sequence.request
+            prompt_logprobs = sequence.prompt_logprobs if request.prompt_logprobs is not None else None
+            if request.max_new_tokens == 0:  # a prompt scored, nothing generated
+                self._publish(sequence)
+                self._finish(sequence, "length")
+                emitted.append(Emitted(sequence.index, None, self.results[sequence.index], sequence.cached_tokens,
+                                       prompt_logprobs=prompt_logprobs))
+                continue
             # A row that needs the logits never drafts: one new token, and the row's logits are its own.
             if request.samples_on_the_leader:
                 new_tokens = [leader_token(logits[row], request, sequence.output)]
@@ -428,8 +462,21 @@ class Scheduler:
                 self._finish(sequence, reason)
             logprobs = sequence.logprobs[-1] if request.logprobs is not None else None
             emitted += [Emitted(sequence.index, token, self.results.get(sequence.index) if reason and i == count else None,
-                                sequence.cached_tokens, logprobs) for i, token in enumerate(new_tokens[:count], start=1)]
+                                sequence.cached_tokens, logprobs,
+                                prompt_logprobs if len(sequence.output) - count + i == 1 else None)
+                        for i, token in enumerate(new_tokens[:count], start=1)]
         return emitted
+
+    def _score(self, sequence: Sequence, run: list[int], start: int, logits, scores: list) -> None:
+        """Add a score step's row to its sequence's prompt logprobs: each position's of the token
+        after it; the chunk's last position's from the step's logits, where a chunk follows."""
+        prompt, top = sequence.request.prompt, sequence.request.prompt_logprobs
+        if start == 0:
+            sequence.prompt_logprobs.append(None)  # the first token follows nothing
+        sequence.prompt_logprobs += chunk_logprobs(*scores, len(run) - 1, top)
+        end = start + len(run)
+        if end < len(prompt):
+            sequence.prompt_logprobs.append(token_logprobs(logits, prompt[end], top))
 
     def _new_tokens(self, sequence: Sequence, run: list[int], sampled: int | list[int]) -> list[int]:
         """A row's new tokens from its step's output; with drafts, keeping its next drafts and
@@ -461,7 +508,9 @@ class Scheduler:
                                               first_token_seconds=sequence.first_token_seconds,
                                               cached_tokens=sequence.cached_tokens,
                                               last_token_seconds=sequence.last_token_seconds,
-                                              logprobs=sequence.logprobs if sequence.request.logprobs is not None else None)
+                                              logprobs=sequence.logprobs if sequence.request.logprobs is not None else None,
+                                              prompt_logprobs=(sequence.prompt_logprobs
+                                                               if sequence.request.prompt_logprobs is not None else None))
 
     def _finish_reason(self, sequence: Sequence) -> str | None:
         request = sequence.request

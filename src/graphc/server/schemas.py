@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from graphc.runtime.logprobs import MAX_TOP_LOGPROBS
+from graphc.sampling import MAX_TOP_LOGPROBS
 from graphc.server.limits import MAX_CACHE_SALT_CHARS, MAX_PROMPTS, MAX_STOP_BYTES, MAX_STOP_STRINGS
 
 

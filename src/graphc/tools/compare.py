@@ -156,7 +156,7 @@ class TeacherForced:
     def _step(self, bucket: Bucket, sequence: Sequence, tokens: list[int], start: int) -> torch.Tensor:
         # One row, in the first replica; every other replica's rows are padding.
         step = Step(bucket, [(sequence, tokens, start)], (1,) + (0,) * (self.replicas - 1) if self.replicas > 1 else ())
-        _, logits = self.engine.lead_step(step)
+        _, logits, _ = self.engine.lead_step(step)
         return logits[0].float()
 
 
