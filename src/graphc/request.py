@@ -82,7 +82,7 @@ def engine_request(manifest: Manifest, prompt: list[int], max_new_tokens: int | 
                    stop_at_eos: bool = True, min_new_tokens: int = 0, cache_salt: str | None = None) -> Request:
     """The engine's request, with the manifest's defaults where `max_new_tokens` is None and for
     the sampling parameters no override gives."""
-    limit = max_new_tokens or default_max_new_tokens(manifest, len(prompt))
+    limit = default_max_new_tokens(manifest, len(prompt)) if max_new_tokens is None else max_new_tokens
     return Request(prompt, limit, merged_sampling(manifest, *sampling), stop_at_eos=stop_at_eos,
                    min_new_tokens=min_new_tokens, cache_salt=cache_salt)
 

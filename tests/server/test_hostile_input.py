@@ -147,6 +147,11 @@ BAD_BODIES = [
      "logprobs: Input should be less than or equal to 20", "logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      None, "top_logprobs: it needs logprobs: true", "top_logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": [5], "echo": True, "logprobs": 1}, None,
+     "echo: the prompt's logprobs need artifacts compiled with runtime.prompt_logprobs: true; these were compiled "
+     "without (echo without logprobs needs nothing)", "echo"),
+    ("/v1/completions", {"model": "tiny", "prompt": [5], "echo": True, "max_tokens": 0}, None,
+     "max_tokens: 0 must be at least 1 (0 only with echo and logprobs, to score a prompt)", "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": [5], "presence_penalty": 2.5}, None,
      "presence_penalty: 2.5 must be a number in [-2, 2]", "presence_penalty"),
     ("/v1/completions", {"model": "tiny", "prompt": [5], "repetition_penalty": 0}, None,

@@ -42,7 +42,8 @@ def test_a_body_without_a_seed_gets_fresh_noise_unless_the_server_sets_one():
 @pytest.mark.parametrize("prompt, fields, param, says", [
     ([1, 999], {}, "prompt", "token id 999 is outside the vocabulary 0..255"),
     ([1, 2], {"top_p": 0.0}, "top_p", "top_p: 0.0 must be a number in (0, 1]"),
-    ([1, 2], {"max_tokens": 0}, "max_tokens", "max_tokens: 0 must be at least 1"),
+    ([1, 2], {"max_tokens": 0}, "max_tokens", "max_tokens: 0 must be at least 1 (0 only with echo and logprobs, to score "
+                                             "a prompt)"),
     ([1, 2], {"max_tokens": 127}, "max_tokens", "this model's maximum context length is 128 tokens; the request "
                                                 "asks for 129 (2 in the prompt, 127 for the completion)"),
     ([1] * 120, {"min_tokens": 9}, "min_tokens", "min_tokens: 9 is more than max_tokens (8)"),

@@ -17,16 +17,17 @@ def token_text(tokenizer, token: int) -> str:
     return tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else f"token_id:{token}"
 
 
-def logprobs_body(tokenizer, ids: list[int], entries: list[TokenLogprobs], chat: bool, offset: int = 0) -> dict:
-    """The logprobs of `ids` (one entry each), a chat's or a completion's; `offset`: where the
-    first token's text starts in the choice's text (a stream's later chunks)."""
+def logprobs_body(tokenizer, ids: list[int], entries: list[TokenLogprobs | None], chat: bool, offset: int = 0) -> dict:
+    """The logprobs of `ids` (one entry each; a completion's echoed prompt's first is None, and
+    null in the body), a chat's or a completion's; `offset`: where the first token's text starts
+    in the choice's text (a stream's later chunks)."""
     if chat:
         return {"content": [{**_chat_token(tokenizer, token, entry.logprob),
                              "top_logprobs": [_chat_token(tokenizer, t, lp) for t, lp in entry.top]}
                             for token, entry in zip(ids, entries)], "refusal": None}
     tokens = [token_text(tokenizer, token) for token in ids]
-    return {"tokens": tokens, "token_logprobs": [entry.logprob for entry in entries],
-            "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in entry.top} for entry in entries],
+    return {"tokens": tokens, "token_logprobs": [entry and entry.logprob for entry in entries],
+            "top_logprobs": [entry and {token_text(tokenizer, t): lp for t, lp in entry.top} for entry in entries],
             "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))}
 
 

@@ -129,10 +129,10 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         return served_model
 
     async def respond(body, prompts: list[list[int]], shape: Shape, http: Request, grammar: str | None,
-                      reply=ChatReply):
+                      reply=ChatReply, echoes: list[str] | None = None):
         """`n` choices for each of `prompts` (choice j of prompt p at index p * n + j): every one
         checked before any is submitted; each following `grammar` (None: free text), a chat's
-        read by its own `reply()`."""
+        read by its own `reply()`; a completion's text after its prompt's `echoes`, where it asks."""
         n = _choices(body.n, len(prompts), limits.max_n)
         requests, salt = [], isolation.salt(body.cache_salt, tenant(http.scope))
         for index, prompt in enumerate(prompts):
@@ -148,7 +148,8 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
             except BadRequest as refused:
                 raise _of_prompt(refused, index, len(prompts)) from None
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        generations = await submitted(requests, n, stop, reply)
+        generations = await submitted(requests, n, stop, reply, [echoes[i // n] if echoes else None
+                                                                 for i in range(len(requests))])
         head = {"id": f"{shape.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
         if body.stream:
             options = body.stream_options
@@ -157,7 +158,7 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
             return GenerationStream(generations, stream(generations, head, shape, usage, cached_tokens))
         return await complete(generations, head, shape, http, cached_tokens)
 
-    async def submitted(requests: list, n: int, stop: list[str], reply) -> list[Generation]:
+    async def submitted(requests: list, n: int, stop: list[str], reply, echoes: list[str | None]) -> list[Generation]:
         """A generation for each request, none left running if another cannot be submitted (a full
         admission queue) or the handler is cancelled meanwhile. With n > 1, a prompt's first choice
         goes first and its others once it has its first token: its prompt's full blocks are then in
@@ -165,14 +166,15 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
         generations: list[Generation | None] = [None] * len(requests)
         try:
             for lead in range(0, len(requests), n):
-                generations[lead] = Generation(online, metrics, requests[lead], tokenizer, stop, reply=reply())
+                generations[lead] = Generation(online, metrics, requests[lead], tokenizer, stop, reply=reply(),
+                                               echo=echoes[lead])
             if n > 1 and shares_prefill:
                 await asyncio.gather(*(g.started.wait() for g in generations
                                        if g is not None and len(g.request.prompt) > block_size))
             for index, request in enumerate(requests):
                 if generations[index] is None:
                     generations[index] = Generation(online, metrics, request, tokenizer, stop, lead=False,
-                                                    reply=reply())
+                                                    reply=reply(), echo=echoes[index])
         except BaseException:  # QueueFull, or the handler cancelled while the first choices prefill
             for generation in generations:
                 if generation is not None:
@@ -190,7 +192,10 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
                 prompts.append(await off_loop(prompt_ids, prompt, tokenizer, char_limit, context_limit))
             except BadRequest as refused:
                 raise _of_prompt(refused, index, len(batch)) from None
-        return await respond(body, prompts, TEXT, http, await off_loop(requested_grammar, body, grammars))
+        echoes = [prompt if isinstance(prompt, str) else tokenizer.decode(ids) if tokenizer is not None else ""
+                  for prompt, ids in zip(batch, prompts)] if body.echo else None
+        return await respond(body, prompts, TEXT, http, await off_loop(requested_grammar, body, grammars),
+                             echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request):

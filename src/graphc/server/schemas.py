@@ -110,10 +110,19 @@ class CompletionRequest(_Generation):
     each (`index` in order), as OpenAI's API defines it and lm-evaluation-harness sends it."""
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """Each token's log-probability and its position's N most likely tokens'."""
+    echo: bool = False
+    """The prompt's text before the completion's; with `logprobs`, the prompt tokens' logprobs
+    before the completion's (the first null), which needs artifacts compiled with
+    `runtime.prompt_logprobs`. With both, `max_tokens` may be 0: the prompt is scored, nothing
+    generated (lm-evaluation-harness's loglikelihood)."""
 
     def asked_logprobs(self) -> int | None:
         """The most likely tokens a position reports (None: no logprobs)."""
         return self.logprobs
+
+    def asked_prompt_logprobs(self) -> int | None:
+        """The most likely tokens a prompt position reports (None: no prompt logprobs)."""
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt")
     @classmethod
@@ -240,6 +249,10 @@ class ChatCompletionRequest(_Generation):
     def asked_logprobs(self) -> int | None:
         """The most likely tokens a position reports (None: no logprobs)."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def asked_prompt_logprobs(self) -> None:
+        """A chat's prompt is the template's, never echoed."""
+        return None
 
     @field_validator("tools")
     @classmethod

@@ -33,10 +33,12 @@ class Generation:
     """
 
     def __init__(self, online: OnlineEngine, metrics: ServerMetrics, request: GenerationRequest, tokenizer,
-                 stop: list[str], lead: bool = True, reply: ChatReply | None = None):
+                 stop: list[str], lead: bool = True, reply: ChatReply | None = None, echo: str | None = None):
         self.online, self.metrics, self.request = online, metrics, request
         self.lead = lead
         """The first choice of its prompt: usage counts the prompt's tokens once, on it."""
+        self.echo = echo
+        """A completion's prompt text, to come before its own (`echo`) in its first chunk, or None."""
         self.reply = reply or ChatReply()
         """A chat's text as message fields: reasoning, content, tool calls."""
         self.decoded = IncrementalText(tokenizer)
@@ -162,10 +164,12 @@ class Shape:
 
     def choice(self, index: int, generation: Generation, text: str, ids: list[int], first: bool = False,
                whole: bool = False, logprobs: dict | None = None) -> dict:
-        """Choice `index` of `generation`: its whole text, or (a chunk's) the `text` it adds."""
+        """Choice `index` of `generation`: its whole text, or (a chunk's) the `text` it adds; a
+        completion's first chunk (or whole text) after its echoed prompt."""
         finish_reason = generation.finish_reason
         if not self.chat:
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            echo = generation.echo if (first or whole) and generation.echo is not None else ""
+            return {"index": index, "text": echo + text, "logprobs": logprobs, "finish_reason": finish_reason,
                     "token_ids": ids}
         reply = generation.reply
         if whole:
@@ -232,7 +236,7 @@ async def complete(generations: list[Generation], head: dict, shape: Shape, http
     if failed:  # 503: the server is going away, which a client may retry elsewhere
         return error_response(503 if failed.unavailable else 500, f"the request failed: {failed.error}",
                               kind="server_error")
-    choices = [shape.choice(i, g, g.text, g.ids, whole=True, logprobs=_logprobs(g, g.ids, g.logprobs, shape))
+    choices = [shape.choice(i, g, g.text, g.ids, whole=True, logprobs=_logprobs(g, g.ids, g.logprobs, shape, True))
                for i, g in enumerate(generations)]
     usage = _usage(generations, cached_tokens)
     return JSONResponse({**head, "object": shape.object, "choices": choices, "usage": usage})
@@ -268,7 +272,7 @@ async def stream(generations: list[Generation], head: dict, shape: Shape, usage:
                 yield _event(error_body(f"the request failed: {generation.error}", kind="server_error"))
                 break
             choice = shape.choice(index, generation, delta, ids, first=index in first,
-                                  logprobs=_logprobs(generation, ids, logprobs, shape))
+                                  logprobs=_logprobs(generation, ids, logprobs, shape, index in first))
             first.discard(index)
             counts = {"usage": _usage(generations, cached_tokens)} if usage == "every chunk" else {}
             yield _event({**head, "object": shape.chunk_object, "choices": [choice], **counts})
@@ -281,10 +285,14 @@ async def stream(generations: list[Generation], head: dict, shape: Shape, usage:
     yield "data: [DONE]\n\n"
 
 
-def _logprobs(generation: Generation, ids: list[int], entries: list[TokenLogprobs], shape: Shape) -> dict | None:
-    """A choice's (or a chunk's) logprobs of `ids`, None where its request asks for none."""
+def _logprobs(generation: Generation, ids: list[int], entries: list[TokenLogprobs], shape: Shape,
+              first: bool) -> dict | None:
+    """A choice's (or a chunk's) logprobs of `ids`, None where its request asks for none; the
+    `first` chunk's (or the whole choice's) after its prompt's, where it asks for those (`echo`)."""
     if generation.request.logprobs is None:
         return None
+    if first and generation.request.prompt_logprobs is not None:
+        ids, entries = generation.request.prompt + ids, generation.ticket.prompt_logprobs + entries
     tokenizer = generation.decoded.tokenizer
     body = logprobs_body(tokenizer, ids, entries, shape.chat, generation.logprob_chars)
     generation.logprob_chars += text_length(tokenizer, ids)

@@ -110,13 +110,18 @@ def generation_request(body, prompt: list[int], manifest: Manifest, default_seed
         raise BadRequest(f"{bad[0]}: {bad[1]}", param=bad[0])
     given.setdefault("seed", secrets.randbelow(SEED_MAX + 1) if default_seed is None else default_seed)
     given["seed"] = (given["seed"] + choice) % (SEED_MAX + 1)
-    max_tokens = _max_tokens(body, len(prompt), manifest)
+    prompt_logprobs = body.asked_prompt_logprobs()
+    if prompt_logprobs is not None and not manifest.buckets.prompt_logprobs:
+        raise BadRequest("echo: the prompt's logprobs need artifacts compiled with runtime.prompt_logprobs: true; these "
+                         "were compiled without (echo without logprobs needs nothing)", param="echo")
+    max_tokens = _max_tokens(body, len(prompt), manifest, scores=prompt_logprobs is not None)
     if body.min_tokens > max_tokens:
         raise BadRequest(f"min_tokens: {body.min_tokens} is more than max_tokens ({max_tokens})", param="min_tokens")
     penalties = _penalties(body, manifest.model.vocab_size)
     return dataclasses.replace(engine_request(manifest, prompt, max_tokens, given, stop_at_eos=not body.ignore_eos,
                                               min_new_tokens=body.min_tokens, cache_salt=cache_salt),
-                               logprobs=body.asked_logprobs(), penalties=penalties if penalties.active else None)
+                               logprobs=body.asked_logprobs(), prompt_logprobs=prompt_logprobs,
+                               penalties=penalties if penalties.active else None)
 
 
 def _penalties(body, vocab_size: int) -> Penalties:
@@ -151,13 +156,15 @@ def _logit_bias(given: dict[str, float], vocab_size: int) -> dict[int, float]:
     return bias
 
 
-def _max_tokens(body, prompt_tokens: int, manifest: Manifest) -> int:
-    """`body.max_tokens` if the context holds it, else BadRequest; absent, `graphc.request`'s default."""
+def _max_tokens(body, prompt_tokens: int, manifest: Manifest, scores: bool) -> int:
+    """`body.max_tokens` if the context holds it, else BadRequest; absent, `graphc.request`'s default.
+    A request that `scores` its prompt may ask for none."""
     if body.max_tokens is None:
         return default_max_new_tokens(manifest, prompt_tokens)
     limit = manifest.buckets.context_limit
-    if body.max_tokens < 1:
-        raise BadRequest(f"max_tokens: {body.max_tokens} must be at least 1", param="max_tokens")
+    if body.max_tokens < (0 if scores else 1):
+        raise BadRequest(f"max_tokens: {body.max_tokens} must be at least 1 (0 only with echo and logprobs, to score "
+                         "a prompt)", param="max_tokens")
     if prompt_tokens + body.max_tokens > limit:
         raise BadRequest(f"this model's maximum context length is {limit} tokens; the request asks for "
                          f"{prompt_tokens + body.max_tokens} ({prompt_tokens} in the prompt, {body.max_tokens} for the "
