@@ -6,11 +6,33 @@ share. Torch-free.
 
 from __future__ import annotations
 
+from graphc.sampling import MAX_TOP_LOGPROBS
+
 STEP_INPUTS = (
     "input_ids", "positions", "block_table", "slot_mapping", "kv_pool",
     "logits_index", "temperature", "top_k", "top_p", "seed", "coordinates",
 )
 """Per-step graph inputs after the weights, in call order."""
+
+STEP_OUTPUTS = ("tokens", "logits")
+"""What every step program returns, in order: the sampled tokens (or a speculative step's
+verdicts) and the logits they were drawn from."""
+
+SCORE_OUTPUTS = ("prompt_logprobs", "prompt_top_logprobs", "prompt_top_ids")
+"""What a score step (`graphc.models.scoring`) returns after `STEP_OUTPUTS`: [B, W] fp32, each
+position's log-probability of the next token in its row; [B, W, N] fp32 and int64, its N most
+likely tokens' (`score_top`), most likely first."""
+
+
+def step_outputs(kind: str) -> tuple[str, ...]:
+    """The outputs of a program of bucket kind `kind`, in order."""
+    return STEP_OUTPUTS + (SCORE_OUTPUTS if kind == "score" else ())
+
+
+def score_top(vocab: int) -> int:
+    """N, the alternatives a score step returns at each position."""
+    return min(MAX_TOP_LOGPROBS, vocab)
+
 
 FLOAT_INPUTS = frozenset({"temperature", "top_p"})
 """Step inputs (besides the pool, in the model dtype) that are fp32; the others are int64 but

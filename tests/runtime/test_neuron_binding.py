@@ -27,6 +27,7 @@ from click.testing import CliRunner
 
 from graphc.cli import cli
 from graphc.errors import GraphcError
+from graphc.runtime import Engine, Request
 from graphc.runtime.neuron_runner import EFA_ENVIRONMENT, runtime_environment
 from servers import Server
 
@@ -53,19 +54,20 @@ def standin_libnrt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def finished(compiled, tmp_path_factory):
-    """finished(cp=1, ep=1, buckets="small", preset=PRESET, speculative=0, broken=None, dp=1, tp=1): tiny neuron
-    artifacts through `graphc neuron-finish` with the neuronx-cc stand-in (`broken`: the NEFF
-    tensor it writes at a wrong size), once per session."""
+    """finished(cp=1, ep=1, buckets="small", preset=PRESET, speculative=0, broken=None, dp=1, tp=1,
+    prompt_logprobs=False): tiny neuron artifacts through `graphc neuron-finish` with the neuronx-cc
+    stand-in (`broken`: the NEFF tensor it writes at a wrong size), once per session."""
     folder = tmp_path_factory.mktemp("standin-neuronx-cc")
     (folder / "neuronx-cc").write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STANDIN / "neuronx_cc.py"}" "$@"\n')
     (folder / "neuronx-cc").chmod(0o755)
     made: dict[tuple, Path] = {}
 
     def get(cp: int = 1, ep: int = 1, buckets: str = "small", preset: str = PRESET, speculative: int = 0,
-            broken: str | None = None, dp: int = 1, tp: int = 1) -> Path:
-        key = (cp, ep, buckets, preset, speculative, broken, dp, tp)
+            broken: str | None = None, dp: int = 1, tp: int = 1, prompt_logprobs: bool = False) -> Path:
+        key = (cp, ep, buckets, preset, speculative, broken, dp, tp, prompt_logprobs)
         if key not in made:
-            artifacts = compiled(preset, "neuron", buckets, cp, ep, dp=dp, tp=tp, speculative=speculative)
+            artifacts = compiled(preset, "neuron", buckets, cp, ep, dp=dp, tp=tp, speculative=speculative,
+                                 prompt_logprobs=prompt_logprobs)
             out = tmp_path_factory.mktemp("finished") / "artifacts"
             env = {"PATH": f"{folder}:{os.environ['PATH']}", "GRAPHC_STANDIN_NEURONX_CC_BREAK": broken}
             result = CliRunner().invoke(cli, ["neuron-finish", str(artifacts), "-o", str(out), "--target", "trn2"],
@@ -221,6 +223,28 @@ def test_executing_other_layouts_and_drafts_gives_the_xla_cpu_runners_tokens(fin
         assert _tokens(done) == _tokens(reference)
         for calls in logs:
             _assert_kept_the_contract(calls, world=len(logs))
+
+
+@pytest.mark.slow  # a compile and a server; the score programs run per commit on XLA:CPU (test_prompt_logprobs.py)
+def test_the_device_path_gives_the_xla_cpu_runners_prompt_logprobs(finished, standin_libnrt, tmp_path):
+    """A score program's five results (the pool, tokens, logits, then the prompt scores) bound by
+    their NEFF names and read back: an echoed prompt's logprobs through the stand-in equal the
+    XLA:CPU runner's."""
+    artifacts = finished(buckets="scores", preset="trained", prompt_logprobs=True)
+    prompt = [(11 * i) % 200 + 30 for i in range(37)]  # three chunks of the score program
+    [reference] = Engine(artifacts).generate([Request(prompt, 0, prompt_logprobs=2)])
+    (tmp_path / "device").mkdir()
+    server = Server(artifacts, env={**EXECUTING, "GRAPHC_NEURON_DEVICE": "1", "LD_LIBRARY_PATH": str(standin_libnrt),
+                                    "GRAPHC_STANDIN_NRT_DIR": str(tmp_path / "device"), "PYTHONPATH": str(STANDIN)})
+    try:
+        served = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    finally:
+        assert server.stop() == 0, "".join(server.lines)
+    logprobs = served.choices[0].logprobs.token_logprobs
+    assert logprobs[0] is None
+    assert logprobs[1:] == pytest.approx([entry.logprob for entry in reference.prompt_logprobs[1:]], abs=1e-6)
+    (calls,) = [_calls(log) for log in (tmp_path / "device").glob("calls-*.log")]
+    _assert_kept_the_contract(calls, world=1)
 
 
 def test_graphc_serve_on_the_device_path_gives_graphc_runs_tokens_to_the_openai_client(finished, standin_libnrt,

@@ -3,15 +3,18 @@ of compiled artifacts against the eager reference's log-softmax (transformers'),
 the prompt: within 1e-4 in fp32 (the issue's bound for loglikelihoods; measured: 1.05e-5 at most,
 on logprobs near -15, where 1e-5 is a few fp32 ulps), the same top-N tokens, across chunk boundaries; the generated
 tokens are those of a request that asks for none; a scored request reads nothing from the prefix
-cache; and `max_new_tokens` 0 scores a prompt without generating."""
+cache; and `max_new_tokens` 0 scores a prompt without generating. On the export backend, on neuron
+artifacts served by XLA:CPU and (nightly) AOTInductor at one rank; at cp 2 x ep 2 and tp 2."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from graphc.models.scoring import SCORE_OUTPUTS, prompt_scores
+from graphc.models.scoring import prompt_scores
+from graphc.step import SCORE_OUTPUTS
 from graphc.runtime import Engine, Request
+from graphc.runtime.launch import serve
 from graphc.runtime.scheduler import Scheduler
 from graphc.weights.tiny import TRAINED_PRESET
 
@@ -73,18 +76,35 @@ def test_a_scored_prompt_always_runs_in_score_steps_never_as_prompt_as_decode():
     assert scheduler.next_step().bucket.kind == "decode"  # the other prompt, as a prompt-as-decode row
 
 
+def _requests(new_tokens: int = 3, **scores) -> list[Request]:
+    return [Request(p, new_tokens, stop_at_eos=False, **scores) for p in PROMPTS]
+
+
 @pytest.mark.compiles
-def test_prompt_logprobs_are_the_references_and_leave_the_tokens_as_they_were(compiled, tiny_checkpoints, report):
-    artifacts = compiled(TRAINED_PRESET, "export", BUCKETS, prompt_logprobs=True)
+@pytest.mark.parametrize("backend", ["export", "neuron", "inductor"])
+def test_prompt_logprobs_are_the_references_and_leave_the_tokens_as_they_were(compiled, tiny_checkpoints, report,
+                                                                              backend):
+    artifacts = compiled(TRAINED_PRESET, backend, BUCKETS, prompt_logprobs=True)
     engine = Engine(artifacts)
-    plain = engine.generate([Request(p, 3, stop_at_eos=False) for p in PROMPTS])
-    scored = engine.generate([Request(p, 3, stop_at_eos=False, prompt_logprobs=TOP, logprobs=TOP) for p in PROMPTS])
+    plain = engine.generate(_requests())
+    scored = engine.generate(_requests(prompt_logprobs=TOP, logprobs=TOP))
     assert [r.output_ids for r in scored] == [r.output_ids for r in plain]
     assert all(r.prompt_logprobs is None for r in plain)
     largest = max(_check(tiny_checkpoints[TRAINED_PRESET], result) for result in scored)
-    report(f"prompt logprobs, export, 1 rank: largest |difference| from transformers' {largest:.2e}")
+    report(f"prompt logprobs, {backend}, 1 rank: largest |difference| from transformers' {largest:.2e}")
     assert all(result.cached_tokens == 0 for result in scored)  # the plain run cached these prompts; scoring reads none
     assert engine.stats["score-16"].steps == 1 + 1 + 1 + 3  # a chunk each for 1, 3 and 16 tokens, three for 37
     only_scored = engine.generate([Request(PROMPTS[-1], 0, prompt_logprobs=TOP)])[0]
     assert only_scored.output_ids == [] and only_scored.finish_reason == "length"
     assert [e.logprob for e in only_scored.prompt_logprobs[1:]] == [e.logprob for e in scored[-1].prompt_logprobs[1:]]
+
+
+@pytest.mark.compiles
+@pytest.mark.multirank
+@pytest.mark.parametrize("cp, ep, tp", [(2, 2, 1), (1, 1, 2)], ids=["cp2-ep2", "tp2"])
+def test_parallel_ranks_give_the_references_prompt_logprobs(compiled, tiny_checkpoints, report, cp, ep, tp):
+    artifacts = compiled(TRAINED_PRESET, "export", BUCKETS, cp, ep, tp=tp, prompt_logprobs=True)
+    [outcome] = serve(artifacts, [_requests(0, prompt_logprobs=TOP)])
+    largest = max(_check(tiny_checkpoints[TRAINED_PRESET], result) for result in outcome.results)
+    report(f"prompt logprobs, export, cp {cp} x ep {ep} x tp {tp}: largest |difference| from transformers' "
+           f"{largest:.2e}")

@@ -50,7 +50,7 @@ from typing import Iterator, Literal
 
 from graphc.artifacts.manifest import ArtifactError, GraphContext, Manifest
 from graphc.errors import GraphcError
-from graphc.step import STEP_INPUTS
+from graphc.step import STEP_INPUTS, STEP_OUTPUTS, score_top, step_outputs
 from graphc.typed import build
 
 NEURONX_CC = "neuronx-cc"
@@ -82,8 +82,10 @@ NEFF_BYTES = 2 * 2**30
 (weights are parameters, never folded), tens to hundreds of MB for a full model."""
 
 NOISE = "noise"
-OUTPUTS = ("kv_pool", "tokens", "logits")
-"""A step program's results, in order."""
+OUTPUTS = ("kv_pool", *STEP_OUTPUTS)
+"""A step program's results, in order; a score program's `SCORE_OUTPUTS` follow (`program_outputs`)."""
+SCORE_DTYPES = ["float32", "float32", "int32"]
+"""The dtypes of a score program's `SCORE_OUTPUTS` (int64 ids are int32 in a program)."""
 Dtype = Literal["float32", "bfloat16", "int32", "bool", "uint8", "int8"]
 """A parameter's or result's dtype: what the lowering emits and the XLA:CPU runner binds (uint8: an
 FP8 weight kept as stored, as its bytes; int8: an FP4 one's bytes, `models/fp4.PAIRS`)."""
@@ -111,7 +113,7 @@ class ProgramSignature:
     shapes: list[list[int]]
     dtypes: list[Dtype]
     outputs: list[str]
-    """Result names in order: `OUTPUTS`."""
+    """Result names in order: `program_outputs` of its bucket's kind."""
     output_dtypes: list[Dtype]
     samples: bool
     """Whether the program draws from noise (the sampler, or a speculative step's verdict) and so
@@ -130,6 +132,23 @@ class ProgramDescription:
     stablehlo_version: str
     """The StableHLO version neuron.stablehlo.mlirbc is serialized at: any consumer whose
     StableHLO is this version or newer reads it (`xla.lower.STABLEHLO_COMPATIBILITY`)."""
+
+
+def program_outputs(kind: str) -> tuple[str, ...]:
+    """The results of a program of bucket kind `kind`: the written pool, then the step's outputs."""
+    return ("kv_pool", *step_outputs(kind))
+
+
+def result_shapes(context: GraphContext) -> list[list[int]]:
+    """Each result's shape (`program_outputs` order) as the manifest says the program returns them:
+    the pool's; tokens [rows], or a speculative step's verdict [rows, returned_width]; logits [rows,
+    vocab]; a score program's [rows, width] and twice [rows, width, N] (`graphc.step.score_top`)."""
+    manifest, graph = context.manifest, context.graph
+    rows, width = graph.inputs["input_ids"].shape
+    vocab, verdict = manifest.model.vocab_size, manifest.buckets.returned_width
+    pool = [manifest.kv_cache.num_blocks if size == -1 else size for size in graph.inputs["kv_pool"].shape]
+    scores = [[rows, width], *[[rows, width, score_top(vocab)]] * 2] if graph.kind == "score" else []
+    return [pool, [rows] if verdict == 1 else [rows, verdict], [rows, vocab], *scores]
 
 
 def parameter_names(weights: int, samples: bool) -> list[str]:
@@ -408,11 +427,13 @@ def _signature_problem(description: ProgramDescription, context: GraphContext) -
         if expected[name] is not None and (shape, dtype) != expected[name]:
             return (f"signature.shapes[{i}], dtypes[{i}] ({name}): {shape} {dtype}; the manifest's program takes "
                     f"{expected[name][0]} {expected[name][1]}")
-    pool_dtype = expected["kv_pool"][1]
-    if signature.outputs != list(OUTPUTS) or signature.output_dtypes[:2] != [pool_dtype, "int32"] \
-            or len(signature.output_dtypes) != 3 or signature.output_dtypes[2] not in ("float32", "bfloat16"):
-        return (f"signature.outputs, output_dtypes: {signature.outputs} {signature.output_dtypes}; expected "
-                f"{list(OUTPUTS)} [{pool_dtype}, int32, float32 or bfloat16]")
+    pool_dtype, outputs = expected["kv_pool"][1], list(program_outputs(context.graph.kind))
+    scores = SCORE_DTYPES if context.graph.kind == "score" else []
+    dtypes = signature.output_dtypes
+    if signature.outputs != outputs or len(dtypes) != len(outputs) or dtypes[:2] != [pool_dtype, "int32"] \
+            or dtypes[2] not in ("float32", "bfloat16") or dtypes[3:] != scores:
+        return (f"signature.outputs, output_dtypes: {signature.outputs} {dtypes}; expected "
+                f"{outputs} [{', '.join([pool_dtype, 'int32', 'float32 or bfloat16', *scores])}]")
     return None
 
 
@@ -436,13 +457,9 @@ def _check_module(path: Path, name: str, data: bytes, signature: ProgramSignatur
     found = sorted(set(_HOST_CALL.findall(text)))
     if found:
         raise _refused(path, f"{name}: holds {', '.join(found)}; the CPU variant runs none of {', '.join(HOST_OPCODES)}")
-    rows, vocab = context.graph.inputs["seed"].shape[0], context.manifest.model.vocab_size
-    width = context.manifest.buckets.returned_width  # a speculative step's verdict per row
-    tokens = [rows] if width == 1 else [rows, width]
-    pool = signature.shapes[signature.parameters.index("kv_pool")]
     for kind, names, got, want in (
             ("parameter", signature.parameters, parameters, [*zip(signature.shapes, signature.dtypes)]),
-            ("result", OUTPUTS, results, [*zip([pool, tokens, [rows, vocab]], signature.output_dtypes)])):
+            ("result", signature.outputs, results, [*zip(result_shapes(context), signature.output_dtypes)])):
         if len(got) != len(want):
             raise _refused(path, f"{name}: the module has {len(got)} {kind}s, program.json's signature {len(want)}")
         at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)

@@ -11,20 +11,16 @@ one), which the host reads from the step's `logits` output as it reads a generat
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from graphc.models.step_model import StepInputs, StepModel
-from graphc.sampling import MAX_TOP_LOGPROBS
-
-SCORE_OUTPUTS = ("prompt_logprobs", "prompt_top_logprobs", "prompt_top_ids")
-"""What a score step returns after a step's tokens and logits: [B, W] fp32, each position's
-log-probability of the next token in its row; [B, W, N] fp32 and int64, its N most likely tokens'
-(N = `MAX_TOP_LOGPROBS`, or the vocabulary if smaller), most likely first."""
+from graphc.step import score_top
 
 
 class ScoringStep(nn.Module):
     """`model` (its parameters under `model.`) over a chunk: the logits at `logits_index` [B, V]
-    (what the step samples from), then `SCORE_OUTPUTS`."""
+    (what the step samples from), then `graphc.step.SCORE_OUTPUTS`."""
 
     def __init__(self, model: StepModel):
         super().__init__()
@@ -37,10 +33,11 @@ class ScoringStep(nn.Module):
 
 
 def prompt_scores(logits: Tensor, input_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Every position's logits [B, W, V] and the chunk's tokens [B, W] -> `SCORE_OUTPUTS` (the last
-    position's next token is unknown here: its column holds its own token's score)."""
+    """Every position's logits [B, W, V] and the chunk's tokens [B, W] -> `graphc.step.SCORE_OUTPUTS`.
+    The last position's next token is not in the chunk: its column scores its own token, which
+    the host never reads."""
     logprobs = logits.float().log_softmax(dim=-1)
-    following = input_ids.roll(-1, dims=1)  # token i + 1 at i
+    following = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)  # token i + 1 at i
     chosen = logprobs.gather(-1, following[..., None]).squeeze(-1)
-    top_logprobs, top_ids = logprobs.topk(min(MAX_TOP_LOGPROBS, logprobs.shape[-1]), dim=-1)
+    top_logprobs, top_ids = logprobs.topk(score_top(logprobs.shape[-1]), dim=-1)
     return chosen, top_logprobs, top_ids

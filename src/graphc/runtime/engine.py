@@ -94,7 +94,7 @@ class Engine:
     def run_bucket(self, bucket: Bucket, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """One step of `bucket`'s graph on this rank's pool: its sampled tokens [B] and logits [B, V]
         (`graphc compare` reads the logits; serving, the tokens), then a score step's prompt scores
-        (`graphc.models.scoring.SCORE_OUTPUTS`)."""
+        (`graphc.step.SCORE_OUTPUTS`)."""
         return self.loaded.runners[bucket](self.loaded.weights, {"kv_pool": self.kv_pool,
                                                                  "coordinates": self.coordinates, **inputs})
 

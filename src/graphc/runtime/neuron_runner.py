@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 
 from graphc.artifacts.manifest import ArtifactError, GraphContext
-from graphc.backends.neuron_archive import NEFF, NOISE, OUTPUTS, ProgramSignature, read_archive
+from graphc.backends.neuron_archive import NEFF, NOISE, ProgramSignature, read_archive, result_shapes
 from graphc.errors import GraphcError
 from graphc.ops.sampler import step_noise
 
@@ -308,15 +308,6 @@ def _load_timeout() -> float:
     return seconds
 
 
-def result_shapes(signature: ProgramSignature, context: GraphContext) -> list[list[int]]:
-    """Each result's shape (`OUTPUTS` order), as neuron_archive's module check derives them: the
-    pool's; tokens [rows], or a speculative step's verdict [rows, returned_width]; logits [rows,
-    vocab]."""
-    shapes = dict(zip(signature.parameters, signature.shapes))
-    rows, vocab, width = shapes["seed"][0], shapes[NOISE][-1], context.manifest.buckets.returned_width
-    return [shapes["kv_pool"], [rows] if width == 1 else [rows, width], [rows, vocab]]
-
-
 def _index(path: Path, name: str, kind: str, names: list[str] | tuple[str, ...]) -> int:
     """The parameter (kind "input") or result ("output") a NEFF tensor's name binds to."""
     base = name.removesuffix(MUST_ALIAS_SUFFIX) if kind == "input" else name
@@ -346,11 +337,11 @@ def _bind(path: Path, table: list[tuple[str, int, int]], signature: ProgramSigna
     where a tensor is not the program's, or not at its size."""
     parameter_bytes = [math.prod(shape) * _BYTES[dtype] for shape, dtype in zip(signature.shapes, signature.dtypes)]
     result_bytes = [math.prod(shape) * _BYTES[dtype]
-                    for shape, dtype in zip(result_shapes(signature, context), signature.output_dtypes)]
+                    for shape, dtype in zip(result_shapes(context), signature.output_dtypes)]
     bound = {"input": {}, "output": {}}
     for name, usage, size in table:
         kind = "input" if usage == NRT_TENSOR_USAGE_INPUT else "output"
-        names, sizes = (signature.parameters, parameter_bytes) if kind == "input" else (OUTPUTS, result_bytes)
+        names, sizes = (signature.parameters, parameter_bytes) if kind == "input" else (signature.outputs, result_bytes)
         index = _index(path, name, kind, names)
         if names[index] in bound[kind].values():
             raise ArtifactError(f"{path}: the NEFF binds the program's {kind} {names[index]} twice (at {name!r})")
@@ -359,7 +350,7 @@ def _bind(path: Path, table: list[tuple[str, int, int]], signature: ProgramSigna
                                 f"program's holds {sizes[index]}: the NEFF is not this program's; run `graphc "
                                 "neuron-finish` again")
         bound[kind][name] = names[index]
-    missing = [result for result in OUTPUTS if result not in bound["output"].values()]
+    missing = [result for result in signature.outputs if result not in bound["output"].values()]
     if missing:
         raise ArtifactError(f"{path}: the NEFF has no output for the program's {', '.join(missing)}")
     return bound["input"], bound["output"]
@@ -385,7 +376,8 @@ def _place(runtime: _Runtime, weights: list[torch.Tensor], signature: ProgramSig
 
 def load_neff(path: Path, rank: int, world: int, context: GraphContext) -> Callable:
     """The runner of one program archive's NEFF (the archive checked against `context` first, the
-    NEFF loaded and its tensors bound now): `(weights, inputs) -> (tokens, logits)`."""
+    NEFF loaded and its tensors bound now): `(weights, inputs) -> (tokens, logits, ...)`, a score
+    program's prompt scores after them."""
     description, files = read_archive(path, context, (NEFF,))
     if NEFF not in files:
         raise GraphcError(f"{path.name}: no NEFF; run `graphc neuron-finish` on a Neuron host first")
@@ -400,14 +392,14 @@ def load_neff(path: Path, rank: int, world: int, context: GraphContext) -> Calla
     signature = description.signature
     inputs, outputs = _bind(path, _tensor_table(runtime, model), signature, context)
     device = _place(runtime, context.weights, signature)
-    step_tensors = {}  # the program's step inputs and its tokens / logits, on the device
+    step_tensors = {}  # the program's step inputs and its outputs but the pool, on the device
     dtypes = dict(zip(signature.parameters, signature.dtypes))
     for neff_name, parameter in inputs.items():
         if parameter not in device:
             shape = signature.shapes[signature.parameters.index(parameter)]
             step_tensors[parameter] = runtime.tensor(neff_name, math.prod(shape) * _BYTES[dtypes[parameter]])
-    shapes = dict(zip(OUTPUTS, result_shapes(signature, context)))
-    output_dtypes = dict(zip(OUTPUTS, signature.output_dtypes))
+    shapes = dict(zip(signature.outputs, result_shapes(context)))
+    output_dtypes = dict(zip(signature.outputs, signature.output_dtypes))
     for neff_name, result in outputs.items():
         if result != "kv_pool":
             step_tensors[result] = runtime.tensor(neff_name, math.prod(shapes[result]) * _BYTES[output_dtypes[result]])
@@ -417,7 +409,7 @@ def load_neff(path: Path, rank: int, world: int, context: GraphContext) -> Calla
                                               for name, r in outputs.items()})
     written = [(parameter, step_tensors[parameter]) for parameter in signature.parameters if parameter in step_tensors]
     noise_shape = signature.shapes[signature.parameters.index(NOISE)]
-    logits_dtype = getattr(torch, output_dtypes["logits"])
+    read = [(result, getattr(torch, output_dtypes[result])) for result in signature.outputs[1:]]
 
     def run(weights: list[torch.Tensor], step: dict[str, torch.Tensor]):
         if _device_weights[id(context.weights)][0] is not weights:
@@ -427,7 +419,7 @@ def load_neff(path: Path, rank: int, world: int, context: GraphContext) -> Calla
             value = values[parameter]
             runtime.write(tensor, value.to(torch.int32) if value.dtype == torch.int64 else value)
         runtime.call("nrt_execute", model, input_set, output_set)
-        tokens = runtime.read(step_tensors["tokens"], torch.int32, shapes["tokens"])
-        return tokens.to(torch.int64), runtime.read(step_tensors["logits"], logits_dtype, shapes["logits"])
+        results = [runtime.read(step_tensors[result], dtype, shapes[result]) for result, dtype in read]
+        return tuple(r.to(torch.int64) if r.dtype == torch.int32 else r for r in results)
 
     return run

@@ -423,7 +423,7 @@ class Scheduler:
         each row's packed verdict, `graphc.models.speculation`); returns the generated tokens,
         with the results of the requests they ended. `logits` [rows, V]: the step's, where a
         row's request needs them (`Step.wants_logits`); `scores`: a score step's prompt scores
-        (`graphc.models.scoring.SCORE_OUTPUTS`)."""
+        (`graphc.step.SCORE_OUTPUTS`)."""
         emitted = []
         for row, ((sequence, run, start), sampled) in enumerate(zip(step.rows, tokens)):
             new_tokens = self._new_tokens(sequence, run, sampled)

@@ -81,8 +81,8 @@ def _to_torch(array, like: torch.dtype) -> torch.Tensor:
 
 def load_xla(path: Path, collectives: bool, context: GraphContext) -> Callable:
     """The runner of one program archive (checked against `context` first, compiled at its first
-    step): `(weights, inputs) -> (tokens, logits)`, writing the program's KV pool result back into
-    `inputs["kv_pool"]`."""
+    step): `(weights, inputs) -> (tokens, logits, ...)` (a score program's prompt scores after them),
+    writing the program's KV pool result back into `inputs["kv_pool"]`."""
     jax = _jax()
     from jax._src.lib import xla_client
 
@@ -116,10 +116,11 @@ def load_xla(path: Path, collectives: bool, context: GraphContext) -> Callable:
             values["noise"] = step_noise(inputs["seed"], inputs["temperature"], noise_shape)
         arguments = placed[:weight_count] + [_to_device(values[name], dtype, device)
                                              for name, dtype in zip(names[weight_count:], dtypes[weight_count:])]
-        pool, tokens, logits = (shards[0] for shards in
-                                executable().execute_sharded(arguments).disassemble_into_single_device_arrays())
+        pool, *results = (shards[0] for shards in
+                          executable().execute_sharded(arguments).disassemble_into_single_device_arrays())
         inputs["kv_pool"].copy_(_to_torch(pool, inputs["kv_pool"].dtype))
-        return _to_torch(tokens, torch.int64), _to_torch(logits, torch.float32)
+        return tuple(_to_torch(r, torch.int64 if np.issubdtype(r.dtype, np.integer) else torch.float32)
+                     for r in results)
 
     return run
 

@@ -258,6 +258,8 @@ CASES = [
     _case("softmax-dim0-neg-inf-partial-rows", aten._softmax.default, MASKED.masked_fill(MASKED.isinf().all(-1,
           keepdim=True), 0.0), 0, False, tol=FP32),
     _case("softmax-bf16", aten._softmax.default, XB, 1, False, tol=BF16),
+    _case("log-softmax-last", aten._log_softmax.default, _randn(3, 5, 7, scale=4), -1, False, tol=FP32),
+    _case("log-softmax-bf16", aten._log_softmax.default, XB, 1, False, tol=BF16),
     _case("native_layer_norm", aten.native_layer_norm.default, _randn(3, 5, 7, scale=3) + 1, [7],
           _randn(7, seed=1), _randn(7, seed=2), 1e-5, tol=FP32),
     _case("native_layer_norm-two-dims-no-affine", aten.native_layer_norm.default, X, [5, 7], None, None, 1e-6,

@@ -263,6 +263,12 @@ def _softmax(out, x, dim, half_to_float=False):
     return jax.nn.softmax(x.astype(wide), axis=_axis(dim, x.ndim)).astype(out.dtype)
 
 
+def _log_softmax(out, x, dim, half_to_float=False):
+    """In fp32 at least, as `_softmax`."""
+    wide = jnp.promote_types(out.dtype, jnp.float32)
+    return jax.nn.log_softmax(x.astype(wide), axis=_axis(dim, x.ndim)).astype(out.dtype)
+
+
 def _constant_pad_nd(out, x, pad, value=0):
     """torch's pad list: (before, after) pairs from the last dim backwards; negative entries crop."""
     config = [(0, 0, 0)] * x.ndim
@@ -425,6 +431,8 @@ RULES: dict = {
     aten.cumsum.default: _cumsum,
     aten._softmax.default: _softmax,
     aten.softmax.int: lambda out, x, dim, dtype=None: _softmax(out, x, dim),
+    aten._log_softmax.default: _log_softmax,
+    aten.log_softmax.int: lambda out, x, dim, dtype=None: _log_softmax(out, x, dim),
     aten.native_layer_norm.default: _native_layer_norm,
     aten.layer_norm.default: lambda out, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True:
         _native_layer_norm((out, out, out), x, normalized_shape, weight, bias, eps)[0],

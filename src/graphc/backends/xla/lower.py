@@ -31,7 +31,7 @@ from jax._src.lib.mlir import ir, passmanager
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from graphc.backends.neuron_archive import NOISE, OUTPUTS, ProgramSignature, parameter_names
+from graphc.backends.neuron_archive import NOISE, ProgramSignature, parameter_names, program_outputs
 from graphc.backends.xla import aten as aten_rules
 from graphc.backends.xla import graphc_ops
 from graphc.backends.xla.aten import Out
@@ -125,10 +125,12 @@ def _lower_variant(program: ExportedProgram, topology: Topology,
                                                                        return_tuple=True)
     version = stablehlo.get_version_from_compatibility_requirement(STABLEHLO_COMPATIBILITY)
     portable = _jax.mlir.serialize_portable_artifact(bytecode, version, False)  # no Shardy: one replica's program
-    # The written pool, then the program's own outputs by position.
-    outputs = ["kv_pool", *OUTPUTS[1:][:len(program.graph.output_node().args[0])]]
-    if outputs != list(OUTPUTS):
-        raise GraphcError(f"xla lowering: the program's outputs are {outputs}, not a step's {list(OUTPUTS)}")
+    # The written pool, then the program's own outputs by position: a step's, or a score step's.
+    count = 1 + len(program.graph.output_node().args[0])
+    outputs = next((list(names) for names in map(program_outputs, ("prefill", "score")) if len(names) == count), None)
+    if outputs is None:
+        raise GraphcError(f"xla lowering: the program has {count - 1} outputs, not a step's "
+                          f"{list(program_outputs('prefill'))[1:]} or a score step's {list(program_outputs('score'))[1:]}")
     signature = ProgramSignature(names, [list(a.shape) for a in avals], [np.dtype(a.dtype).name for a in avals],
                                  outputs, [np.dtype(o.dtype).name for o in jax.tree.leaves(lowered.out_info)], samples)
     return LoweredModule(computation.as_serialized_hlo_module_proto(), portable, version), signature
