@@ -36,7 +36,7 @@ import yaml
 
 from graphc.backends import BackendName
 from graphc.buckets.planner import BucketPlan, plan_buckets, read_workload
-from graphc.buckets.selection import max_prefill_chunk
+from graphc.buckets.selection import Bucket, all_buckets, max_prefill_chunk
 from graphc.errors import ConfigError, GraphcError
 from graphc.models.family import Family
 from graphc.models.moe_forms import MoeFormChoice, MoeLoweringChoice
@@ -184,6 +184,12 @@ class GraphcConfig:
     def draft_tokens(self) -> int:
         """Speculative decoding's k: tokens drafted per decoding row (0: off)."""
         return self.model.speculative.tokens if self.model.speculative else 0
+
+    @property
+    def compiled_buckets(self) -> list[Bucket]:
+        """Every bucket compiled, one program a rank each (`graphc.buckets.selection.all_buckets`)."""
+        b = self.buckets
+        return all_buckets(b.prefill, b.decode, b.prompt_as_decode, self.draft_tokens, self.runtime.prompt_logprobs)
 
 
 def load_config(path: str | Path) -> GraphcConfig:

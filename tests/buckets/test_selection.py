@@ -118,3 +118,13 @@ def test_all_buckets_properties(prefill, decode):
     assert len({b.name for b in buckets}) == len(buckets)
     # Buckets are hashable (they key the runtime's graph table) and equal by value.
     assert Bucket("decode", decode[0]) in set(buckets)
+
+
+def test_prompt_scores_add_a_score_twin_of_each_prefill_bucket_whose_head_takes_every_position():
+    plain = all_buckets([8, 16], [2], prompt_as_decode=4)
+    scored = all_buckets([8, 16], [2], prompt_as_decode=4, prompt_logprobs=True)
+    assert sorted(set(scored) - set(plain)) == [Bucket("score", 8), Bucket("score", 16)]
+    twin = Bucket("score", 16)
+    assert (twin.rows, twin.width, twin.name, twin.head_rows()) == (1, 16, "score-16", 16)
+    assert (Bucket("prefill", 16).head_rows(), Bucket("decode", 4, 4).head_rows(), Bucket("decode", 4, 3).head_rows(2)) \
+        == (1, 4, 12)

@@ -86,6 +86,9 @@ def test_payloads_follow_the_tokens_of_the_bucket(tiny_checkpoints):
                                                   ("moe_a2a_combine", 2 * 8 * 64 * 4)]
     [v_dispatch, _] = step_collectives(args, Topology(1, 2, 2), Bucket("prefill", 8), "float32", "a2a_v")
     assert v_dispatch.bytes_in == even[0].bytes_in + 2 * 8  # and the int64 split counts
+    heads = {kind: [c.bytes_in for c in step_collectives(args, Topology(tp=2), Bucket(kind, 8), "float32", "local")
+                    if c.op == "gather_columns"][-1] for kind in ("prefill", "score")}
+    assert heads == {"prefill": args.vocab_size // 2 * 4, "score": 8 * args.vocab_size // 2 * 4}  # every position's
 
 
 def test_tensor_parallel_payloads_are_the_split_slices_and_the_whole_partial_sums(tiny_checkpoints):

@@ -49,6 +49,11 @@ class Bucket:
     def width(self) -> int:
         return self.tokens_per_row if self.kind == "decode" else self.size
 
+    def head_rows(self, draft_tokens: int = 0) -> int:
+        """The positions a step's LM head computes: every token of a score step; a row's last
+        one otherwise, with `draft_tokens` k > 0 its 1 + k verified positions."""
+        return self.rows * self.width if self.kind == "score" else self.rows * (1 + draft_tokens)
+
     @property
     def name(self) -> str:
         return f"{self.kind}-{self.size}" + (f"x{self.tokens_per_row}" if self.tokens_per_row > 1 else "")

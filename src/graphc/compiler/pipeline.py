@@ -16,7 +16,6 @@ from graphc.artifacts.manifest import Manifest, TensorSpec
 from graphc.artifacts.signing import private_key
 from graphc.artifacts.writer import CompiledGraph, write_manifest, write_weight_shapes, write_weights
 from graphc.backends import backend as backend_named
-from graphc.buckets.selection import all_buckets
 from graphc.compiler.capture import capture_bucket, model_weights
 from graphc.compiler import rewrite_cache
 from graphc.compiler.emit import CompileJob, cache_dir, compile_all, program_key
@@ -102,7 +101,7 @@ def compile(config: GraphcConfig, out: Path, options: CompileOptions = CompileOp
         # another's. Both skipped for a program the cache holds (`rewrite_cache`), unless the
         # passes' graphs are to be dumped.
         parallel = Parallelism(cp=topology.cp, ep=topology.ep, moe_exchange=exchange)
-        buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode, draft_tokens, config.runtime.prompt_logprobs)
+        buckets = config.compiled_buckets
         fuses_gather = backend_named(backend).fuses_gather
         moe_forms = {bucket: step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
                                            args.n_routed_experts, topology.ep, exchange, fuses_gather)

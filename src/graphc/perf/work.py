@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from graphc.backends import backend
-from graphc.buckets.selection import Bucket, all_buckets
+from graphc.buckets.selection import Bucket
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
 from graphc.models.layers import STACKED_EXPERT
@@ -128,7 +128,7 @@ def step_work(args: ModelArgs, tensors: list[StoredTensor], draft: set[str], lay
               dtype: str, draft_tokens: int, collectives: tuple[RuntimeCollective, ...]) -> StepWork:
     """`bucket`'s step on the busiest rank of `layout`, the rank holding `tensors`."""
     family = family_of(args)
-    tokens, head_rows = bucket.rows * bucket.width, bucket.rows * (1 + draft_tokens)
+    tokens, head_rows = bucket.rows * bucket.width, bucket.head_rows(draft_tokens)
     passes = draft_passes(args, tokens, bucket.rows, draft_tokens) if draft_tokens else []
     draft_tokens_through = sum(t for t, _ in passes)
     head_rows += sum(r for _, r in passes)
@@ -212,9 +212,8 @@ def config_work(config: GraphcConfig, device: DeviceModel, tensors: list[StoredT
     tensors, draft = tensors if tensors is not None else rank_tensors(config), draft_tensor_names(config)
     exchange, _ = backend(config.backend).exchange(config.model.moe_lowering, topology)
     slots = blocks_per_row(config.buckets.context_limit, config.kv_cache.block_size) * config.kv_cache.block_size
-    b = config.buckets
     works = []
-    for bucket in all_buckets(b.prefill, b.decode, b.prompt_as_decode, config.draft_tokens):
+    for bucket in config.compiled_buckets:
         form = step_moe_form(config.model.moe_form, bucket.rows * bucket.width, args.num_experts_per_tok,
                              args.n_routed_experts, topology.ep, exchange,
                              backend(config.backend).fuses_gather)

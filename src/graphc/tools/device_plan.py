@@ -44,7 +44,7 @@ import torch
 
 from graphc.artifacts.manifest import Manifest
 from graphc.backends import backend
-from graphc.buckets.selection import Bucket, all_buckets, chunk_lengths, max_prefill_chunk, smallest_fitting
+from graphc.buckets.selection import Bucket, chunk_lengths, max_prefill_chunk, smallest_fitting
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
 from graphc.weights import fp4
@@ -180,11 +180,11 @@ def activation_bytes(config: GraphcConfig, args: ModelArgs, tensors: list[Stored
                  default=args.hidden_size)
     heads = getattr(args, "num_attention_heads", 1) // topology.tp
     peak = 0
-    for bucket in all_buckets(b.prefill, b.decode, b.prompt_as_decode, config.draft_tokens):
+    for bucket in config.compiled_buckets:
         tokens = bucket.rows * bucket.width
         routed = tokens * args.num_experts_per_tok * 2 * args.moe_intermediate_size
         per_step = (width * (tokens * (4 * args.hidden_size + widest) + routed) + 4 * tokens * heads * slots
-                    + 8 * bucket.rows * args.vocab_size)
+                    + 8 * bucket.head_rows(config.draft_tokens) * args.vocab_size)
         peak = max(peak, per_step)
     return peak
 

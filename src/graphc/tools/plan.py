@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from graphc.backends import backend
-from graphc.buckets.selection import Bucket, all_buckets, max_prefill_chunk
+from graphc.buckets.selection import Bucket, max_prefill_chunk
 
 from graphc.buckets.planner import Histogram, chunk_histogram, padding_waste, power_of_two_ladder
 from graphc.config import GraphcConfig
@@ -45,11 +45,12 @@ def step_collectives(args: ModelArgs, topology: Topology, bucket: Bucket, dtype:
     (the pass lowers it away).
 
     A speculative step (`draft_tokens` k > 0, `models/speculation.py`) takes the LM head at 1 + k
-    positions a row, then runs its draft layers (`Drafter.layer`) as `draft_passes` says.
+    positions a row, then runs its draft layers (`Drafter.layer`) as `draft_passes` says; a score
+    step at every position (`Bucket.head_rows`).
     Collectives of the same op, group and payload are counted together.
     """
     tokens, rows = bucket.rows * bucket.width, bucket.rows
-    passes = [(args, tokens, rows * (1 + draft_tokens))]
+    passes = [(args, tokens, bucket.head_rows(draft_tokens))]
     if draft_tokens:
         draft = family_of(args).drafter.layer(args)
         passes += [(draft, *counts) for counts in draft_passes(args, tokens, rows, draft_tokens)]
@@ -109,7 +110,7 @@ def describe(config: GraphcConfig, workload: Histogram | None) -> list[str]:
     """The plan report, line by line."""
     args = config.model_args
     b, topology = config.buckets, config.topology
-    buckets = all_buckets(b.prefill, b.decode, b.prompt_as_decode, config.draft_tokens)
+    buckets = config.compiled_buckets
     origin = f"planned from {b.auto.workload}, budget {b.auto.graphs} graphs per rank" if b.auto else "as listed"
     lines = [f"buckets ({origin}); context_limit {b.context_limit}",
              f"  prefill chunks      {b.prefill}",

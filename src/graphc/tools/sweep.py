@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from graphc.buckets.selection import all_buckets, max_prefill_chunk
+from graphc.buckets.selection import max_prefill_chunk
 from graphc.config import GraphcConfig
 from graphc.errors import GraphcError
 from graphc.runtime.hosts import HostOptions
@@ -295,9 +295,7 @@ def sweep(config: GraphcConfig, workdir: Path, topologies: list[Topology], backe
             failed = sum(bool(r.failures) for r in results)
             log(f"[{backend} {name}] {len(results) - failed}/{len(results)} cases matched")
             ran = {bucket for r in results for bucket in r.buckets}
-            unexercised = [b.name for b in all_buckets(config.buckets.prefill, config.buckets.decode,
-                                                       config.buckets.prompt_as_decode, config.draft_tokens)
-                           if b.name not in ran]
+            unexercised = [b.name for b in config.compiled_buckets if b.name not in ran]
             if unexercised:
                 log(f"[{backend} {name}] note: no case ran {', '.join(unexercised)}")
             stages.append(Stage(backend, name, results, note, unexercised))
