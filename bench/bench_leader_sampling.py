@@ -22,10 +22,10 @@ import torch
 
 from graphc.runtime.constraints import Grammars, json_schema_grammar
 from graphc.runtime.leader_sampling import leader_token
-from graphc.runtime.logprobs import MAX_TOP_LOGPROBS, token_logprobs
+from graphc.runtime.logprobs import token_logprobs
 from graphc.runtime.penalties import Penalties
 from graphc.runtime.scheduler import Request
-from graphc.sampling import Sampling
+from graphc.sampling import MAX_TOP_LOGPROBS, Sampling
 from graphc.weights.tiny import byte_level_tokenizer
 from timing import best_of
 

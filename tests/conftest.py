@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,9 @@ from support import (FP8_BLOCK, FP8_PRESETS, SKEWED, SPARSE_TOPK, SPARSE_V32, TE
 
 # Lines the tests want a reader of the CI log to see (agreement rates, margins, noise floors).
 _REPORT: list[str] = []
+# Seconds each distinct artifacts compile of the `compiled` fixture took, by its key: what the
+# suite spends compiling (the summary prints them, slowest first).
+_COMPILES: dict[tuple, float] = {}
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +44,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
+    if _COMPILES:
+        terminalreporter.section("compiled artifacts")
+        terminalreporter.write_line(f"{len(_COMPILES)} compiles, {sum(_COMPILES.values()):.0f} s in all")
+        for key, seconds in sorted(_COMPILES.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{seconds:7.1f} s  {key}")
     if _REPORT:
         terminalreporter.section("graphc measurements")
         for line in _REPORT:
@@ -148,7 +157,9 @@ def compiled(tmp_path_factory, tiny_checkpoints):
             (root / "model.yaml").write_text(yaml.safe_dump(config))
             options = CompileOptions(verify_passes=True, show_progress=False, workers=2,
                                      disabled_passes=frozenset() if static_moe else frozenset({"static_moe"}))
+            started = time.perf_counter()
             compile(load_config(root / "model.yaml"), root / "artifacts", options)
+            _COMPILES[key] = time.perf_counter() - started
             made[key] = root / "artifacts"
         return made[key]
 

@@ -248,8 +248,8 @@ def test_a_prompt_one_short_of_the_context_limit_yields_one_token():
      "prompt of 40 tokens leaves no room under context_limit 32; shorten it or compile with a larger context_limit"),
     (Request(prompt(20), max_new_tokens=10),
      "needs 8 KV blocks but the pool has 6; raise kv_cache.num_blocks or GRAPHC_NUM_KV_BLOCKS"),
-    (Request(prompt(4), max_new_tokens=0), "max_new_tokens is 0; it must be at least 1"),
-    (Request(prompt(4), max_new_tokens=-2), "max_new_tokens is -2; it must be at least 1"),
+    (Request(prompt(4), max_new_tokens=0), "max_new_tokens is 0; it must be at least 1 (0 only to score a prompt)"),
+    (Request(prompt(4), max_new_tokens=-2), "max_new_tokens is -2; it must be at least 1 (0 only to score a prompt)"),
 ])
 def test_a_request_that_can_never_run_fails_alone_and_says_what_to_change(bad, message):
     good = [Request(prompt(3), max_new_tokens=2), Request(prompt(6), max_new_tokens=3)]

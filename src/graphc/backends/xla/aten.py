@@ -432,7 +432,6 @@ RULES: dict = {
     aten._softmax.default: _softmax,
     aten.softmax.int: lambda out, x, dim, dtype=None: _softmax(out, x, dim),
     aten._log_softmax.default: _log_softmax,
-    aten.log_softmax.int: lambda out, x, dim, dtype=None: _log_softmax(out, x, dim),
     aten.native_layer_norm.default: _native_layer_norm,
     aten.layer_norm.default: lambda out, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True:
         _native_layer_norm((out, out, out), x, normalized_shape, weight, bias, eps)[0],
