@@ -8,8 +8,9 @@ decode [1, 4], prompt-as-decode 4, MTP drafts k = 2) and served by one `graphc s
 traffic, 32-token prompts and 16 generated tokens each (EOS ignored), runs twice a profile:
 
 - GuideLLM 0.8.1's `guidellm run` (synthetic text of the checkpoint's tokenizer), synchronous and
-  at a constant 4 requests a second: its median time to first token, inter-token latency and
-  output tokens a second a request, from its JSON report;
+  at a constant 4 requests a second: its median time to first token and inter-token latency from
+  its JSON report (its output tokens a second is a rate over the run's time, not a request's,
+  so it is left out);
 - `bench_serve_online.one_request`, graphc's bench client (streamed completions of random token
   ids), with the same arrivals: the same medians, measured alike (inter-token latency over a
   request's tokens after its first, as GuideLLM defines it).
@@ -55,7 +56,7 @@ def compiled(work: Path) -> tuple[Path, Path]:
 
 
 def guidellm(url: str, profile: str, requests: int, work: Path) -> dict[str, float]:
-    """GuideLLM's medians (ms, ms, tok/s) for `profile`."""
+    """GuideLLM's medians (ms) for `profile`."""
     report = work / f"guidellm-{profile.replace(',', '-').replace('=', '')}.json"
     subprocess.run([str(Path(sys.executable).parent / "guidellm"), "run", "--backend", f"kind=openai_http,target={url}",
                     "--profile", profile, "--data",
@@ -66,8 +67,7 @@ def guidellm(url: str, profile: str, requests: int, work: Path) -> dict[str, flo
     [benchmark] = json.loads(report.read_text())["benchmarks"]
     metrics = benchmark["metrics"]
     return {"ttft": metrics["time_to_first_token_ms"]["successful"]["median"],
-            "itl": metrics["inter_token_latency_ms"]["successful"]["median"],
-            "tok/s": metrics["output_tokens_per_second"]["successful"]["median"]}
+            "itl": metrics["inter_token_latency_ms"]["successful"]["median"]}
 
 
 async def own_client(url: str, rate: float | None, requests: int) -> dict[str, float]:
@@ -85,8 +85,7 @@ async def own_client(url: str, rate: float | None, requests: int) -> dict[str, f
     assert len(done) == requests and all(len(r["times"]) == OUTPUT_TOKENS for r in done), "a request failed"
     itl = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in done]
     return {"ttft": statistics.median(1e3 * (r["times"][0] - r["sent"]) for r in done),
-            "itl": 1e3 * statistics.median(itl),
-            "tok/s": statistics.median(len(r["times"]) / (r["times"][-1] - r["sent"]) for r in done)}
+            "itl": 1e3 * statistics.median(itl)}
 
 
 def profiled(model: Path, artifacts: Path, work: Path) -> dict:
@@ -119,8 +118,8 @@ def main() -> None:
           "medians (graphc serve of the trained tiny checkpoint, export, MTP k = 2)")
     print(f"{'profile':16s} {'metric':10s} {'GuideLLM':>10s} {'bench client':>13s} {'ratio':>7s}")
     for name, theirs, ours in rows:
-        for metric, unit in (("ttft", "ms"), ("itl", "ms"), ("tok/s", "")):
-            print(f"{name:16s} {metric + (' ' + unit if unit else ''):10s} {theirs[metric]:10.1f} {ours[metric]:13.1f} "
+        for metric in ("ttft", "itl"):
+            print(f"{name:16s} {metric + ' ms':10s} {theirs[metric]:10.1f} {ours[metric]:13.1f} "
                   f"{theirs[metric] / ours[metric]:7.2f}")
     print("the programs alone (graphc profile: measured ms, the step model's prediction with this host's constants):")
     for entry in profiled(model, artifacts, options.work):
