@@ -192,8 +192,7 @@ def create_app(online: OnlineEngine, manifest: Manifest, tokenizer, model_name: 
                 prompts.append(await off_loop(prompt_ids, prompt, tokenizer, char_limit, context_limit))
             except BadRequest as refused:
                 raise _of_prompt(refused, index, len(batch)) from None
-        echoes = [prompt if isinstance(prompt, str) else tokenizer.decode(ids) if tokenizer is not None else ""
-                  for prompt, ids in zip(batch, prompts)] if body.echo else None
+        echoes = await off_loop(_echoes, batch, prompts, tokenizer) if body.echo else None
         return await respond(body, prompts, TEXT, http, await off_loop(requested_grammar, body, grammars),
                              echoes=echoes)
 
@@ -225,6 +224,12 @@ def _choices(n: int, prompts: int, max_n: int) -> int:
         raise BadRequest(f"n: {prompts} prompts of {n} choices each are more than the {MAX_CHOICES} choices a request "
                          "may ask", param="n")
     return n
+
+
+def _echoes(batch: list[str | list[int]], prompts: list[list[int]], tokenizer) -> list[str]:
+    """What `echo` puts first in each prompt's choices: its text as sent, or its ids decoded."""
+    return [prompt if isinstance(prompt, str) else tokenizer.decode(ids) if tokenizer is not None else ""
+            for prompt, ids in zip(batch, prompts)]
 
 
 def _of_prompt(refused: BadRequest, index: int, count: int) -> BadRequest:
