@@ -50,7 +50,7 @@ from typing import Iterator, Literal
 
 from graphc.artifacts.manifest import ArtifactError, GraphContext, Manifest
 from graphc.errors import GraphcError
-from graphc.step import STEP_INPUTS, STEP_OUTPUTS, score_top, step_outputs
+from graphc.step import STEP_INPUTS, score_top, step_outputs
 from graphc.typed import build
 
 NEURONX_CC = "neuronx-cc"
@@ -82,8 +82,6 @@ NEFF_BYTES = 2 * 2**30
 (weights are parameters, never folded), tens to hundreds of MB for a full model."""
 
 NOISE = "noise"
-OUTPUTS = ("kv_pool", *STEP_OUTPUTS)
-"""A step program's results, in order; a score program's `SCORE_OUTPUTS` follow (`program_outputs`)."""
 SCORE_DTYPES = ["float32", "float32", "int32"]
 """The dtypes of a score program's `SCORE_OUTPUTS` (int64 ids are int32 in a program)."""
 Dtype = Literal["float32", "bfloat16", "int32", "bool", "uint8", "int8"]
