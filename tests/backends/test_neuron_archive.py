@@ -250,6 +250,24 @@ def test_the_lint_refuses_a_tampered_archive_in_one_line(pristine, tmp_path):
     assert "neuron.hlo.pb: not an HLO module XLA reads" in line
 
 
+def test_an_archive_is_the_same_bytes_whenever_it_is_written(pristine, tmp_path, monkeypatch):
+    # Graph files are named by content: a program must give the same archive at any time of writing.
+    import time
+
+    from graphc.backends.neuron_archive import ProgramDescription, write_archive
+    from graphc.typed import build
+
+    original, _, first = pristine
+    entries = dict(_entries(original / first))
+    description = build(ProgramDescription, json.loads(entries.pop(PROGRAM_JSON)), ValueError)
+    written = []
+    for seconds in (0, 86400 * 365 * 30):  # zipfile stamps a member with time.localtime() unless told otherwise
+        monkeypatch.setattr(time, "time", lambda seconds=seconds: 1.8e9 + seconds)
+        write_archive(tmp_path / f"{seconds}.zip", description, entries)
+        written.append((tmp_path / f"{seconds}.zip").read_bytes())
+    assert written[0] == written[1] == (original / first).read_bytes()
+
+
 def test_the_stablehlo_member_is_the_neuron_module_as_a_portable_artifact(pristine):
     original, _, first = pristine
     entries = dict(_entries(original / first))

@@ -257,10 +257,14 @@ def run_neuronx_cc(folder: Path, command: list[str]) -> tuple[bytes, str]:
 
 
 def write_archive(out: Path, description: ProgramDescription, files: dict[str, bytes]) -> None:
+    members = {PROGRAM_JSON: json.dumps(dataclasses.asdict(description), indent=1).encode(), **files}
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as archive:
-        archive.writestr(PROGRAM_JSON, json.dumps(dataclasses.asdict(description), indent=1))
-        for name, data in files.items():
-            archive.writestr(name, data)
+        for name, data in members.items():
+            # A fixed date (zipfile would stamp the time of writing): the same program, the same
+            # archive bytes, so its content-named file is the same from one compile to the next.
+            member = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            member.external_attr = 0o600 << 16
+            archive.writestr(member, data)
 
 
 def program_contexts(manifest: Manifest) -> dict[str, GraphContext]:

@@ -148,6 +148,12 @@ def inline_calls(module: ir.Module) -> None:
     inlined bodies may hold calls.
     """
     symbols = ir.SymbolTable(module.operation)
+    # Bodies are inlined into an empty scratch block, then moved before their call: finding the new
+    # ops at the end of the call's own block costs a walk of that block per call (quadratic).
+    holder = ir.Operation.create("func.func", regions=1, loc=ir.Location.unknown(), attributes={
+        "sym_name": ir.StringAttr.get("graphc_inline_scratch"),
+        "function_type": ir.TypeAttr.get(ir.FunctionType.get([], []))})
+    scratch = ir.Block.create_at_start(holder.regions[0], [])
     while True:
         calls = []
 
@@ -161,12 +167,9 @@ def inline_calls(module: ir.Module) -> None:
             break
         for call in calls:
             callee = symbols[ir.FlatSymbolRefAttr(call.attributes["callee"]).value]
-            block = call.block
-            appended = len(block.operations)
             with call.location:
-                # The body is appended to the block (after its terminator): moved before the call.
-                results = jax_mlir_ext.inlined_func_call(callee, list(call.operands), block)
-            for op in list(block.operations)[appended:]:
+                results = jax_mlir_ext.inlined_func_call(callee, list(call.operands), scratch)
+            for op in list(scratch.operations):
                 op.move_before(call)
             for old, new in zip(call.results, results):
                 old.replace_all_uses_with(new)
