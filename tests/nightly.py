@@ -1,8 +1,10 @@
 """Tests that run in the nightly tier only (marked `slow` at collection, `conftest.py`): variants of
 paths the per-commit tier keeps, each listed with the per-commit test that still covers its path.
-Chosen from a clean clone's `--durations` (each of these took 15 s or more): a 4-rank case where a
-2-rank one stays, a second family or backend where one stays, a second lowering or bucket set of
-the same path. Every id must name a collected test (`check_listed`), so the list cannot rot."""
+Chosen from a clean clone's `--durations` (the first round each took 15 s or more; the second, from
+eadb498's run, 2 s or more, counting a compile no per-commit test needs any longer): a 4-rank case
+where a 2-rank one stays, a second family or backend where one stays, a second lowering or bucket
+set, sampling mode, client run or parameter of the same path. Every id must name a collected test
+(`check_listed`), so the list cannot rot."""
 
 from __future__ import annotations
 
@@ -39,12 +41,18 @@ NIGHTLY: dict[str, str] = {
     "tests/runtime/test_v41_serve.py::test_export_serves_the_reference_tokens[2-2]":
         "test_export_serves_the_reference_tokens[1-1], test_eager_paged_ranks_equal_the_reference[2-2]",
     "tests/runtime/test_parallel_serve.py::test_v4_export_ranks_serve_the_single_rank_tokens[2-2]":
-        "test_served_tokens_equal_transformers_generate[export-v4], test_ranks_give_single_rank_logits_and_tokens",
+        "test_one_rank_reuses_cached_prefixes_with_caching_offs_tokens[v4], "
+        "test_v4_ranks_give_single_rank_logits_and_tokens[2-2-static]",
     "tests/runtime/test_parallel_serve.py::test_export_ranks_serve_the_single_rank_tokens[2-2-True]":
         "test_export_ranks_serve_the_single_rank_tokens[2-2-False]",
-    # Serving against transformers: lora-groups and V4 stay; V3.2 through test_v32's compiled tokens.
+    # Serving against transformers: lora-groups stays; V3.2 through test_v32's compiled tokens, V4 through
+    # its compiled tokens against eager (FP4 experts as stored) and its eager tokens against transformers.
     "tests/runtime/test_serve_vs_transformers.py::test_served_tokens_equal_transformers_generate[export-v32]":
         "test_compiled_sparse_model_gives_the_eager_tokens[export]",
+    "tests/runtime/test_serve_vs_transformers.py::test_served_tokens_equal_transformers_generate[export-v4]":
+        "test_artifacts_store_the_fp8_weights_and_serve_the_eager_tokens[v4-fp4-experts-export], "
+        "test_greedy_tokens_match_transformers_generate[v4-graphc], "
+        "test_one_rank_reuses_cached_prefixes_with_caching_offs_tokens[v4]",
     "tests/runtime/test_serve_vs_transformers.py::test_served_tokens_equal_transformers_generate[export-direct-q-yarn]":
         "test_served_tokens_equal_transformers_generate[export-lora-groups]",
     "tests/runtime/test_serve_vs_transformers.py::test_served_tokens_equal_transformers_generate[export-wide-16e]":
@@ -113,6 +121,59 @@ NIGHTLY: dict[str, str] = {
         "test_prompt_logprobs_are_the_references_and_leave_the_tokens_as_they_were[export]",
     "tests/runtime/test_prompt_logprobs.py::test_parallel_ranks_give_the_references_prompt_logprobs[tp2]":
         "test_parallel_ranks_give_the_references_prompt_logprobs[cp2-ep2]",
+    "tests/runtime/test_logprobs.py::test_cp2_ep2_gives_the_references_logprobs":
+        "test_one_rank_gives_the_references_logprobs_greedy_and_sampled, "
+        "test_parallel_ranks_give_the_references_prompt_logprobs[cp2-ep2]",
+    # The stand-in's executing runs: greedy at one rank stays; sampled, through graphc serve at one rank
+    # and at two ranks.
+    "tests/runtime/test_neuron_binding.py::test_executing_the_neffs_gives_the_xla_cpu_runners_tokens[sampled]":
+        "test_executing_the_neffs_gives_the_xla_cpu_runners_tokens[greedy], "
+        "test_graphc_serve_on_the_device_path_gives_graphc_runs_tokens_to_the_openai_client",
+    # Clients: GuideLLM at a constant rate stays (the same server, data and assertions, requests overlapping).
+    "tests/server/test_clients.py::test_guidellm_benchmarks_with_no_failed_request[kind=synchronous]":
+        "test_guidellm_benchmarks_with_no_failed_request[kind=constant,rate=4]",
+    # Structured outputs with drafts: a row the leader samples never drafts (Request.needs_logits), held per
+    # commit with penalties and with logprobs; the hundred schema outputs stay.
+    "tests/runtime/test_constraints.py::test_with_mtp_drafts_a_constrained_row_gives_the_tokens_without_drafts":
+        "test_with_mtp_drafts_a_penalised_row_gives_the_tokens_without_drafts, "
+        "test_with_mtp_drafts_a_row_asking_for_logprobs_gives_the_tokens_without_drafts",
+    # The plan against compiled graphs: cp 2 x ep 2 (ep 1 returns before the MoE), cp with tp, 2 ranks,
+    # drafts at cp 2 and the all-to-all at dp 2 stay.
+    "tests/tools/test_plan.py::test_collectives_per_step_are_those_of_the_compiled_graphs[wide-16e-1-2-1-local-1]":
+        "test_collectives_per_step_are_those_of_the_compiled_graphs[wide-16e-1-2-2-static-1]",
+    "tests/tools/test_plan.py::test_collectives_per_step_are_those_of_the_compiled_graphs[wide-16e-1-4-4-static-1]":
+        "test_collectives_per_step_are_those_of_the_compiled_graphs[wide-16e-1-2-2-static-1]",
+    "tests/tools/test_plan.py::test_collectives_per_step_are_those_of_the_compiled_graphs[v32-sparse-1-2-2-static-1]":
+        "test_collectives_per_step_are_those_of_the_compiled_graphs[v32-sparse-1-2-4-static-2]",
+    "tests/tools/test_plan.py::test_a_speculative_steps_collectives_are_those_of_the_compiled_graphs[trained-dp-2-1-1-a2a_even]":
+        "test_a_speculative_steps_collectives_are_those_of_the_compiled_graphs[trained-prompt_as_decode_small-1-2-1-static], "
+        "test_collectives_per_step_are_those_of_the_compiled_graphs[lora-groups-2-1-2-a2a_even-1]",
+    "tests/runtime/test_parallel_serve.py::test_graph_structure_and_one_program_per_bucket[4-4-True]":
+        "test_graph_structure_and_one_program_per_bucket[2-2-True]",
+    "tests/tools/test_device_plan.py::test_a_speculative_step_reads_the_mtp_layer_and_the_head_again_for_each_draft[1]":
+        "test_a_speculative_step_reads_the_mtp_layer_and_the_head_again_for_each_draft[2]",
+    # Eager ranks: cp 2 x ep 2 holds every collective cp 2 x ep 1 would; Engram's tables over 2 shards.
+    "tests/ops/test_parallel_eager.py::test_ranks_give_single_rank_logits_and_tokens[2-1-local]":
+        "test_ranks_give_single_rank_logits_and_tokens[2-2-static]",
+    "tests/ops/test_parallel_eager.py::test_v4_ranks_give_single_rank_logits_and_tokens[2-1-local]":
+        "test_v4_ranks_give_single_rank_logits_and_tokens[2-2-static]",
+    "tests/models/deepseek_v41/test_engram.py::test_sharded_tables_equal_one_table_bit_for_bit[1]":
+        "test_sharded_tables_equal_one_table_bit_for_bit[2], test_export_serves_the_reference_tokens[1-1]",
+    # A second preset of a family: V3.2's sparse preset, V3's lora-groups, direct-q's dense capture stay.
+    "tests/models/test_bf16.py::test_bf16_disagreements_are_inside_the_reference_noise_floor[v32]":
+        "test_bf16_disagreements_are_inside_the_reference_noise_floor[v32-sparse]",
+    "tests/models/test_bf16.py::test_bf16_disagreements_are_inside_the_reference_noise_floor[wide-16e]":
+        "test_bf16_disagreements_are_inside_the_reference_noise_floor[lora-groups]",
+    "tests/compiler/test_capture.py::test_export_keeps_graphc_ops_as_single_nodes_and_matches_eager[grouped-direct-q-yarn]":
+        "test_export_keeps_graphc_ops_as_single_nodes_and_matches_eager[grouped-lora-groups], "
+        "test_export_keeps_graphc_ops_as_single_nodes_and_matches_eager[dense-direct-q-yarn]",
+    "tests/compiler/test_capture.py::test_export_keeps_graphc_ops_as_single_nodes_and_matches_eager[gather-direct-q-yarn]":
+        "test_export_keeps_graphc_ops_as_single_nodes_and_matches_eager[gather-lora-groups], "
+        "test_export_keeps_graphc_ops_as_single_nodes_and_matches_eager[dense-direct-q-yarn]",
+    # The docs site: .ci/run builds it strictly on every commit; the generated references are checked here.
+    "tests/test_docs.py::test_the_site_builds_strictly_with_both_references":
+        ".ci/run's mkdocs build --strict, test_the_model_yaml_reference_documents_every_key, "
+        "test_the_cli_reference_documents_every_command_and_option, test_the_reference_pages_hold_their_markers",
 }
 """Node id -> the per-commit test (or file) that keeps its path."""
 

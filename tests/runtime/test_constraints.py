@@ -1,12 +1,14 @@
 """Structured outputs (`graphc.runtime.constraints`, llguidance) on the trained tiny checkpoint:
 every output of a JSON schema with nested objects, enums, arrays and required fields parses and
 validates, greedy and sampled; with MTP drafts on, a constrained row gives the tokens without
-drafts; a regular expression and a set of choices hold too."""
+drafts; a regular expression and a set of choices hold too. The hundred schema outputs are served
+at cp 2 x ep 2 and from neuron artifacts (on XLA:CPU) too, nightly: the same texts come out."""
 
 from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
@@ -14,6 +16,7 @@ import pytest
 from graphc.runtime import Engine, Request
 from graphc.runtime.constraints import Grammars, choice_grammar, json_schema_grammar, regex_grammar
 from graphc.sampling import Sampling
+from servers import Server
 
 pytestmark = pytest.mark.compiles
 
@@ -30,6 +33,7 @@ SCHEMA = {
     "required": ["name", "kind", "meta"],
     "additionalProperties": False,
 }
+CONTEXT = 128  # the bucket sets' context_limit: the engine's requests stop there, the server's must ask for no more
 TEXTS = ["def parse(", "class Tree:", "import re\n", "    return ", "# the value of"]
 
 
@@ -64,6 +68,32 @@ def test_a_hundred_json_schema_outputs_parse_and_validate_greedy_and_sampled(eng
     for text in texts:
         jsonschema.validate(json.loads(text), SCHEMA)
     assert len(set(texts)) > 10  # sampled rows differ: the grammar leaves the model choices
+
+
+@pytest.mark.slow  # a compile and a 4-rank server each; one rank on export is per commit (above)
+@pytest.mark.multirank
+@pytest.mark.parametrize("backend, cp, ep", [("export", 2, 2), ("neuron", 1, 1)], ids=["export-cp2-ep2", "neuron"])
+def test_a_hundred_json_schema_outputs_are_one_export_ranks_at_other_layouts_and_on_neuron(compiled, engine, grammars,
+                                                                                        backend, cp, ep):
+    expected, _ = _constrained(engine, grammars, json_schema_grammar(SCHEMA), 100)
+    _, tokenizer = grammars
+    server = Server(compiled("trained", backend, "prompt_as_decode_small", cp, ep))
+    schema = {"type": "json_schema", "json_schema": {"name": "code", "schema": SCHEMA, "strict": True}}
+
+    def served(n: int) -> str:  # as _constrained asks: greedy and sampled in turn, seeded by the request's index
+        prompt = tokenizer.encode(TEXTS[n % len(TEXTS)]).ids
+        return server.client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=CONTEXT - len(prompt), seed=n,
+            temperature=0.0 if n % 2 == 0 else 1.0, extra_body={"response_format": schema}).choices[0].text
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(served, range(100)))
+    finally:
+        assert server.stop() == 0, "".join(server.lines)
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert texts == expected
 
 
 def test_any_json_object_parses(engine, grammars):
