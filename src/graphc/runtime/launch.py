@@ -22,6 +22,7 @@ host (or one that never joins) is named by every host that remains, within `LOST
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import hashlib
@@ -136,7 +137,10 @@ def _worker(artifacts: str, job, channel_name: str, trusted_key: str | None, lay
     if job.ends_on_signal and layout.host_of(rank) == 0:
         # The agent, stopping on the signal, never reads a return value, and a worker that
         # returns waits for it to be read: it would sit there until the agent kills it. Other
-        # hosts' agents got no signal: they read it, and see their ranks succeed.
+        # hosts' agents got no signal: they read it, and see their ranks succeed. os._exit skips
+        # the exit handlers, which release what the rank holds (a device runtime's nrt_close):
+        # they run first, as at a normal exit.
+        atexit._run_exitfuncs()
         os._exit(0)
     return outcomes if rank == 0 else None
 

@@ -59,6 +59,10 @@ def start_distributed() -> None:
             port[0] = probe.getsockname()[1]
     dist.broadcast_object_list(port, src=0)
     address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    # The preemption service (a TPU job's sync point) installs a SIGTERM handler of its own over
+    # the process's: a server's ranks would then never see the stop that drains them, and the
+    # launcher would kill them, exit handlers unrun, when its wait ran out.
+    jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(f"{address}:{port[0]}", num_processes=world, process_id=rank)
 
 
