@@ -22,7 +22,7 @@ import click  # noqa: E402
 from graphc.backends import BACKENDS, backend  # noqa: E402
 from graphc.errors import GraphcError, Interrupted
 from graphc.models.moe_forms import MOE_LOWERING_CHOICES
-from graphc.sampling import SEED_MAX
+from graphc.sampling import MAX_TOP_LOGPROBS, SEED_MAX
 from graphc.server.limits import (BODY_BASE_BYTES, BODY_BYTES_PER_TOKEN, BODY_SECONDS, MAX_CHOICES, MAX_N,
                                   PREFIX_CACHE_ISOLATION, TEMPLATE_SECONDS, RequestLimits)
 
@@ -299,12 +299,17 @@ def _hosts(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, nproc_per
 @click.option("--seed", type=int, default=None, help="Sampling seed, 0..2**32-1.")
 @click.option("--ignore-eos", is_flag=True, help="Generate through EOS tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt.")
+@click.option("--logprobs", type=click.IntRange(0, MAX_TOP_LOGPROBS), default=None,
+              help="With --json: each generated token's log-probability and its position's N most likely tokens'.")
+@click.option("--prompt-logprobs", type=click.IntRange(0, MAX_TOP_LOGPROBS), default=None,
+              help="With --json: each prompt token's log-probability (the first's is null) and its position's N most "
+                   "likely tokens' (artifacts compiled with runtime.prompt_logprobs).")
 @click.option("--trusted-key", type=click.Path(path_type=Path), default=None,
               help="Ed25519 public key (PEM): refuse artifacts it did not sign, before loading anything.")
 @click.option("--verbose", is_flag=True, help="Several ranks: also show the launcher's own log lines.")
 @_host_options
 def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed,
-        ignore_eos, as_json, trusted_key, verbose, **host_options) -> None:
+        ignore_eos, as_json, logprobs, prompt_logprobs, trusted_key, verbose, **host_options) -> None:
     """Generate from precompiled ARTIFACTS (no compilation at serve time); artifacts compiled for
     several ranks run as one process per rank (torchrun's agent), the leader printing. A job
     that spans hosts runs this command on each host (--nnodes, --node-rank, ...); host 0 takes the
@@ -319,8 +324,14 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
     bad = first_sampling_error(overrides)  # before any file is read
     if bad:
         raise GraphcError(f"--{bad[0].replace('_', '-')} {bad[1]}")
+    for flag, value in {"--logprobs": logprobs, "--prompt-logprobs": prompt_logprobs}.items():
+        if value is not None and not as_json:
+            raise click.UsageError(f"{flag} prints with --json only: give --json too")
     hosts = _hosts(**host_options)
     manifest = read_manifest(artifacts, trusted_key)
+    if prompt_logprobs is not None and not manifest.buckets.prompt_logprobs:
+        raise GraphcError(f"--prompt-logprobs: {artifacts} has no score programs; compile it with "
+                          "runtime.prompt_logprobs: true in model.yaml")
     world = manifest.topology.world
     tokenizer = None
     if manifest.tokenizer:
@@ -331,7 +342,9 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
     asked += read_prompts_file(prompts_file) if prompts_file is not None else []
     if not asked and hosts.node_rank == 0:  # the other hosts of a job take no prompts: the leader serves
         raise click.UsageError("give at least one prompt: --prompt-ids, --prompt or --prompts-file")
-    resolved = [run_request(a, manifest, tokenizer, max_new_tokens, overrides, not ignore_eos) for a in asked]
+    resolved = [(dataclasses.replace(request, logprobs=logprobs, prompt_logprobs=prompt_logprobs), error)
+                for request, error in (run_request(a, manifest, tokenizer, max_new_tokens, overrides, not ignore_eos)
+                                       for a in asked)]
     servable = [request for request, error in resolved if error is None]
     on = f", host {hosts.node_rank} of {hosts.nnodes}" if hosts.nnodes > 1 else ""
     click.echo(f"loading {artifacts}: {world} rank(s){on}, backend {manifest.backend}", err=True)
@@ -352,6 +365,9 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
             record = {"prompt_ids": result.request.prompt, "output_ids": result.output_ids,
                       "finish_reason": result.finish_reason, **_latencies(result)}
             record.update({"text": text} if text is not None else {})
+            record.update({"logprobs": list(map(_logprob_record, result.logprobs))} if result.logprobs else {})
+            record.update({"prompt_logprobs": [_logprob_record(entry) if entry else None
+                                               for entry in result.prompt_logprobs]} if result.prompt_logprobs else {})
             record.update({"error": result.error} if result.error else {})
             click.echo(json.dumps(record))
         elif result.error:
@@ -371,6 +387,11 @@ def _latencies(result) -> dict:
     tpot = result.time_per_output_token
     return {**({"ttft_ms": result.first_token_seconds * 1e3} if result.first_token_seconds is not None else {}),
             **({"tpot_ms": tpot * 1e3} if tpot is not None else {})}
+
+
+def _logprob_record(entry) -> dict:
+    """A token's `runtime.logprobs.TokenLogprobs` as `graphc run --json` prints it."""
+    return {"logprob": entry.logprob, "top": [{"id": token, "logprob": logprob} for token, logprob in entry.top]}
 
 
 def _named(result, where: str):

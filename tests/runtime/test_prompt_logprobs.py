@@ -99,6 +99,52 @@ def test_prompt_logprobs_are_the_references_and_leave_the_tokens_as_they_were(co
     assert [e.logprob for e in only_scored.prompt_logprobs[1:]] == [e.logprob for e in scored[-1].prompt_logprobs[1:]]
 
 
+def test_graphc_run_prints_the_engines_logprobs_and_prompt_logprobs(compiled):
+    import dataclasses
+    import json
+
+    from click.testing import CliRunner
+
+    from graphc.artifacts.directory import read_manifest
+    from graphc.cli import cli
+    from graphc.request import engine_request
+
+    artifacts = compiled(TRAINED_PRESET, "export", BUCKETS, prompt_logprobs=True)
+    prompts = PROMPTS[1:3]
+    result = CliRunner().invoke(cli, ["run", str(artifacts), *[f"--prompt-ids={','.join(map(str, p))}" for p in prompts],
+                                      "--max-new-tokens", "3", "--temperature", "0", "--json", "--logprobs", str(TOP),
+                                      "--prompt-logprobs", str(TOP)])
+    assert result.exit_code == 0, result.output
+    printed = [json.loads(line) for line in result.stdout.splitlines()]
+    manifest = read_manifest(artifacts)
+    requests = [dataclasses.replace(engine_request(manifest, p, 3, {"temperature": 0.0}), logprobs=TOP,
+                                    prompt_logprobs=TOP) for p in prompts]
+
+    def entry(e):
+        return {"logprob": e.logprob, "top": [{"id": token, "logprob": logprob} for token, logprob in e.top]}
+
+    for record, want in zip(printed, Engine(artifacts).generate(requests), strict=True):
+        assert record["output_ids"] == want.output_ids
+        assert record["logprobs"] == [entry(e) for e in want.logprobs] and len(record["logprobs"]) == 3
+        assert record["prompt_logprobs"] == [None] + [entry(e) for e in want.prompt_logprobs[1:]]
+        assert all(len(e["top"]) == TOP for e in record["prompt_logprobs"][1:])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--logprobs", "2"], "--logprobs prints with --json only: give --json too"),
+    (["--prompt-logprobs", "2", "--json"], "has no score programs; compile it with runtime.prompt_logprobs: true"),
+    (["--logprobs", "21", "--json"], "'--logprobs': 21 is not in the range 0<=x<=20"),
+])
+def test_graphc_run_refuses_logprobs_it_cannot_print_naming_the_flag(compiled, args, message):
+    from click.testing import CliRunner
+
+    from graphc.cli import cli
+
+    artifacts = compiled(TRAINED_PRESET, "export", "prompt_as_decode")  # no score programs
+    result = CliRunner().invoke(cli, ["run", str(artifacts), "--prompt-ids", "5,6", *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
 @pytest.mark.compiles
 @pytest.mark.multirank
 @pytest.mark.parametrize("cp, ep, tp", [(2, 2, 1), (1, 1, 2)], ids=["cp2-ep2", "tp2"])
