@@ -161,6 +161,21 @@ def _tokens(done) -> list[list[int]]:
     return [json.loads(line)["output_ids"] for line in done.stdout.splitlines()]
 
 
+@pytest.fixture(scope="module")
+def xla_cpu_tokens(tmp_path_factory):
+    """xla_cpu_tokens(artifacts, sampling=()) -> the tokens graphc's XLA:CPU runner gives for PROMPTS:
+    the device path's references, run once a module for each artifacts and sampling."""
+    made: dict[tuple, list[list[int]]] = {}
+
+    def get(artifacts: Path, sampling: tuple[str, ...] = ()) -> list[list[int]]:
+        if (artifacts, sampling) not in made:
+            done, _ = _run(artifacts, None, tmp_path_factory.mktemp("xla-cpu"), sampling=sampling)
+            made[artifacts, sampling] = _tokens(done)
+        return made[artifacts, sampling]
+
+    return get
+
+
 def test_one_rank_keeps_the_runtime_contract(finished, standin_libnrt, tmp_path):
     """Framework NO_FW; its core only, as vnc 0; every NEFF tensor bound by its name (the stand-in
     lists outputs last to first and names the pool's input `input<N>.must_alias_input`) at its
@@ -186,27 +201,27 @@ EXECUTING = {"GRAPHC_STANDIN_NRT_EXECUTE": "1"}
 
 
 @pytest.mark.parametrize("sampling", [(), SAMPLED], ids=["greedy", "sampled"])
-def test_executing_the_neffs_gives_the_xla_cpu_runners_tokens(finished, standin_libnrt, tmp_path, sampling):
+def test_executing_the_neffs_gives_the_xla_cpu_runners_tokens(finished, standin_libnrt, xla_cpu_tokens, tmp_path,
+                                                              sampling):
     """Executing mode: each nrt_execute runs the NEFF's module on XLA:CPU over the stand-in's own
     buffers, so the tokens come from what graphc wrote into the runtime's tensors and read back
     (weights and pool at load, each step's inputs and noise), through the NEFF's tensor table."""
     artifacts = finished()
     done, logs = _run(artifacts, standin_libnrt, tmp_path / "device", {**EXECUTING, "NEURON_RT_EXEC_TIMEOUT": "77"},
                       sampling=sampling)
-    reference, _ = _run(artifacts, None, tmp_path / "xla-cpu", sampling=sampling)
-    assert _tokens(done) == _tokens(reference)
+    assert _tokens(done) == xla_cpu_tokens(artifacts, sampling)
     assert any(token != 0 for tokens in _tokens(done) for token in tokens)
     _assert_one_rank_kept_the_contract(logs)
 
 
 @pytest.mark.multirank
-def test_executing_two_ranks_with_collectives_gives_the_xla_cpu_runners_tokens(finished, standin_libnrt, tmp_path):
+def test_executing_two_ranks_with_collectives_gives_the_xla_cpu_runners_tokens(finished, standin_libnrt, xla_cpu_tokens,
+                                                                                 tmp_path):
     """Also the two-rank contract, as the recording test checks it (one core a rank as vnc 0, the
     same root named in both)."""
     artifacts = finished(cp=2, ep=2)
     done, logs = _run(artifacts, standin_libnrt, tmp_path / "device", EXECUTING, sampling=SAMPLED)
-    reference, _ = _run(artifacts, None, tmp_path / "xla-cpu", sampling=SAMPLED)
-    assert _tokens(done) == _tokens(reference)
+    assert _tokens(done) == xla_cpu_tokens(artifacts, SAMPLED)
     _assert_two_ranks_kept_the_contract(logs)
 
 
@@ -214,13 +229,12 @@ def test_executing_two_ranks_with_collectives_gives_the_xla_cpu_runners_tokens(f
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", [dict(dp=2, ep=2, buckets="dp"), dict(tp=2, ep=2),
                                     dict(preset="trained", speculative=1)], ids=["dp2xep2", "tp2xep2", "mtp"])
-def test_executing_other_layouts_and_drafts_gives_the_xla_cpu_runners_tokens(finished, standin_libnrt, tmp_path,
-                                                                             layout):
+def test_executing_other_layouts_and_drafts_gives_the_xla_cpu_runners_tokens(finished, standin_libnrt, xla_cpu_tokens,
+                                                                             tmp_path, layout):
     artifacts = finished(**layout)
     for sampling in ((), SAMPLED):
         done, logs = _run(artifacts, standin_libnrt, tmp_path / f"device{len(sampling)}", EXECUTING, sampling=sampling)
-        reference, _ = _run(artifacts, None, tmp_path / f"xla-cpu{len(sampling)}", sampling=sampling)
-        assert _tokens(done) == _tokens(reference)
+        assert _tokens(done) == xla_cpu_tokens(artifacts, sampling)
         for calls in logs:
             _assert_kept_the_contract(calls, world=len(logs))
 
@@ -249,11 +263,10 @@ def test_the_device_path_gives_the_xla_cpu_runners_prompt_logprobs(finished, sta
 
 @pytest.mark.multirank
 def test_graphc_serve_on_the_device_path_gives_graphc_runs_tokens_to_the_openai_client(finished, standin_libnrt,
-                                                                                        tmp_path):
+                                                                                        xla_cpu_tokens, tmp_path):
     """Over two ranks; stopped, each rank frees what it loaded and closes the runtime (the leader's
     ranks end with os._exit, which skips the exit handlers unless the launcher runs them)."""
     artifacts = finished(cp=2, ep=2)
-    reference, _ = _run(artifacts, None, tmp_path / "xla-cpu", sampling=SAMPLED)
     (tmp_path / "device").mkdir()
     server = Server(artifacts, env={**EXECUTING, "GRAPHC_NEURON_DEVICE": "1", "LD_LIBRARY_PATH": str(standin_libnrt),
                                     "GRAPHC_STANDIN_NRT_DIR": str(tmp_path / "device"), "PYTHONPATH": str(STANDIN)})
@@ -263,7 +276,7 @@ def test_graphc_serve_on_the_device_path_gives_graphc_runs_tokens_to_the_openai_
                   for prompt in PROMPTS]
     finally:
         assert server.stop() == 0, "".join(server.lines)
-    assert served == _tokens(reference)
+    assert served == xla_cpu_tokens(artifacts, SAMPLED)
     _assert_two_ranks_kept_the_contract([_calls(log) for log in sorted((tmp_path / "device").glob("calls-*.log"))])
 
 
