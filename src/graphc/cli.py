@@ -342,9 +342,9 @@ def run(artifacts, prompt_ids, prompts, prompts_file, max_new_tokens, temperatur
     asked += read_prompts_file(prompts_file) if prompts_file is not None else []
     if not asked and hosts.node_rank == 0:  # the other hosts of a job take no prompts: the leader serves
         raise click.UsageError("give at least one prompt: --prompt-ids, --prompt or --prompts-file")
+    resolved = [run_request(a, manifest, tokenizer, max_new_tokens, overrides, not ignore_eos) for a in asked]
     resolved = [(dataclasses.replace(request, logprobs=logprobs, prompt_logprobs=prompt_logprobs), error)
-                for request, error in (run_request(a, manifest, tokenizer, max_new_tokens, overrides, not ignore_eos)
-                                       for a in asked)]
+                for request, error in resolved]
     servable = [request for request, error in resolved if error is None]
     on = f", host {hosts.node_rank} of {hosts.nnodes}" if hosts.nnodes > 1 else ""
     click.echo(f"loading {artifacts}: {world} rank(s){on}, backend {manifest.backend}", err=True)
